@@ -1,0 +1,86 @@
+"""The `rlhf` command and the trainers' entry points.
+
+    rlhf grpo [flags]      GRPO: SFT warm start → eval → GRPO steps → eval (= examples/grpo_trainer.py)
+    rlhf sft [flags]       the SFT baseline alone (= examples/sft_trainer.py)
+    rlhf config [flags]    print the resolved config as YAML
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from rlhf.cli_args import make_parser, parse_config
+from rlhf.run_dir import default_run_dir, make_run_dir, setup_logging, write_json
+
+GRPO_DESCRIPTION = """GRPO on the embedded default: tiny Llama (~0.8M params, random init), 2-operand addition,
+CPU, no downloads. SFT warm start until held-out accuracy enters sft.band_low..band_high, eval,
+GRPO steps, eval. Writes <run-dir>/steps.csv, summary.json, config.yaml and logs/; prints the
+summary JSON as the last line."""
+
+SFT_DESCRIPTION = """The SFT baseline: supervised fine-tuning on the same train engine for --steps steps
+(sft.max_steps), then greedy eval. Writes <run-dir>/steps.csv and summary.json; prints the
+summary JSON as the last line."""
+
+
+def _prepare(cfg, role: str) -> str:
+    run_dir = make_run_dir(cfg.run_dir or default_run_dir())
+    with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as fh:
+        fh.write(cfg.to_yaml())
+    setup_logging(run_dir, role=role, rank=0)
+    return run_dir
+
+
+def grpo_main(argv: list[str] | None = None, prog: str = "grpo_trainer.py") -> int:
+    cfg, _ = parse_config(argv, make_parser(prog, GRPO_DESCRIPTION))
+    run_dir = _prepare(cfg, "trainer")
+    from rlhf.trainers.grpo import GRPOTrainer
+
+    summary = GRPOTrainer(cfg, run_dir).run()
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+def sft_main(argv: list[str] | None = None, prog: str = "sft_trainer.py") -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # For the baseline, --steps means SFT steps and the band rule is off.
+    if "--steps" in argv:
+        i = argv.index("--steps")
+        argv[i : i + 2] = ["--sft.max_steps", argv[i + 1]] if i + 1 < len(argv) else argv[i : i + 1]
+    argv = ["--sft.stop_in_band", "false"] + argv
+    cfg, _ = parse_config(argv, make_parser(prog, SFT_DESCRIPTION))
+    run_dir = _prepare(cfg, "trainer")
+    from rlhf.trainers.sft_baseline import run_sft_baseline
+
+    summary = run_sft_baseline(cfg, run_dir)
+    write_json(os.path.join(run_dir, "summary.json"), summary)
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+def config_main(argv: list[str] | None = None) -> int:
+    cfg, _ = parse_config(argv, make_parser("rlhf config", "Print the resolved config as YAML."))
+    print(cfg.to_yaml(), end="")
+    return 0
+
+
+COMMANDS = {"grpo": grpo_main, "sft": sft_main, "config": config_main}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print(__doc__.strip())
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"\nrlhf: unknown command {argv[0]!r}; choose one of: {', '.join(COMMANDS)}", file=sys.stderr)
+            return 2
+        return 0 if argv else 2
+    name = argv[0]
+    if name == "config":
+        return config_main(argv[1:])
+    return COMMANDS[name](argv[1:], prog=f"rlhf {name}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

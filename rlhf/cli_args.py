@@ -1,0 +1,54 @@
+"""Command-line parsing shared by the trainers: top-level flags + dotted config overrides."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from rlhf.config import PRESETS, Config, ConfigError, build_config, format_help, parse_overrides
+
+
+def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="config keys (override any of them as --section.key VALUE; booleans also as a bare flag):"
+        + format_help()
+        + "\n\nOrder of precedence: --preset < --config FILE < --seed/--steps/--run-dir < --section.key.",
+    )
+    parser.add_argument("--config", metavar="FILE", help="YAML file with config sections (same keys as below)")
+    parser.add_argument("--preset", default="default", choices=sorted(PRESETS), help="starting config (default: default)")
+    parser.add_argument("--run-dir", dest="run_dir", metavar="DIR", help="run directory (default: runs/<utc time>)")
+    parser.add_argument("--steps", type=int, help="number of steps (GRPO steps; SFT steps for sft_trainer)")
+    parser.add_argument("--seed", type=int, help="run seed (model init, data order, sampling)")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    return parser
+
+
+def parse_config(argv: list[str] | None, parser: argparse.ArgumentParser) -> tuple[Config, argparse.Namespace]:
+    """Parse argv into a validated Config; on a bad value print one clear line and exit 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        dotted, rest = parse_overrides(argv)
+    except ConfigError as err:
+        parser.error(str(err))
+    args = parser.parse_args(rest)
+    try:
+        cfg = build_config(
+            preset=args.preset,
+            config_file=args.config,
+            dotted=dotted,
+            top_level={"seed": args.seed, "steps": args.steps, "run_dir": args.run_dir},
+        )
+    except ConfigError as err:
+        parser.error(str(err))
+    if args.print_config:
+        print(cfg.to_yaml(), end="")
+        raise SystemExit(0)
+    return cfg, args
+
+
+def config_summary(cfg: Config) -> dict[str, Any]:
+    return cfg.to_dict()

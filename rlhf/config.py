@@ -1,0 +1,491 @@
+"""Configuration: a tree of dataclasses, presets as functions, YAML files, dotted overrides.
+
+Every component owns one dataclass below. Each field carries a one-line docstring (the string
+literal right after it) that `--help` prints, with units. Values are resolved in this order:
+
+    preset function  →  --config FILE.yaml  →  --section.field VALUE on the command line
+
+and every section validates itself in ``__post_init__`` with a message that lists the valid
+choices, so a typo fails before any work starts.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import textwrap
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is invalid; the message says which and what is allowed."""
+
+
+def _choice(key: str, value: Any, choices: typing.Iterable[Any]) -> None:
+    choices = list(choices)
+    if value not in choices:
+        hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        extra = f" (did you mean {hint[0]!r}?)" if hint else ""
+        raise ConfigError(
+            f"{key}: {value!r} is not valid{extra}; choose one of: {', '.join(map(str, choices))}"
+        )
+
+
+def _positive(key: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{key}: must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+
+
+def _in_range(key: str, value: float, lo: float, hi: float) -> None:
+    if not lo <= value <= hi:
+        raise ConfigError(f"{key}: must be in [{lo}, {hi}], got {value!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny-llama"
+    """Built-in architecture preset (random init, no download); ignored when `path` is set. See rlhf.models.MODEL_PRESETS."""
+    path: str = ""
+    """Local Hugging Face model directory (config.json + *.safetensors + tokenizer); empty = use `name`."""
+    dtype: str = "float32"
+    """Parameter dtype for training and rollout: float32, bfloat16 or float16."""
+    device: str = "cpu"
+    """Torch device: cpu, cuda, or cuda:N (GPU paths need the `gpu` extra and a CUDA build of torch)."""
+
+    def __post_init__(self) -> None:
+        from rlhf.models import MODEL_PRESETS
+
+        if not self.path:
+            _choice("model.name", self.name, MODEL_PRESETS)
+        _choice("model.dtype", self.dtype, ["float32", "bfloat16", "float16"])
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ConfigError(f"model.device: {self.device!r} is not valid; choose cpu, cuda or cuda:N")
+
+
+@dataclass
+class TaskConfig:
+    name: str = "arithmetic"
+    """Task from the registry (rlhf.tasks.TASKS): arithmetic or jsonl."""
+    reward: str = "exact_match"
+    """Reward function from the registry (rlhf.tasks.REWARDS)."""
+    seed: int = 0
+    """Seed of the data split (independent of the run seed, so every run sees the same eval set)."""
+    max_operand: int = 99
+    """arithmetic: operands are integers in [0, max_operand]."""
+    operations: str = "+"
+    """arithmetic: which operators appear in problems, as one string, e.g. '+-'."""
+    eval_size: int = 256
+    """Held-out problems for final evaluation (greedy decoding), never trained on."""
+    val_size: int = 128
+    """Held-out problems for the SFT warm-start stopping rule, disjoint from eval and train."""
+    path: str = ""
+    """jsonl: path to a file with one {"prompt": ..., "answer": ...} object per line."""
+
+    def __post_init__(self) -> None:
+        from rlhf.tasks import REWARDS, TASKS
+
+        _choice("task.name", self.name, TASKS)
+        _choice("task.reward", self.reward, REWARDS)
+        _positive("task.max_operand", self.max_operand)
+        bad = set(self.operations) - set("+-*")
+        if not self.operations or bad:
+            raise ConfigError(f"task.operations: {self.operations!r} is not valid; use characters from '+-*'")
+        _positive("task.eval_size", self.eval_size)
+        _positive("task.val_size", self.val_size)
+        if self.name == "jsonl" and not self.path:
+            raise ConfigError("task.path: required when task.name is 'jsonl' (a JSONL file of prompt/answer)")
+
+
+@dataclass
+class RolloutConfig:
+    group_size: int = 8
+    """GRPO group size: samples generated per prompt (sglang's `n`)."""
+    prompts_per_step: int = 32
+    """Distinct prompts per GRPO step; the batch is prompts_per_step * group_size samples."""
+    max_new_tokens: int = 6
+    """Longest completion in tokens; longer samples stop with finish_reason 'length'."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 means greedy. Logprobs are of the temperature-scaled distribution."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; 1 disables it."""
+    top_k: int = -1
+    """Keep only the k most likely tokens; -1 disables it (sglang's convention)."""
+    seed: int = -1
+    """Sampling seed; -1 derives it from the run seed."""
+
+    def __post_init__(self) -> None:
+        _positive("rollout.group_size", self.group_size)
+        _positive("rollout.prompts_per_step", self.prompts_per_step)
+        _positive("rollout.max_new_tokens", self.max_new_tokens)
+        _positive("rollout.temperature", self.temperature, allow_zero=True)
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"rollout.top_p: must be in (0, 1], got {self.top_p!r}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ConfigError(f"rollout.top_k: must be -1 (off) or >= 1, got {self.top_k!r}")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    """AdamW learning rate for GRPO steps."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.99
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Clip the global gradient L2 norm to this value; 0 disables clipping."""
+    micro_batch_size: int = 64
+    """Samples per forward/backward; gradients accumulate over micro-batches."""
+    mini_batches: int = 2
+    """Optimizer steps per GRPO step (the batch is cut in this many mini-batches; >1 makes the ratio leave 1)."""
+    warmup_steps: int = 10
+    """Linear learning-rate warmup over this many optimizer steps (a fresh AdamW's first steps are sign-like)."""
+
+    def __post_init__(self) -> None:
+        _positive("train.lr", self.lr)
+        _positive("train.weight_decay", self.weight_decay, allow_zero=True)
+        _in_range("train.beta1", self.beta1, 0.0, 0.999999)
+        _in_range("train.beta2", self.beta2, 0.0, 0.999999)
+        _positive("train.grad_clip", self.grad_clip, allow_zero=True)
+        _positive("train.micro_batch_size", self.micro_batch_size)
+        _positive("train.mini_batches", self.mini_batches)
+        _positive("train.warmup_steps", self.warmup_steps, allow_zero=True)
+
+
+@dataclass
+class AlgorithmConfig:
+    loss: str = "grpo"
+    """Policy loss from the registry (rlhf.algorithms.LOSSES)."""
+    aggregation: str = "token_mean"
+    """How token losses become one number (rlhf.algorithms.AGGREGATIONS): token_mean or sequence_mean."""
+    clip_eps_low: float = 0.2
+    """Lower clip range of the ratio: ratio >= 1 - clip_eps_low."""
+    clip_eps_high: float = 0.2
+    """Upper clip range of the ratio: ratio <= 1 + clip_eps_high."""
+    kl_coef: float = 0.02
+    """Weight of the k3 KL estimate to the reference policy; 0 skips the reference stage."""
+    scale_by_std: bool = True
+    """Divide group-centred advantages by the group's reward std (the paper); False = Dr. GRPO style."""
+    old_logprobs: str = "rollout"
+    """Ratio denominator: 'rollout' uses the rollout engine's logprobs, 'recompute' runs the train engine."""
+
+    def __post_init__(self) -> None:
+        from rlhf.algorithms import AGGREGATIONS, LOSSES
+
+        _choice("algorithm.loss", self.loss, LOSSES)
+        _choice("algorithm.aggregation", self.aggregation, AGGREGATIONS)
+        _in_range("algorithm.clip_eps_low", self.clip_eps_low, 0.0, 1.0)
+        _positive("algorithm.clip_eps_high", self.clip_eps_high, allow_zero=True)
+        _positive("algorithm.kl_coef", self.kl_coef, allow_zero=True)
+        _choice("algorithm.old_logprobs", self.old_logprobs, ["rollout", "recompute"])
+
+
+@dataclass
+class SFTConfig:
+    max_steps: int = 3000
+    """Upper bound on SFT optimizer steps (the warm start usually stops earlier, in the band)."""
+    batch_size: int = 64
+    """Examples per SFT step."""
+    lr: float = 3e-3
+    """AdamW learning rate for SFT (cosine-free constant rate)."""
+    eval_every: int = 25
+    """Evaluate held-out (val) accuracy every this many SFT steps."""
+    band_low: float = 0.2
+    """Warm start stops at the first evaluation with val accuracy >= band_low ..."""
+    band_high: float = 0.45
+    """... and reports whether it landed inside the band or jumped past band_high."""
+    stop_in_band: bool = True
+    """True: stop when val accuracy enters the band (GRPO warm start). False: run max_steps (SFT baseline)."""
+
+    def __post_init__(self) -> None:
+        _positive("sft.max_steps", self.max_steps, allow_zero=True)
+        _positive("sft.batch_size", self.batch_size)
+        _positive("sft.lr", self.lr)
+        _positive("sft.eval_every", self.eval_every)
+        _in_range("sft.band_low", self.band_low, 0.0, 1.0)
+        _in_range("sft.band_high", self.band_high, 0.0, 1.0)
+        if self.band_high < self.band_low:
+            raise ConfigError(f"sft.band_high ({self.band_high}) must be >= sft.band_low ({self.band_low})")
+
+
+@dataclass
+class Config:
+    """The whole run. Sections: model, task, rollout, train, algorithm, sft."""
+
+    seed: int = 1
+    """Run seed: model init, data order, sampling."""
+    steps: int = 60
+    """GRPO steps (the controller's step count; the run ends after this many)."""
+    run_dir: str = ""
+    """Run directory for logs, steps.csv, summary.json; empty = runs/<utc timestamp>."""
+    eval_every: int = 0
+    """Also evaluate on the eval split every this many GRPO steps; 0 = only before and after."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: OptimConfig = field(default_factory=OptimConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+
+    def __post_init__(self) -> None:
+        _positive("steps", self.steps, allow_zero=True)
+        _positive("eval_every", self.eval_every, allow_zero=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Presets: functions that return a Config
+# --------------------------------------------------------------------------------------------
+
+
+def preset_default() -> Config:
+    """The embedded default: tiny Llama, 2-operand addition, CPU, a few minutes on a laptop."""
+    return Config()
+
+
+def preset_smoke() -> Config:
+    """Seconds-long run for tests and wiring checks; it does not aim to learn."""
+    cfg = Config(steps=2)
+    cfg.task.eval_size = 32
+    cfg.task.val_size = 16
+    cfg.rollout.prompts_per_step = 4
+    cfg.rollout.group_size = 4
+    cfg.sft.max_steps = 10
+    cfg.sft.eval_every = 5
+    cfg.sft.batch_size = 16
+    cfg.train.micro_batch_size = 8
+    return cfg
+
+
+PRESETS: dict[str, Callable[[], Config]] = {"default": preset_default, "smoke": preset_smoke}
+
+
+# --------------------------------------------------------------------------------------------
+# Building a config from a preset, a YAML file and dotted overrides
+# --------------------------------------------------------------------------------------------
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """The docstring literal under each field of a dataclass (read from its source)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):  # source not available (frozen app): fall back to no docs
+        return {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _is_section(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _resolved_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _convert(key: str, raw: Any, tp: Any) -> Any:
+    """Convert a YAML or command-line value to the field's declared type."""
+    if tp is bool:
+        if isinstance(raw, bool):
+            return raw
+        text = str(raw).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{key}: expected a boolean (true/false), got {raw!r}")
+    if tp in (int, float):
+        if isinstance(raw, bool):
+            raise ConfigError(f"{key}: expected {tp.__name__}, got boolean {raw!r}")
+        try:
+            if tp is int and isinstance(raw, float) and not raw.is_integer():
+                raise ValueError
+            return tp(raw) if not (tp is int and isinstance(raw, str)) else int(raw, 0)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected {tp.__name__}, got {raw!r}") from None
+    if tp is str:
+        if isinstance(raw, (dict, list)):
+            raise ConfigError(f"{key}: expected a string, got {type(raw).__name__}")
+        return str(raw)
+    raise ConfigError(f"{key}: unsupported field type {tp!r}")
+
+
+def _merge(cls: type, base: Any, updates: dict[str, Any], prefix: str = "") -> Any:
+    """A new instance of `cls` from `base` with `updates` (nested dicts) applied and validated."""
+    if not isinstance(updates, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {updates!r}")
+    types = _resolved_types(cls)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        kwargs[f.name] = getattr(base, f.name)
+    for key, value in updates.items():
+        full = prefix + str(key)
+        if key not in types:
+            valid = [f.name for f in dataclasses.fields(cls)]
+            hint = difflib.get_close_matches(str(key), valid, n=1)
+            extra = f" (did you mean '{prefix}{hint[0]}'?)" if hint else ""
+            raise ConfigError(f"unknown config key {full!r}{extra}; valid keys here: {', '.join(valid)}")
+        tp = types[key]
+        if _is_section(tp):
+            kwargs[key] = _merge(tp, kwargs[key], value, prefix=full + ".")
+        else:
+            kwargs[key] = _convert(full, value, tp)
+    try:
+        return cls(**kwargs)
+    except ConfigError as err:
+        # Sections report their own dotted keys; keep them.
+        raise err
+
+
+def apply_overrides(cfg: Config, updates: dict[str, Any]) -> Config:
+    """Return a validated copy of `cfg` with nested `updates` applied."""
+    return _merge(Config, cfg, updates)
+
+
+def dotted_to_nested(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """[('rollout.group_size', '8')] -> {'rollout': {'group_size': '8'}}."""
+    nested: dict[str, Any] = {}
+    for key, value in pairs:
+        node = nested
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{key}: {part!r} is a value, not a section")
+        node[parts[-1]] = value
+    return nested
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    """Read a YAML config file; syntax errors name the file and line."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"--config: file not found: {path}") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else path
+        raise ConfigError(f"{where}: YAML syntax error: {getattr(err, 'problem', err)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _bool_fields() -> set[str]:
+    out = set()
+    for key, tp, _doc, _default in iter_fields():
+        if tp is bool:
+            out.add(key)
+    return out
+
+
+def iter_fields(cls: type = Config, base: Any = None, prefix: str = ""):
+    """Yield (dotted key, type, doc, default) for every leaf field of the config tree."""
+    base = base if base is not None else cls()
+    types = _resolved_types(cls)
+    docs = _field_docs(cls)
+    for f in dataclasses.fields(cls):
+        tp = types[f.name]
+        value = getattr(base, f.name)
+        if _is_section(tp):
+            yield from iter_fields(tp, value, prefix + f.name + ".")
+        else:
+            yield prefix + f.name, tp, docs.get(f.name, ""), value
+
+
+def format_help(cfg: Config | None = None) -> str:
+    """All config keys with type, default and doc, grouped by section, for --help."""
+    cfg = cfg or Config()
+    lines = []
+    section = None
+    for key, tp, doc, default in iter_fields(Config, cfg):
+        head = key.split(".")[0] if "." in key else ""
+        if head != section:
+            section = head
+            lines.append(f"\n  [{head or 'run'}]")
+        lines.append(f"  --{key} {tp.__name__.upper():5s} (default: {default!r})")
+        if doc:
+            lines.append(f"        {doc}")
+    return "\n".join(lines)
+
+
+def parse_overrides(argv: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
+    """Split argv into dotted (key, value) pairs and everything else.
+
+    `--a.b value`, `--a.b=value` and, for boolean fields, a bare `--a.b` (meaning true).
+    Non-dotted top-level keys of Config (`--seed`, `--steps`) are handled by the caller.
+    """
+    bools = _bool_fields()
+    pairs: list[tuple[str, str]] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--") and "." in arg.split("=", 1)[0]:
+            key, eq, value = arg[2:].partition("=")
+            if not eq:
+                nxt = argv[i + 1] if i + 1 < len(argv) else None
+                if key in bools and (nxt is None or nxt.startswith("--")):
+                    value = "true"
+                elif nxt is None:
+                    raise ConfigError(f"--{key}: missing value")
+                else:
+                    value = nxt
+                    i += 1
+            pairs.append((key, value))
+        else:
+            rest.append(arg)
+        i += 1
+    return pairs, rest
+
+
+def build_config(
+    preset: str = "default",
+    config_file: str | None = None,
+    dotted: list[tuple[str, Any]] | None = None,
+    top_level: dict[str, Any] | None = None,
+) -> Config:
+    """Preset → YAML file → top-level flags (--seed, --steps, --run-dir) → dotted overrides."""
+    _choice("--preset", preset, PRESETS)
+    cfg = PRESETS[preset]()
+    if config_file:
+        try:
+            cfg = apply_overrides(cfg, load_yaml(config_file))
+        except ConfigError as err:
+            raise ConfigError(f"{config_file}: {err}") from None
+    if top_level:
+        cfg = apply_overrides(cfg, {k: v for k, v in top_level.items() if v is not None})
+    if dotted:
+        cfg = apply_overrides(cfg, dotted_to_nested(dotted))
+    return cfg

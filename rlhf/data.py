@@ -1,0 +1,97 @@
+"""Prompt sampling and batch building (rollout results → right-padded train tensors)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+from rlhf.tasks import Example
+
+
+class PromptSampler:
+    """Endless shuffled pass over a split, deterministic by seed; its position is checkpointable."""
+
+    def __init__(self, examples: list[Example], seed: int) -> None:
+        if not examples:
+            raise ValueError("PromptSampler: no examples")
+        self.examples = examples
+        self.seed = seed
+        self.epoch = 0
+        self.index = 0
+        self._order = self._shuffle(0)
+
+    def _shuffle(self, epoch: int) -> list[int]:
+        order = list(range(len(self.examples)))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def next(self, n: int) -> list[Example]:
+        out = []
+        for _ in range(n):
+            if self.index == len(self._order):
+                self.epoch, self.index = self.epoch + 1, 0
+                self._order = self._shuffle(self.epoch)
+            out.append(self.examples[self._order[self.index]])
+            self.index += 1
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seed": self.seed, "epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.seed, self.epoch, self.index = state["seed"], state["epoch"], state["index"]
+        self._order = self._shuffle(self.epoch)
+
+
+def encode_prompts(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
+    """Token ids of each prompt, with the tokenizer's BOS (as the model saw during SFT)."""
+    return [tokenizer.encode(p, add_special_tokens=True) for p in prompts]
+
+
+def build_rl_batch(prompt_ids: list[list[int]], results: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded tensors for the train engine from prompts (one per result) and rollout results."""
+    if len(prompt_ids) != len(results):
+        raise ValueError(f"build_rl_batch: {len(prompt_ids)} prompts for {len(results)} results")
+    rows = []
+    for prompt, res in zip(prompt_ids, results):
+        out = res["output_ids"]
+        lps = [lp for lp, _tok, _ in res["meta_info"]["output_token_logprobs"]]
+        if len(lps) != len(out):
+            raise ValueError(f"rollout result has {len(out)} tokens but {len(lps)} logprobs")
+        rows.append((prompt, out, lps))
+    width = max(len(p) + len(o) for p, o, _ in rows)
+    B = len(rows)
+    input_ids = torch.full((B, width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, width), dtype=torch.long)
+    response_mask = torch.zeros((B, width), dtype=torch.float32)
+    old_logprobs = torch.zeros((B, width), dtype=torch.float32)
+    for i, (prompt, out, lps) in enumerate(rows):
+        n_p, n_o = len(prompt), len(out)
+        input_ids[i, : n_p + n_o] = torch.tensor(prompt + out, dtype=torch.long)
+        attention_mask[i, : n_p + n_o] = 1
+        response_mask[i, n_p : n_p + n_o] = 1.0
+        old_logprobs[i, n_p : n_p + n_o] = torch.tensor(lps, dtype=torch.float32)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "response_mask": response_mask,
+        "old_logprobs": old_logprobs,
+    }
+
+
+def build_sft_batch(tokenizer: Any, examples: list[Example]) -> dict[str, torch.Tensor]:
+    """BOS + prompt + answer + EOS, loss on the answer and EOS."""
+    prompts = encode_prompts(tokenizer, [e.prompt for e in examples])
+    answers = [tokenizer.encode(e.answer, add_special_tokens=False) + [tokenizer.eos_token_id] for e in examples]
+    width = max(len(p) + len(a) for p, a in zip(prompts, answers))
+    B = len(examples)
+    input_ids = torch.full((B, width), tokenizer.pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, width), dtype=torch.long)
+    response_mask = torch.zeros((B, width), dtype=torch.float32)
+    for i, (p, a) in enumerate(zip(prompts, answers)):
+        input_ids[i, : len(p) + len(a)] = torch.tensor(p + a)
+        attention_mask[i, : len(p) + len(a)] = 1
+        response_mask[i, len(p) : len(p) + len(a)] = 1.0
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask}

@@ -1,0 +1,93 @@
+"""Models and tokenizers: a named tiny preset built from a config, or a local HF directory.
+
+`build_model_and_tokenizer(cfg.model, seed)` is the one entry point. Presets are random-init
+Llama-architecture causal LMs made from a `LlamaConfig` (no download); a local directory is
+loaded with `from_pretrained(local_files_only=True)` and brings its own tokenizer (or our char
+tokenizer if it was saved by this framework).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+
+from rlhf.models.tokenizer import TOKENIZER_FILE, CharTokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _llama(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, max_pos: int = 128) -> Callable[[int], Any]:
+    def make(vocab_size: int) -> Any:
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            vocab_size=vocab_size,
+            hidden_size=hidden,
+            intermediate_size=ffn,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            max_position_embeddings=max_pos,
+            rms_norm_eps=1e-6,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            tie_word_embeddings=True,
+            initializer_range=0.02,
+        )
+
+    return make
+
+
+# name -> function(vocab_size) -> transformers config. Parameter counts are for the char vocab.
+MODEL_PRESETS: dict[str, Callable[[int], Any]] = {
+    "tiny-llama": _llama(hidden=128, layers=4, heads=4, kv_heads=4, ffn=384),  # ~0.8 M params
+    "tiny-llama-gqa": _llama(hidden=128, layers=2, heads=4, kv_heads=2, ffn=256),  # GQA path for tests
+    "llama-25m": _llama(hidden=512, layers=8, heads=8, kv_heads=8, ffn=1536, max_pos=512),  # ~100 MB fp32
+}
+
+
+def build_model_and_tokenizer(model_cfg: Any, seed: int = 0) -> tuple[torch.nn.Module, Any]:
+    """Return (model in eval mode on model_cfg.device, tokenizer)."""
+    dtype = DTYPES[model_cfg.dtype]
+    device = torch.device(model_cfg.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"model.device={model_cfg.device!r} but this torch build has no CUDA device "
+            f"(torch {torch.__version__}); use --model.device cpu"
+        )
+    if model_cfg.path:
+        return load_model_dir(model_cfg.path, dtype, device)
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = CharTokenizer()
+    hf_config = MODEL_PRESETS[model_cfg.name](tokenizer.vocab_size)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa")
+    return model.to(device=device, dtype=dtype).eval(), tokenizer
+
+
+def load_model_dir(path: str, dtype: torch.dtype, device: torch.device) -> tuple[torch.nn.Module, Any]:
+    """Load a local HF causal LM directory (never downloads)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model.path: {path!r} is not a directory (expected a local HF model folder)")
+    model = AutoModelForCausalLM.from_pretrained(
+        path, local_files_only=True, dtype=dtype, attn_implementation="sdpa"
+    )
+    if os.path.exists(os.path.join(path, TOKENIZER_FILE)):
+        tokenizer: Any = CharTokenizer.from_pretrained(path)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer.padding_side = "left"
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+    return model.to(device).eval(), tokenizer
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

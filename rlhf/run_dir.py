@@ -1,0 +1,93 @@
+"""The run directory (DESIGN.md §7): layout, logging, steps.csv, summary.json."""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+
+def default_run_dir() -> str:
+    return os.path.join("runs", _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S"))
+
+
+def make_run_dir(path: str) -> str:
+    for sub in ("logs", "traces", "metrics", "faults", "checkpoints", "report"):
+        os.makedirs(os.path.join(path, sub), exist_ok=True)
+    return path
+
+
+class _Context(logging.Filter):
+    def __init__(self, role: str, rank: int) -> None:
+        super().__init__()
+        self.role, self.rank = role, rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.role, record.rank = self.role, self.rank
+        return True
+
+
+LOG_FORMAT = "%(asctime)s.%(msecs)03d %(role)s-%(rank)s %(levelname)s %(name)s: %(message)s"
+DATE_FORMAT = "%Y-%m-%dT%H:%M:%S"
+
+
+def setup_logging(run_dir: str | None, role: str, rank: int = 0, console: bool = True) -> logging.Logger:
+    """Log lines with timestamp, role and rank to <run_dir>/logs/<role>-<rank>.log (+ stderr)."""
+    root = logging.getLogger("rlhf")
+    root.setLevel(logging.INFO)
+    root.propagate = False
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+        handler.close()
+    fmt = logging.Formatter(LOG_FORMAT, DATE_FORMAT)
+    context = _Context(role, rank)
+    if run_dir:
+        os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
+        fh = logging.FileHandler(os.path.join(run_dir, "logs", f"{role}-{rank}.log"))
+        fh.setFormatter(fmt)
+        fh.addFilter(context)
+        root.addHandler(fh)
+    if console:
+        sh = logging.StreamHandler(sys.stderr)
+        sh.setFormatter(fmt)
+        sh.addFilter(context)
+        root.addHandler(sh)
+    return root
+
+
+class StepsWriter:
+    """Appends one CSV row per step and flushes it, so a hang never loses finished steps."""
+
+    def __init__(self, path: str, columns: list[str]) -> None:
+        self.path = path
+        self.columns = columns
+        exists = os.path.exists(path) and os.path.getsize(path) > 0
+        self._fh = open(path, "a", newline="", encoding="utf-8")
+        self._writer = csv.DictWriter(self._fh, fieldnames=columns, extrasaction="ignore")
+        if not exists:
+            self._writer.writeheader()
+            self._fh.flush()
+
+    def write(self, row: dict[str, Any]) -> None:
+        self._writer.writerow({k: _fmt(row.get(k, "")) for k in self.columns})
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def _fmt(value: Any) -> Any:
+    return f"{value:.6g}" if isinstance(value, float) else value
+
+
+def write_json(path: str, data: dict[str, Any]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=2, sort_keys=False)
+        fh.write("\n")
+    os.replace(tmp, path)

@@ -1,0 +1,40 @@
+"""Canonical stage names (DESIGN.md §2) and a timer for them.
+
+Stage names are shared by spans, fault points, logs, metrics and the CLI; use these constants.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+STAGES = (
+    "weights_update",
+    "events",
+    "rollout",
+    "reward",
+    "reference",
+    "advantage",
+    "train",
+    "latest_recover_save",
+    "periodic_recover_save",
+    "cleanup",
+)
+
+
+class StageClock:
+    """Accumulates wall time per stage for one step: `with clock.stage("rollout"): ...`."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        if name not in STAGES:
+            raise ValueError(f"unknown stage {name!r}; canonical stages: {', '.join(STAGES)}")
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start

@@ -1,0 +1,218 @@
+"""The train engine: micro-batched forward/backward, AdamW, gradient clipping, logprobs.
+
+It owns the policy (trainable), optionally a frozen reference copy, and the optimizer. Batches
+are dicts of tensors with right padding (see rlhf.data):
+
+    input_ids (B, L)  attention_mask (B, L)  response_mask (B, L)
+    old_logprobs (B, L)  ref_logprobs (B, L)  advantages (B,)
+
+where per-token tensors hold, at position t, the quantity for token t (position 0 is never a
+response token). Gradient accumulation is exact: each micro-batch's loss is normalised by the
+whole mini-batch's token (or sequence) count, and with data parallelism by the global count
+(`dp.all_reduce_sum`), so the result does not depend on how the batch was cut.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from rlhf.algorithms import LOSSES
+from rlhf.algorithms.sft import nll_loss
+
+
+class DataParallel(Protocol):
+    """What the engine needs from a data-parallel group (the runtime provides a gloo/nccl one)."""
+
+    world_size: int
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def all_reduce_gradients(self, params: list[torch.nn.Parameter]) -> None: ...
+
+
+def token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probability of every token under `model`, aligned to the token. Returns (B, L) [, (B, L)].
+
+    Position 0 gets 0 (nothing predicts it). `temperature` scales the logits as the rollout
+    engine did when it sampled (0 = greedy, treated as 1).
+    """
+    positions = (attention_mask.long().cumsum(1) - 1).clamp(min=0)  # (B, L)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits  # (B, L, V)
+    logits = logits[:, :-1].float()  # (B, L-1, V): position t predicts token t+1
+    if temperature and temperature != 1.0:
+        logits = logits / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)  # (B, L-1, V)
+    logprobs = logp_all.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # (B, L-1)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = F.pad(-(logp_all.exp() * logp_all).sum(-1), (1, 0))  # (B, L)
+    return F.pad(logprobs, (1, 0)), entropy  # (B, L)
+
+
+def _trim(batch: dict[str, torch.Tensor], rows: slice | torch.Tensor) -> dict[str, torch.Tensor]:
+    """Rows of a batch, with trailing all-padding columns cut off (right padding)."""
+    part = {k: v[rows] for k, v in batch.items()}
+    width = int(part["attention_mask"].sum(1).max().item())
+    return {k: (v[:, :width] if v.dim() == 2 else v) for k, v in part.items()}
+
+
+class TrainEngine:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optim_cfg: Any,
+        algorithm_cfg: Any = None,
+        temperature: float = 1.0,
+        keep_reference: bool = True,
+        dp: DataParallel | None = None,
+        lr: float | None = None,
+    ) -> None:
+        self.model = model
+        self.cfg = optim_cfg
+        self.algorithm = algorithm_cfg
+        self.temperature = temperature
+        self.dp = dp
+        self.device = next(model.parameters()).device
+        self.reference: torch.nn.Module | None = None
+        if keep_reference:
+            self.reset_reference()
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.base_lr = lr if lr is not None else optim_cfg.lr
+        self.optimizer = torch.optim.AdamW(
+            self.params,
+            lr=self.base_lr,
+            betas=(optim_cfg.beta1, optim_cfg.beta2),
+            weight_decay=optim_cfg.weight_decay,
+        )
+        self.optimizer_steps = 0
+
+    def reset_reference(self) -> None:
+        """Freeze a copy of the current policy as the reference model (KL anchor)."""
+        self.reference = copy.deepcopy(self.model).eval()
+        for p in self.reference.parameters():
+            p.requires_grad_(False)
+
+    def current_lr(self) -> float:
+        """Linear warmup over train.warmup_steps optimizer steps, then constant."""
+        warmup = self.cfg.warmup_steps
+        return self.base_lr * min(1.0, (self.optimizer_steps + 1) / warmup) if warmup else self.base_lr
+
+    # ------------------------------------------------------------------ logprobs
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: dict[str, torch.Tensor], which: str = "policy") -> torch.Tensor:
+        """Logprobs (B, L) of every token under the policy or the reference model."""
+        model = {"policy": self.model, "reference": self.reference}.get(which)
+        if model is None:
+            raise ValueError(f"compute_logprobs: no {which!r} model (valid: policy, reference when kept)")
+        was_training = model.training
+        model.eval()
+        out = torch.zeros_like(batch["attention_mask"], dtype=torch.float32)
+        B = batch["input_ids"].shape[0]
+        for start in range(0, B, self.cfg.micro_batch_size):
+            part = _trim(batch, slice(start, start + self.cfg.micro_batch_size))
+            lp, _ = token_logprobs(model, part["input_ids"], part["attention_mask"], self.temperature)
+            out[start : start + lp.shape[0], : lp.shape[1]] = lp
+        model.train(was_training)
+        return out
+
+    # ------------------------------------------------------------------ optimisation
+
+    def _global(self, value: float) -> float:
+        if self.dp is None or self.dp.world_size == 1:
+            return value
+        return float(self.dp.all_reduce_sum(torch.tensor([value], dtype=torch.float64)).item())
+
+    def _optimizer_step(self) -> float:
+        if self.dp is not None and self.dp.world_size > 1:
+            self.dp.all_reduce_gradients(self.params)
+        if self.cfg.grad_clip > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
+        else:
+            grad_norm = float(torch.norm(torch.stack([p.grad.norm() for p in self.params if p.grad is not None])))
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.current_lr()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_steps += 1
+        return grad_norm
+
+    def _accumulate(self, batch: dict[str, torch.Tensor], loss_of: Callable, with_entropy: bool) -> list[dict]:
+        """Forward/backward over micro-batches of one mini-batch; returns per-micro-batch metrics."""
+        metrics = []
+        B = batch["input_ids"].shape[0]
+        for start in range(0, B, self.cfg.micro_batch_size):
+            part = _trim(batch, slice(start, start + self.cfg.micro_batch_size))
+            logprobs, entropy = token_logprobs(
+                self.model, part["input_ids"], part["attention_mask"], self.temperature, with_entropy
+            )
+            loss, m = loss_of(part, logprobs, entropy)
+            loss.backward()
+            m["loss"] = loss.item()
+            metrics.append(m)
+        return metrics
+
+    def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """One GRPO step: `mini_batches` optimizer steps over the batch. Returns averaged metrics."""
+        self.model.train()
+        loss_fn = LOSSES[self.algorithm.loss]
+        B = batch["input_ids"].shape[0]
+        n_mini = min(self.cfg.mini_batches, B)
+        bounds = [round(i * B / n_mini) for i in range(n_mini + 1)]
+        all_metrics: list[dict] = []
+        grad_norms = []
+        for lo, hi in zip(bounds, bounds[1:]):
+            mini = {k: v[lo:hi] for k, v in batch.items()}
+            num_tokens = self._global(float(mini["response_mask"].sum()))
+            num_sequences = self._global(float(hi - lo))
+
+            def loss_of(part, logprobs, entropy):
+                return loss_fn(
+                    logprobs, part["old_logprobs"], part.get("ref_logprobs"), part["advantages"],
+                    part["response_mask"], self.algorithm, num_tokens, num_sequences, entropy,
+                )
+
+            all_metrics += self._accumulate(mini, loss_of, with_entropy=True)
+            grad_norms.append(self._optimizer_step())
+        out = _weighted_mean(all_metrics)
+        out["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        out["loss"] = sum(m["loss"] for m in all_metrics) / n_mini
+        return out
+
+    def sft_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """One supervised step: NLL on response tokens (the answer and EOS)."""
+        self.model.train()
+        num_tokens = self._global(float(batch["response_mask"].sum()))
+
+        def loss_of(part, logprobs, entropy):
+            return nll_loss(logprobs, part["response_mask"], num_tokens)
+
+        metrics = self._accumulate(batch, loss_of, with_entropy=False)
+        grad_norm = self._optimizer_step()
+        return {"loss": sum(m["loss"] for m in metrics), "grad_norm": grad_norm, "tokens": num_tokens}
+
+
+def _weighted_mean(metrics: list[dict[str, float]]) -> dict[str, float]:
+    """Token-weighted mean of per-micro-batch metrics (`tokens` is summed)."""
+    total = sum(m["tokens"] for m in metrics) or 1.0
+    out: dict[str, float] = {"tokens": total}
+    for key in metrics[0]:
+        if key in ("tokens", "loss"):
+            continue
+        out[key] = sum(m[key] * m["tokens"] for m in metrics) / total
+    for key, value in out.items():
+        if isinstance(value, float) and math.isnan(value):
+            raise FloatingPointError(f"train metric {key} is NaN")
+    return out

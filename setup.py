@@ -1,0 +1,29 @@
+"""rlhf: an instrumented, single-controller GRPO framework with built-in fault points."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="rlhf",
+    version="0.1.0",
+    description="Instrumented single-controller GRPO framework with fault points and OpenTelemetry tracing",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["rlhf", "rlhf.*"]),
+    python_requires=">=3.10",
+    # torch is pinned by the install commands (constraints.txt), not here.
+    install_requires=[
+        "torch>=2.5",
+        "transformers>=4.56,<6",
+        "safetensors>=0.4",
+        "pyyaml>=6",
+        "aiohttp>=3.9",
+        "tenacity>=8",
+        "psutil>=5.9",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "hypothesis>=6"],
+        # Never installed by the default commands: GPU-only and multi-GB.
+        "gpu": ["sglang", "megatron-core", "nvidia-ml-py"],
+    },
+    entry_points={"console_scripts": ["rlhf=rlhf.cli:main"]},
+)
