@@ -137,8 +137,8 @@ class RolloutConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3
-    """AdamW learning rate for GRPO steps."""
+    lr: float = 1e-4
+    """AdamW learning rate for GRPO steps (peak, after warmup)."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay."""
     beta1: float = 0.9
@@ -175,7 +175,7 @@ class AlgorithmConfig:
     """Lower clip range of the ratio: ratio >= 1 - clip_eps_low."""
     clip_eps_high: float = 0.2
     """Upper clip range of the ratio: ratio <= 1 + clip_eps_high."""
-    kl_coef: float = 0.02
+    kl_coef: float = 0.01
     """Weight of the k3 KL estimate to the reference policy; 0 skips the reference stage."""
     scale_by_std: bool = True
     """Divide group-centred advantages by the group's reward std (the paper); False = Dr. GRPO style."""
@@ -197,10 +197,10 @@ class AlgorithmConfig:
 class SFTConfig:
     max_steps: int = 3000
     """Upper bound on SFT optimizer steps (the warm start usually stops earlier, in the band)."""
-    batch_size: int = 64
+    batch_size: int = 256
     """Examples per SFT step."""
-    lr: float = 3e-3
-    """AdamW learning rate for SFT (cosine-free constant rate)."""
+    lr: float = 1e-3
+    """AdamW learning rate for SFT (constant after warmup)."""
     eval_every: int = 25
     """Evaluate held-out (val) accuracy every this many SFT steps."""
     band_low: float = 0.2
@@ -227,7 +227,7 @@ class Config:
 
     seed: int = 1
     """Run seed: model init, data order, sampling."""
-    steps: int = 60
+    steps: int = 100
     """GRPO steps (the controller's step count; the run ends after this many)."""
     run_dir: str = ""
     """Run directory for logs, steps.csv, summary.json; empty = runs/<utc timestamp>."""

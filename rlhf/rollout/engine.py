@@ -162,33 +162,73 @@ class RolloutEngine:
         self.tokens_generated += sum(len(t) for t in out_tokens)
         return results
 
-    def _attention(self, attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def _fused_layers(self) -> list[dict[str, Any]]:
+        """Per layer: q/k/v and gate/up weights concatenated, so each is one matmul.
+
+        Rebuilt at every generate() call (a copy of ~all weights, negligible next to decoding),
+        so weight updates and a model shared with a trainer are always seen.
+        """
+        fused = []
+        for layer in self.model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+            has_bias = all(m.bias is not None for m in qkv)
+            fused.append({
+                "qkv_w": torch.cat([m.weight for m in qkv]),  # (Hq*D + 2*Hkv*D, C)
+                "qkv_b": torch.cat([m.bias for m in qkv]) if has_bias else None,
+                "q_dim": attn.q_proj.out_features,
+                "kv_dim": attn.k_proj.out_features,
+                "gate_up_w": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),  # (2*F, C)
+                "ffn": mlp.gate_proj.out_features,
+            })
+        return fused
+
+    def _attention(self, attn: Any, fused: dict[str, Any], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, key_mask: torch.Tensor) -> torch.Tensor:
         """One attention block writing its keys/values at cache[:, :, start:start+T]. x: (B, T, C)."""
         B, T, _ = x.shape
-        q = attn.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = attn.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = attn.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        qkv = F.linear(x, fused["qkv_w"], fused["qkv_b"])  # (B, T, Hq*D + 2*Hkv*D)
+        q_dim, kv_dim = fused["q_dim"], fused["kv_dim"]
+        q = qkv[..., :q_dim].view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = qkv[..., q_dim : q_dim + kv_dim].view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = qkv[..., q_dim + kv_dim :].view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         c, s = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D)
         q = q * c + _rotate_half(q) * s
         k = k * c + _rotate_half(k) * s
         k_cache[:, :, start : start + T] = k
         v_cache[:, :, start : start + T] = v
         keys, values = k_cache[:, :, : start + T], v_cache[:, :, : start + T]  # (B, Hkv, S, D)
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=key_mask, scale=attn.scaling, enable_gqa=keys.shape[1] != q.shape[1]
-        )  # (B, H, T, D)
+        if keys.shape[1] != q.shape[1]:  # grouped-query attention: share each KV head
+            rep = q.shape[1] // keys.shape[1]
+            keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)  # (B, H, S, D)
+        # softmax(q k^T * scale) v, written out. For one query token per row (decode), a broadcast
+        # multiply-and-sum beats both batched tiny matmuls and the fused SDPA kernel on CPU.
+        if T == 1:
+            scores = (q * keys).sum(-1, keepdim=True).transpose(-1, -2) * attn.scaling  # (B, H, 1, S)
+        else:
+            scores = torch.matmul(q, keys.transpose(-1, -2)) * attn.scaling  # (B, H, T, S)
+        scores = scores.masked_fill(~key_mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # (B, H, T, S)
+        if T == 1:
+            out = (probs.transpose(-1, -2) * values).sum(-2, keepdim=True)  # (B, H, 1, D)
+        else:
+            out = torch.matmul(probs, values)  # (B, H, T, D)
         return attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
 
+    def _mlp(self, mlp: Any, fused: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, fused["gate_up_w"]).split(fused["ffn"], dim=-1)  # (B, T, F) each
+        return mlp.down_proj(mlp.act_fn(gate) * up)  # (B, T, C)
+
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, caches: list, start: int,
-                 key_mask: torch.Tensor) -> torch.Tensor:
+                 key_mask: torch.Tensor, fused: list, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Run the stack on ids (B, T) at `positions` (B, T); return last-position logits (B, V)."""
         body = self.model.model
         h = body.embed_tokens(ids)  # (B, T, C)
-        cos, sin = body.rotary_emb(h, positions)  # (B, T, D) each
-        for layer, (k_cache, v_cache) in zip(body.layers, caches):
-            h = h + self._attention(layer.self_attn, layer.input_layernorm(h), cos, sin, k_cache, v_cache, start, key_mask)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        cos, sin = rope[0][positions], rope[1][positions]  # (B, T, D) each
+        for layer, f, (k_cache, v_cache) in zip(body.layers, fused, caches):
+            h = h + self._attention(layer.self_attn, f, layer.input_layernorm(h), cos, sin, k_cache, v_cache, start,
+                                    key_mask)
+            h = h + self._mlp(layer.mlp, f, layer.post_attention_layernorm(h))
         h = body.norm(h[:, -1])  # (B, C)
         return self.model.lm_head(h).float()  # (B, V)
 
@@ -204,6 +244,12 @@ class RolloutEngine:
         ids, valid = ids.to(device), valid.to(device)
         positions = (valid[:, :P].long().cumsum(1) - 1).clamp(min=0)  # (B, P)
         n_layers = len(self.model.model.layers)
+        fused = self._fused_layers()
+        # cos/sin for every position this call can reach, from the model's own rotary module
+        table_positions = torch.arange(L, device=device)[None]  # (1, L)
+        probe = torch.empty(1, L, 1, device=device, dtype=dtype)
+        cos_table, sin_table = (t[0] for t in self.model.model.rotary_emb(probe, table_positions))  # (L, D) each
+        rope = (cos_table, sin_table)
         caches = [
             (torch.empty(B, self.num_kv_heads, L, self.head_dim, device=device, dtype=dtype),
              torch.empty(B, self.num_kv_heads, L, self.head_dim, device=device, dtype=dtype))
@@ -213,7 +259,7 @@ class RolloutEngine:
         # so a pad row never has an all-masked softmax (NaN would poison the cache).
         causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
         prefill_mask = (causal[None] & valid[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=device)[None]
-        logits = self._forward(ids, positions, caches, 0, prefill_mask[:, None])  # (B, V)
+        logits = self._forward(ids, positions, caches, 0, prefill_mask[:, None], fused, rope)  # (B, V)
         last_pos = positions[:, -1]  # (B,)
 
         stops = set(sp.stop_token_ids)
@@ -242,7 +288,7 @@ class RolloutEngine:
             valid[:, slot] = True
             last_pos = last_pos + 1
             key_mask = valid[:, None, None, : slot + 1]  # (b, 1, 1, S)
-            logits = self._forward(tokens[:, None], last_pos[:, None], caches, slot, key_mask)
+            logits = self._forward(tokens[:, None], last_pos[:, None], caches, slot, key_mask, fused, rope)
 
         # One host transfer at the end instead of one per step.
         stop_set = stops
