@@ -1,8 +1,15 @@
 #!/usr/bin/env python
 """Rollout throughput: the native engine vs HF generate() on the default model.
 
-Both decode the same prompts greedily for exactly --new-tokens tokens (EOS ignored, so both
-do the same work), median of --repeats runs. Prints a table of tokens/s.
+Two workloads, same model, same prompts, runs interleaved, median of --repeats:
+
+  equal-work   greedy, exactly --new-tokens tokens per sample, EOS ignored: both engines do
+               the same arithmetic, so this measures the decode loop itself.
+  grpo         the GRPO rollout of the default config on the SFT-warmed default model:
+               n=8 samples per prompt, temperature 1, stop at EOS, max_new_tokens 6.
+               tokens = generated tokens up to and including EOS.
+
+batch = samples per call (prompts x n for grpo).
 
     python benchmarks/rollout.py                       # batches 64, 256, 512
     python benchmarks/rollout.py --batches 256 --new-tokens 32
@@ -35,6 +42,40 @@ def hf_generate(model, prompt_ids, new_tokens, pad_id):
     return (out.shape[1] - width) * out.shape[0]
 
 
+def hf_rollout(model, prompt_ids, n, max_new, pad_id, eos_id):
+    width = max(len(p) for p in prompt_ids)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompt_ids])
+    mask = (ids != pad_id).long()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=True,
+                             temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=n,
+                             pad_token_id=pad_id, eos_token_id=eos_id)
+    tokens = 0
+    for row in out[:, width:].tolist():
+        tokens += (row.index(eos_id) + 1) if eos_id in row else len(row)
+    return tokens
+
+
+def native_rollout(engine, prompt_ids, n, max_new):
+    res = engine.generate(prompt_ids, {"max_new_tokens": max_new, "temperature": 1.0, "n": n}, return_logprob=True)
+    return sum(len(r["output_ids"]) for r in res)
+
+
+def warm_model(model, tok, steps):
+    """SFT the default model as the default run's warm start does, so it stops at EOS like a real policy."""
+    import logging
+
+    from rlhf.config import Config
+    from rlhf.tasks import build_task, reward_fn
+    from rlhf.trainers.sft import run_sft
+
+    logging.getLogger("rlhf").setLevel(logging.WARNING)
+    cfg = Config()
+    cfg.sft.max_steps = steps
+    result = run_sft(cfg, model, tok, build_task(cfg.task), reward_fn(cfg.task.reward))
+    return result
+
+
 def native_generate(engine, prompt_ids, new_tokens):
     res = engine.generate(prompt_ids, {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True},
                           return_logprob=True)
@@ -62,20 +103,35 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--model", default="tiny-llama")
+    parser.add_argument("--warm-steps", type=int, default=600,
+                        help="max SFT steps for the grpo workload's warm model (band stop as in the default run); 0 skips it")
     args = parser.parse_args()
     model, tok = build_model_and_tokenizer(ModelConfig(name=args.model), seed=0)
-    engine = RolloutEngine(model, tok)
+    engine = RolloutEngine(model, tok, seed=0)
     problems = build_task(TaskConfig()).split("train")
     print(f"model {args.model}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"{args.new_tokens} new tokens per sample, greedy, median of {args.repeats} interleaved runs; speedup = median of per-pair ratios")
-    print(f"| batch | native tokens/s | HF generate tokens/s | speedup |")
-    print(f"|---:|---:|---:|---:|")
+          f"median of {args.repeats} interleaved runs; speedup = median of per-pair ratios\n")
+    print("| workload | batch | native tokens/s | HF generate tokens/s | speedup |")
+    print("|---|---:|---:|---:|---:|")
     for batch in args.batches:
         prompt_ids = encode_prompts(tok, [p.prompt for p in problems[:batch]])
         native, hf, speedup = timed_pair(lambda: native_generate(engine, prompt_ids, args.new_tokens),
                                          lambda: hf_generate(model, prompt_ids, args.new_tokens, tok.pad_token_id),
                                          args.repeats)
-        print(f"| {batch} | {native:,.0f} | {hf:,.0f} | {speedup:.2f}x |", flush=True)
+        print(f"| equal-work ({args.new_tokens} tok) | {batch} | {native:,.0f} | {hf:,.0f} | {speedup:.2f}x |",
+              flush=True)
+    if args.warm_steps:
+        warm = warm_model(model, tok, args.warm_steps)
+        for batch in args.batches:
+            n = 8
+            prompt_ids = encode_prompts(tok, [p.prompt for p in problems[: batch // n]])
+            native, hf, speedup = timed_pair(
+                lambda: native_rollout(engine, prompt_ids, n, 6),
+                lambda: hf_rollout(model, prompt_ids, n, 6, tok.pad_token_id, tok.eos_token_id),
+                args.repeats)
+            print(f"| grpo (n=8, T=1, EOS) | {batch} | {native:,.0f} | {hf:,.0f} | {speedup:.2f}x |", flush=True)
+        print(f"\nwarm model: SFT stopped at step {warm['sft_steps']} ({warm['sft_stopped']}, "
+              f"val accuracy {warm['sft_val_accuracy']:.2f})")
     return 0
 
 

@@ -1,9 +1,12 @@
 """The native rollout engine: batched sampling with a preallocated KV cache.
 
 It runs a Llama-family causal LM (Llama, Mistral, Qwen2: RMSNorm, RoPE, GQA, SwiGLU) with
-its own decode loop over the Hugging Face module weights: the norms, MLPs and rotary tables
-are the HF modules themselves, the attention is ours so that keys and values go into one
-preallocated cache and finished sequences leave the batch (compaction). Its interface is the
+its own decode loop over the Hugging Face module weights: the norms, activation and rotary
+tables are the HF modules' own; projections are fused (q/k/v, gate/up) into single matmuls,
+keys and values go into one preallocated cache, the n samples of a prompt share its prefill
+(prefix sharing), and finished sequences leave the batch (compaction). At equal work it is
+as fast as HF generate() (both are bound by the same fp32 matmuls on CPU); on the GRPO
+workload — n samples per prompt, most stopping early at EOS — it does far less work. Its interface is the
 one the rollout server exposes, with sglang's field names (DESIGN.md §3):
 
     engine.generate(input_ids=[[...], ...],
@@ -143,10 +146,10 @@ class RolloutEngine:
         sp = sampling_params if isinstance(sampling_params, SamplingParams) else SamplingParams.from_dict(sampling_params)
         if not input_ids or any(len(p) == 0 for p in input_ids):
             raise ValueError("generate: every prompt needs at least one token")
-        prompts = [list(p) for p in input_ids for _ in range(sp.n)]  # groups adjacent
         with self.lock, torch.inference_mode():
-            out_tokens, out_logprobs, finish = self._decode(prompts, sp)
+            out_tokens, out_logprobs, finish = self._decode([list(p) for p in input_ids], sp)
             version = self.weight_version
+        prompts = [list(p) for p in input_ids for _ in range(sp.n)]  # groups adjacent
         results = []
         for prompt, toks, lps, fin in zip(prompts, out_tokens, out_logprobs, finish):
             meta: dict[str, Any] = {
@@ -261,6 +264,13 @@ class RolloutEngine:
         prefill_mask = (causal[None] & valid[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=device)[None]
         logits = self._forward(ids, positions, caches, 0, prefill_mask[:, None], fused, rope)  # (B, V)
         last_pos = positions[:, -1]  # (B,)
+        if sp.n > 1:
+            # Prefix sharing: each prompt was prefilled once; its n samples start from copies of
+            # its cache (HF generate prefills every copy). Rows i*n .. i*n+n-1 belong to prompt i.
+            B = B * sp.n
+            caches = [(k.repeat_interleave(sp.n, 0), v.repeat_interleave(sp.n, 0)) for k, v in caches]
+            valid = valid.repeat_interleave(sp.n, 0)
+            logits, last_pos = logits.repeat_interleave(sp.n, 0), last_pos.repeat_interleave(sp.n, 0)
 
         stops = set(sp.stop_token_ids)
         if self.eos_token_id is not None and not sp.ignore_eos:
@@ -283,7 +293,7 @@ class RolloutEngine:
                 if keep.numel() == 0:
                     break
                 rows, tokens, last_pos, valid = rows[keep], tokens[keep], last_pos[keep], valid[keep]
-                caches = [(k[keep], v[keep]) for k, v in caches]
+                caches = [(k.index_select(0, keep), v.index_select(0, keep)) for k, v in caches]
             slot = P + t
             valid[:, slot] = True
             last_pos = last_pos + 1
