@@ -4,24 +4,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-LOSSES: dict[str, Callable] = {}
-AGGREGATIONS: dict[str, Callable] = {}
+from rlhf.registry import Registry
 
-
-def register_loss(name: str) -> Callable:
-    def deco(fn: Callable) -> Callable:
-        LOSSES[name] = fn
-        return fn
-
-    return deco
-
-
-def register_aggregation(name: str) -> Callable:
-    def deco(fn: Callable) -> Callable:
-        AGGREGATIONS[name] = fn
-        return fn
-
-    return deco
-
+LOSSES: Registry[Callable] = Registry("loss")
+AGGREGATIONS: Registry[Callable] = Registry("aggregation")
+register_loss = LOSSES.register
+register_aggregation = AGGREGATIONS.register
 
 from rlhf.algorithms import grpo, sft  # noqa: E402,F401  (registers the built-ins)

@@ -14,8 +14,11 @@ per sample; GRPO only uses differences within a group, so the scale is free.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from rlhf.registry import Registry
 
 RewardFn = Callable[[list[str], list[str], list[str]], list[float]]
 
@@ -37,24 +40,24 @@ class Task:
         return self.splits[name]
 
 
-TASKS: dict[str, Callable[[Any], Task]] = {}
-REWARDS: dict[str, RewardFn] = {}
+TASKS: Registry[Callable[[Any], Task]] = Registry("task")
+REWARDS: Registry[RewardFn] = Registry("reward")
+register_task = TASKS.register
+register_reward = REWARDS.register
 
 
-def register_task(name: str) -> Callable:
-    def deco(factory: Callable[[Any], Task]) -> Callable[[Any], Task]:
-        TASKS[name] = factory
-        return factory
-
-    return deco
-
-
-def register_reward(name: str) -> Callable:
-    def deco(fn: RewardFn) -> RewardFn:
-        REWARDS[name] = fn
-        return fn
-
-    return deco
+def split_examples(examples: list[Example], cfg: Any, source: str) -> dict[str, list[Example]]:
+    """Shuffle with task.seed and cut into eval, val and train (disjoint by construction)."""
+    need = cfg.eval_size + cfg.val_size + 1
+    if len(examples) < need:
+        raise ValueError(
+            f"{source}: {len(examples)} examples is fewer than eval_size + val_size + 1 "
+            f"({cfg.eval_size} + {cfg.val_size} + 1)"
+        )
+    examples = list(examples)
+    random.Random(cfg.seed).shuffle(examples)
+    e, v = cfg.eval_size, cfg.val_size
+    return {"eval": examples[:e], "val": examples[e : e + v], "train": examples[e + v :]}
 
 
 def build_task(task_cfg: Any) -> Task:

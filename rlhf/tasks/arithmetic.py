@@ -7,10 +7,9 @@ for every run seed.
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
-from rlhf.tasks import Example, Task, register_task
+from rlhf.tasks import Example, Task, register_task, split_examples
 
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
@@ -22,11 +21,4 @@ class ArithmeticTask(Task):
         problems = [
             Example(f"{a}{op}{b}=", str(_OPS[op](a, b))) for op in cfg.operations for a in range(n) for b in range(n)
         ]
-        if len(problems) < cfg.eval_size + cfg.val_size + 1:
-            raise ValueError(
-                f"task arithmetic: only {len(problems)} problems for eval_size={cfg.eval_size} + "
-                f"val_size={cfg.val_size}; raise task.max_operand"
-            )
-        random.Random(cfg.seed).shuffle(problems)
-        e, v = cfg.eval_size, cfg.val_size
-        self.splits = {"eval": problems[:e], "val": problems[e : e + v], "train": problems[e + v :]}
+        self.splits = split_examples(problems, cfg, f"task arithmetic (max_operand={cfg.max_operand})")

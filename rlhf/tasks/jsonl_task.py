@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-import random
 from typing import Any
 
-from rlhf.tasks import Example, Task, register_task
+from rlhf.tasks import Example, Task, register_task, split_examples
 
 
 @register_task("jsonl")
@@ -25,11 +24,4 @@ class JsonlTask(Task):
                 if missing:
                     raise ValueError(f"{cfg.path}:{lineno}: field(s) {missing} missing or not a string")
                 examples.append(Example(row["prompt"], row["answer"]))
-        if len(examples) < cfg.eval_size + cfg.val_size + 1:
-            raise ValueError(
-                f"{cfg.path}: {len(examples)} examples is fewer than eval_size + val_size + 1 "
-                f"({cfg.eval_size} + {cfg.val_size} + 1)"
-            )
-        random.Random(cfg.seed).shuffle(examples)
-        e, v = cfg.eval_size, cfg.val_size
-        self.splits = {"eval": examples[:e], "val": examples[e : e + v], "train": examples[e + v :]}
+        self.splits = split_examples(examples, cfg, cfg.path)
