@@ -1,0 +1,68 @@
+"""Errors are data: who (role, rank, host, pid), where (stage, step), what (class, message, traceback)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class ErrorInfo:
+    error_class: str
+    message: str
+    role: str
+    rank: int
+    host: str = field(default_factory=socket.gethostname)
+    pid: int = field(default_factory=os.getpid)
+    stage: str = ""
+    step: int = -1
+    traceback: str = ""
+
+    @classmethod
+    def from_exception(cls, exc: BaseException, role: str, rank: int, stage: str = "", step: int = -1) -> "ErrorInfo":
+        return cls(
+            error_class=type(exc).__name__,
+            message=str(exc),
+            role=role,
+            rank=rank,
+            stage=stage,
+            step=step,
+            traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def where(self) -> str:
+        return f"{self.role}-{self.rank} (pid {self.pid} on {self.host}), stage {self.stage or '?'}, step {self.step}"
+
+
+class RemoteError(RuntimeError):
+    """An error raised in another process, with its typed fields."""
+
+    def __init__(self, info: ErrorInfo, url: str = "") -> None:
+        self.info, self.url = info, url
+        super().__init__(f"{info.error_class} in {info.where()}: {info.message}")
+
+
+class HTTPStatusError(RuntimeError):
+    """A non-2xx reply without a typed body (faithful mode's bare 500s, proxies, auth)."""
+
+    def __init__(self, status: int, text: str, url: str) -> None:
+        self.status, self.text, self.url = status, text, url
+        super().__init__(f"HTTP {status} from {url}: {text.strip()[:200]}")
+
+
+class RpcTimeout(TimeoutError):
+    def __init__(self, url: str, timeout_s: float) -> None:
+        self.url, self.timeout_s = url, timeout_s
+        super().__init__(f"no reply from {url} within {timeout_s:g} s")
+
+
+class RpcConnectionError(ConnectionError):
+    def __init__(self, url: str, cause: BaseException) -> None:
+        self.url, self.cause = url, cause
+        super().__init__(f"cannot reach {url}: {type(cause).__name__}: {cause}")

@@ -1,0 +1,193 @@
+"""HTTP services and clients (aiohttp): token auth, typed errors, tensors without pickle.
+
+Server side: `Service(role, rank, token, resilience)` collects routes whose handlers are plain
+functions `handler(args: dict, tensors: dict) -> result | (result, tensors)`. Handlers run one
+at a time on one worker thread (torch work and collectives stay off the event loop and in
+order). Every request must carry the run token in `X-RLHF-Token` (401 otherwise). An error in a
+handler becomes a typed JSON reply {"error": ErrorInfo} with status 500 — or, with resilience
+`faithful`, aiohttp's bare "500 Internal Server Error" text, as in the seeds' system.
+
+Client side: `Client(base_url, token)` with async `call()`; `LoopThread` runs coroutines from
+synchronous code, so a controller fans out with `loop.run(asyncio.gather(...))`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from typing import Any, Awaitable, Callable
+
+import aiohttp
+from aiohttp import web
+
+from rlhf.runtime import wire
+from rlhf.runtime.errors import ErrorInfo, HTTPStatusError, RemoteError, RpcConnectionError, RpcTimeout
+
+TOKEN_HEADER = "X-RLHF-Token"
+STAGE_HEADER = "X-RLHF-Stage"
+STEP_HEADER = "X-RLHF-Step"
+DEFAULT_HOST = "127.0.0.1"
+BARE_500 = "500 Internal Server Error\n\nServer got itself in trouble"
+
+log = logging.getLogger("rlhf.http")
+
+Handler = Callable[[dict, dict], Any]
+
+
+class Service:
+    """An aiohttp application with auth, typed errors and handlers run on one worker thread."""
+
+    def __init__(self, role: str, rank: int, token: str, resilience: str = "hardened") -> None:
+        self.role, self.rank, self.token, self.resilience = role, rank, token, resilience
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{role}-{rank}")
+        self.app = web.Application(middlewares=[self._auth], client_max_size=1 << 34)
+        self.stage, self.step = "", -1
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+        if request.headers.get(TOKEN_HEADER) != self.token:
+            return web.json_response({"error": "missing or wrong run token"}, status=401)
+        return await handler(request)
+
+    def route(self, path: str, fn: Handler, method: str = "POST", inline: bool = False) -> None:
+        """Expose fn at path. inline=True runs it on the event loop (only for trivial, non-blocking fns)."""
+
+        async def handle(request: web.Request) -> web.Response:
+            stage = request.headers.get(STAGE_HEADER, "")
+            step = int(request.headers.get(STEP_HEADER, "-1"))
+            body = await request.read()
+            try:
+                args, tensors = wire.decode(body, request.content_type)
+                call = lambda: fn(args or {}, tensors)  # noqa: E731
+                result = call() if inline else await asyncio.get_running_loop().run_in_executor(self.executor, call)
+            except Exception as exc:  # every handler error becomes a reply; nothing is swallowed
+                info = ErrorInfo.from_exception(exc, self.role, self.rank, stage, step)
+                log.error("%s %s failed: %s: %s", method, path, info.error_class, info.message)
+                if self.resilience == "faithful":
+                    return web.Response(status=500, text=BARE_500)
+                return web.json_response({"error": info.to_dict()}, status=500)
+            out_tensors = None
+            if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
+                result, out_tensors = result
+            data, content_type = wire.encode(result, out_tensors)
+            return web.Response(body=data, content_type=content_type.split(";")[0])
+
+        self.app.router.add_route(method, path, handle)
+
+
+class ServiceThread:
+    """Run a Service's app on a background thread's event loop (train workers, MetaServer)."""
+
+    def __init__(self, service: Service, host: str = DEFAULT_HOST, port: int = 0) -> None:
+        self.service, self.host, self.port = service, host, port
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"http-{service.role}", daemon=True)
+        self._runner: web.AppRunner | None = None
+
+    def start(self) -> int:
+        self._thread.start()
+        return asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=30)
+
+    async def _start(self) -> int:
+        self._runner = web.AppRunner(self.service.app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return self.port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        if self._runner is not None:
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=30)
+            self._runner = None
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self.service.executor.shutdown(wait=False, cancel_futures=True)
+
+
+async def serve_forever(service: Service, host: str, port: int, on_ready: Callable[[int], None]) -> None:
+    """Run a Service as the main loop of a process (rollout server, scheduler) until cancelled."""
+    runner = web.AppRunner(service.app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    on_ready(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
+class Client:
+    """Calls one service. Timeouts are per call; errors come back typed (RemoteError) when they can."""
+
+    def __init__(self, base_url: str, token: str, timeout_s: float = 60.0) -> None:
+        self.base_url, self.token, self.timeout_s = base_url.rstrip("/"), token, timeout_s
+        self._session: aiohttp.ClientSession | None = None
+
+    async def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession()
+        return self._session
+
+    async def call(
+        self,
+        path: str,
+        args: Any = None,
+        tensors: dict | None = None,
+        timeout_s: float | None = None,
+        stage: str = "",
+        step: int = -1,
+        method: str = "POST",
+    ) -> tuple[Any, dict]:
+        url = self.base_url + path
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        body, content_type = wire.encode(args, tensors)
+        headers = {TOKEN_HEADER: self.token, "Content-Type": content_type, STAGE_HEADER: stage, STEP_HEADER: str(step)}
+        session = await self.session()
+        try:
+            async with session.request(
+                method, url, data=body if method != "GET" else None, headers=headers,
+                timeout=aiohttp.ClientTimeout(total=timeout),
+            ) as resp:
+                payload = await resp.read()
+                if resp.status == 200:
+                    return wire.decode(payload, resp.content_type)
+                if resp.content_type == wire.JSON_TYPE:
+                    try:
+                        err = wire.decode(payload, resp.content_type)[0]
+                    except ValueError:
+                        err = None
+                    if isinstance(err, dict) and isinstance(err.get("error"), dict):
+                        raise RemoteError(ErrorInfo(**err["error"]), url)
+                raise HTTPStatusError(resp.status, payload.decode(errors="replace"), url)
+        except asyncio.TimeoutError:
+            raise RpcTimeout(url, timeout) from None
+        except aiohttp.ClientConnectionError as exc:
+            raise RpcConnectionError(url, exc) from exc
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+class LoopThread:
+    """An event loop on a daemon thread; `run(coro)` blocks the caller until the coroutine ends."""
+
+    def __init__(self, name: str = "rpc-loop") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Awaitable, timeout: float | None = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)

@@ -1,0 +1,94 @@
+"""HTTP layer: token on every endpoint, typed errors round-trip, faithful bare 500s, tensors, timeouts."""
+
+import threading
+
+import pytest
+import torch
+
+from rlhf.runtime import wire
+from rlhf.runtime.errors import HTTPStatusError, RemoteError, RpcConnectionError, RpcTimeout
+from rlhf.runtime.http import BARE_500, Client, LoopThread, Service, ServiceThread
+
+
+class BoomError(RuntimeError):
+    pass
+
+
+@pytest.fixture()
+def served():
+    started = []
+
+    def start(resilience="hardened"):
+        svc = Service("train", 3, token="secret", resilience=resilience)
+        release = threading.Event()
+        svc.route("/echo", lambda a, t: ({"got": a, "sum": float(sum(v.sum() for v in t.values()))},
+                                         {k: v * 2 for k, v in t.items()}))
+        svc.route("/boom", lambda a, t: (_ for _ in ()).throw(BoomError("device out of memory on rank 3")))
+        svc.route("/slow", lambda a, t: release.wait(5) and {"ok": True})
+        thread = ServiceThread(svc)
+        thread.start()
+        started.append((thread, release))
+        return thread
+
+    loop = LoopThread()
+    yield start, loop
+    for thread, release in started:
+        release.set()
+        thread.stop()
+    loop.close()
+
+
+def test_request_without_or_with_wrong_token_is_rejected(served):
+    start, loop = served
+    srv = start()
+    for token in ("", "wrong"):
+        with pytest.raises(HTTPStatusError) as err:
+            loop.run(Client(srv.url, token).call("/echo", {"x": 1}))
+        assert err.value.status == 401
+    args, _ = loop.run(Client(srv.url, "secret").call("/echo", {"x": 1}))
+    assert args["got"] == {"x": 1}
+
+
+def test_tensors_travel_as_safetensors_not_pickle(served):
+    start, loop = served
+    srv = start()
+    t = {"w": torch.arange(6, dtype=torch.float32).view(2, 3), "ids": torch.tensor([1, 2, 3])}
+    body, ctype = wire.encode({"step": 4}, t)
+    assert ctype == wire.TENSORS_TYPE and b"pickle" not in body and body[8:9] == b"{"
+    args, out = loop.run(Client(srv.url, "secret").call("/echo", {"step": 4}, t))
+    assert args["got"] == {"step": 4} and args["sum"] == 21.0
+    assert torch.equal(out["w"], t["w"] * 2) and torch.equal(out["ids"], t["ids"] * 2)
+    with pytest.raises(ValueError, match="truncated"):
+        wire.decode(body[:4] + b"\xff\xff\xff" + body[7:20], wire.TENSORS_TYPE)
+
+
+def test_typed_error_round_trips_with_who_where_what(served):
+    start, loop = served
+    srv = start()
+    with pytest.raises(RemoteError) as err:
+        loop.run(Client(srv.url, "secret").call("/boom", {}, stage="train", step=7))
+    info = err.value.info
+    assert info.error_class == "BoomError" and "out of memory" in info.message
+    assert (info.role, info.rank, info.stage, info.step) == ("train", 3, "train", 7)
+    assert info.pid > 0 and info.host and "BoomError" in info.traceback
+    assert "train-3" in str(err.value) and "stage train, step 7" in str(err.value)
+
+
+def test_faithful_mode_yields_a_bare_500(served):
+    start, loop = served
+    srv = start("faithful")
+    with pytest.raises(HTTPStatusError) as err:
+        loop.run(Client(srv.url, "secret").call("/boom", {}, stage="train", step=7))
+    assert err.value.status == 500 and err.value.text == BARE_500
+    assert "BoomError" not in err.value.text and "memory" not in err.value.text
+
+
+def test_timeouts_and_refused_connections_are_named(served):
+    start, loop = served
+    srv = start()
+    with pytest.raises(RpcTimeout, match=r"/slow within 0.3 s"):
+        loop.run(Client(srv.url, "secret").call("/slow", {}, timeout_s=0.3))
+    port = srv.port
+    srv.stop()
+    with pytest.raises(RpcConnectionError, match=f"127.0.0.1:{port}"):
+        loop.run(Client(f"http://127.0.0.1:{port}", "secret").call("/echo", {}))
