@@ -23,6 +23,9 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
     parser.add_argument("--run-dir", dest="run_dir", metavar="DIR", help="run directory (default: runs/<utc time>)")
     parser.add_argument("--steps", type=int, help="number of steps (GRPO steps; SFT steps for sft_trainer)")
     parser.add_argument("--seed", type=int, help="run seed (model init, data order, sampling)")
+    parser.add_argument("--colocate", action="store_true", default=None,
+                        help="train rank r and rollout server r share device r (= --runtime.colocate)")
+    parser.add_argument("--resilience", choices=["faithful", "hardened"], help="= --runtime.resilience")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     return parser
 
@@ -39,7 +42,8 @@ def parse_config(argv: list[str] | None, parser: argparse.ArgumentParser) -> tup
         cfg = build_config(
             preset=args.preset,
             config_file=args.config,
-            dotted=dotted,
+            dotted=[("runtime.colocate", "true")] * bool(args.colocate)
+            + [("runtime.resilience", args.resilience)] * bool(args.resilience) + dotted,
             top_level={"seed": args.seed, "steps": args.steps, "run_dir": args.run_dir},
         )
     except ConfigError as err:

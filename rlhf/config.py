@@ -123,8 +123,11 @@ class RolloutConfig:
     """Keep only the k most likely tokens; -1 disables it (sglang's convention)."""
     seed: int = -1
     """Sampling seed; -1 derives it from the run seed."""
+    servers: int = 1
+    """Rollout server processes (jobs of the scheduler) when run under the distributed runtime."""
 
     def __post_init__(self) -> None:
+        _positive("rollout.servers", self.servers)
         _positive("rollout.group_size", self.group_size)
         _positive("rollout.prompts_per_step", self.prompts_per_step)
         _positive("rollout.max_new_tokens", self.max_new_tokens)
@@ -222,6 +225,69 @@ class SFTConfig:
 
 
 @dataclass
+class WeightsConfig:
+    mode: str = "meta"
+    """weights_update path: 'meta' (train ranks upload to the MetaServer while rollout servers pull, in parallel) or 'disk' (HF safetensors directory, then /update_weights_from_disk)."""
+    max_versions: int = 2
+    """MetaServer keeps at most this many weight versions in memory."""
+    max_bytes: int = 4 << 30
+    """MetaServer memory bound in bytes; a shard beyond it is refused (HTTP 507)."""
+    upload_timeout_s: float = 600.0
+    """Timeout of one train rank's upload of its shard, seconds."""
+    update_timeout_s: float = 600.0
+    """Timeout of one rollout server's weights update (waiting for all shards included), seconds."""
+
+    def __post_init__(self) -> None:
+        _choice("weights.mode", self.mode, ["meta", "disk"])
+        _positive("weights.max_versions", self.max_versions)
+        _positive("weights.max_bytes", self.max_bytes)
+        _positive("weights.upload_timeout_s", self.upload_timeout_s)
+        _positive("weights.update_timeout_s", self.update_timeout_s)
+
+
+@dataclass
+class RuntimeConfig:
+    resilience: str = "hardened"
+    """'faithful' reproduces the seeds' system (bare 500s, unacknowledged events, long waits); 'hardened' is what we recommend."""
+    colocate: bool = False
+    """Train rank r and rollout server r share device r, guarded by a cross-process lease."""
+    rpc_timeout_s: float = 600.0
+    """Default timeout of one controller → train worker call, seconds."""
+    rollout_timeout_s: float = 600.0
+    """Timeout of one /generate call, seconds."""
+    event_timeout_s: float = 30.0
+    """Timeout of one colocation event delivery, seconds."""
+    lease_timeout_s: float = 60.0
+    """How long a colocated side waits for the device lease, seconds."""
+    cleanup_timeout_s: float = 30.0
+    """Timeout of one stop-job call to the scheduler during cleanup, seconds."""
+    scheduler_lease_s: float = 10.0
+    """The scheduler stops every job it started when the controller has not renewed its lease for this long, seconds."""
+    startup_timeout_s: float = 120.0
+    """How long to wait for a rollout server or the scheduler to come up, seconds."""
+
+    def __post_init__(self) -> None:
+        _choice("runtime.resilience", self.resilience, ["faithful", "hardened"])
+        for name in ("rpc_timeout_s", "rollout_timeout_s", "event_timeout_s", "lease_timeout_s", "cleanup_timeout_s",
+                     "scheduler_lease_s", "startup_timeout_s"):
+            _positive(f"runtime.{name}", getattr(self, name))
+
+
+@dataclass
+class CheckpointConfig:
+    latest_every: int = 1
+    """latest_recover_save every this many steps into the alternating latest_odd/latest_even slots; 0 disables."""
+    periodic_every: int = 0
+    """periodic_recover_save every this many steps into periodic/step_<N>; 0 disables."""
+    resume: bool = True
+    """On start, resume from the newest valid checkpoint in <run-dir>/checkpoints."""
+
+    def __post_init__(self) -> None:
+        _positive("checkpoint.latest_every", self.latest_every, allow_zero=True)
+        _positive("checkpoint.periodic_every", self.periodic_every, allow_zero=True)
+
+
+@dataclass
 class Config:
     """The whole run. Sections: model, task, rollout, train, algorithm, sft."""
 
@@ -239,6 +305,9 @@ class Config:
     train: OptimConfig = field(default_factory=OptimConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
         _positive("steps", self.steps, allow_zero=True)

@@ -36,13 +36,19 @@ def import_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> No
         p.copy_(src.to(device=p.device, dtype=p.dtype))
 
 
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The raw bytes of a tensor (any dtype, incl. bfloat16), row-major, on the CPU."""
+    t = t.detach().contiguous().cpu()
+    return t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
 def checksum(tensors: dict[str, torch.Tensor]) -> str:
     """sha256 over names, dtypes, shapes and raw bytes, in name order."""
     h = hashlib.sha256()
     for name in sorted(tensors):
-        t = tensors[name].detach().contiguous().cpu()
+        t = tensors[name]
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(tensor_bytes(t))
     return h.hexdigest()
 
 

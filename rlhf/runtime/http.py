@@ -1,9 +1,9 @@
 """HTTP services and clients (aiohttp): token auth, typed errors, tensors without pickle.
 
 Server side: `Service(role, rank, token, resilience)` collects routes whose handlers are plain
-functions `handler(args: dict, tensors: dict) -> result | (result, tensors)`. Handlers run one
-at a time on one worker thread (torch work and collectives stay off the event loop and in
-order). Every request must carry the run token in `X-RLHF-Token` (401 otherwise). An error in a
+functions `handler(args: dict, tensors: dict) -> result | (result, tensors)`. Plain handlers
+run one at a time on one worker thread (torch work and collectives stay off the event loop and
+in order); `async def` handlers run on the event loop (for waits that must not block others). Every request must carry the run token in `X-RLHF-Token` (401 otherwise). An error in a
 handler becomes a typed JSON reply {"error": ErrorInfo} with status 500 — or, with resilience
 `faithful`, aiohttp's bare "500 Internal Server Error" text, as in the seeds' system.
 
@@ -52,7 +52,7 @@ class Service:
         return await handler(request)
 
     def route(self, path: str, fn: Handler, method: str = "POST", inline: bool = False) -> None:
-        """Expose fn at path. inline=True runs it on the event loop (only for trivial, non-blocking fns)."""
+        """Expose fn at path. Coroutine fns and inline=True run on the event loop (never block there)."""
 
         async def handle(request: web.Request) -> web.Response:
             stage = request.headers.get(STAGE_HEADER, "")
@@ -60,8 +60,13 @@ class Service:
             body = await request.read()
             try:
                 args, tensors = wire.decode(body, request.content_type)
-                call = lambda: fn(args or {}, tensors)  # noqa: E731
-                result = call() if inline else await asyncio.get_running_loop().run_in_executor(self.executor, call)
+                if asyncio.iscoroutinefunction(fn):
+                    result = await fn(args or {}, tensors)
+                elif inline:
+                    result = fn(args or {}, tensors)
+                else:
+                    call = lambda: fn(args or {}, tensors)  # noqa: E731
+                    result = await asyncio.get_running_loop().run_in_executor(self.executor, call)
             except Exception as exc:  # every handler error becomes a reply; nothing is swallowed
                 info = ErrorInfo.from_exception(exc, self.role, self.rank, stage, step)
                 log.error("%s %s failed: %s: %s", method, path, info.error_class, info.message)

@@ -1,0 +1,93 @@
+"""Process hygiene: children die with their parent, whole process groups are stopped.
+
+Every child we start gets PR_SET_PDEATHSIG(SIGKILL) (Linux) and its own session, so it dies
+when the thread that started it dies, and `stop_group` can end it with everything it started.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Sequence
+
+PR_SET_PDEATHSIG = 1
+
+
+def set_pdeathsig(sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send `sig` to this process when its parent dies (no-op off Linux)."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os.kill(os.getpid(), sig)
+
+
+def _child_setup() -> None:
+    os.setsid()
+    set_pdeathsig(signal.SIGKILL)
+
+
+def spawn(cmd: Sequence[str], env: dict[str, str] | None = None, log_path: str | None = None,
+          cwd: str | None = None) -> subprocess.Popen:
+    """Start a child in its own session that is SIGKILLed when this process (thread) dies."""
+    out = open(log_path, "ab") if log_path else subprocess.DEVNULL
+    try:
+        return subprocess.Popen(list(cmd), env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                preexec_fn=_child_setup, cwd=cwd, close_fds=True)
+    finally:
+        if log_path:
+            out.close()  # type: ignore[union-attr]
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 5.0) -> int | None:
+    """SIGTERM the child's process group, SIGKILL it after grace_s; return the exit code."""
+    if proc.poll() is not None:
+        _kill_group(proc.pid, signal.SIGKILL)  # grandchildren may outlive it
+        return proc.returncode
+    _kill_group(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    _kill_group(proc.pid, signal.SIGKILL)
+    try:
+        return proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _kill_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        pass
+
+
+def wait_for_file(path: str, timeout_s: float, proc: subprocess.Popen | None = None) -> str:
+    """Wait until `path` exists and is non-empty (a child's ready file); fail early if the child died."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if os.path.exists(path) and os.path.getsize(path) > 0:
+            with open(path, encoding="utf-8") as fh:
+                return fh.read().strip()
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"child pid {proc.pid} exited with {proc.returncode} before writing {path}")
+        time.sleep(0.02)
+    raise TimeoutError(f"{path} did not appear within {timeout_s:g} s")
+
+
+def write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    os.replace(tmp, path)

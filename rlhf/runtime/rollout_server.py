@@ -1,0 +1,151 @@
+"""Rollout server: the native engine behind the sglang-compatible HTTP API (DESIGN.md §3).
+
+    python -m rlhf.runtime.rollout_server --run-dir D --rank R --config D/config.yaml --ready-file F
+    (token in the RLHF_TOKEN environment variable, never on the command line)
+
+sglang paths and fields: /generate, /update_weights_from_disk, /release_memory_occupation,
+/resume_memory_occupation, /health, /health_generate, /abort_request, /model_info; our
+extensions: /update_weights_from_meta (pull a version from the MetaServer), /events
+(colocation), /weights_checksum. In colocated mode /generate needs the device lease.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from typing import Any
+
+from rlhf.runtime.colocation import DeviceBusy, DeviceLease
+from rlhf.runtime.http import DEFAULT_HOST, Client, Service, serve_forever
+from rlhf.runtime.metaserver import pull_weights
+from rlhf.runtime.procs import set_pdeathsig, write_atomic
+
+log = logging.getLogger("rlhf.rollout_server")
+
+
+class RolloutServer:
+    def __init__(self, engine: Any, rank: int, token: str, resilience: str = "hardened",
+                 lease: DeviceLease | None = None, lease_timeout_s: float = 30.0) -> None:
+        self.engine, self.rank, self.token = engine, rank, token
+        self.lease, self.lease_timeout_s = lease, lease_timeout_s
+        self.service = Service("rollout", rank, token, resilience)
+        r = self.service.route
+        r("/generate", self.generate)
+        r("/update_weights_from_disk", self.update_weights_from_disk)
+        r("/update_weights_from_meta", self.update_weights_from_meta)
+        r("/release_memory_occupation", self.release_memory)
+        r("/resume_memory_occupation", self.resume_memory)
+        r("/events", self.events)
+        r("/abort_request", lambda a, t: {"aborted": 0}, inline=True)
+        r("/health", lambda a, t: {"ok": True, "weight_version": self.engine.weight_version}, method="GET", inline=True)
+        r("/health_generate", self.health_generate, method="GET")
+        r("/model_info", self.model_info, method="GET", inline=True)
+        r("/weights_checksum", lambda a, t: {"checksum": self.engine.weights_checksum(),
+                                             "weight_version": self.engine.weight_version}, method="GET")
+
+    def generate(self, args: dict, tensors: dict) -> Any:
+        if self.lease is not None and not self.lease.held:
+            raise DeviceBusy(f"rollout server {self.rank}: generate without the device lease "
+                             f"(device {self.lease.device} belongs to the colocated train rank)")
+        input_ids = args["input_ids"]
+        single = bool(input_ids) and isinstance(input_ids[0], int)
+        out = self.engine.generate([input_ids] if single else input_ids, args.get("sampling_params"),
+                                   bool(args.get("return_logprob", False)))
+        return out[0] if single and len(out) == 1 else out
+
+    def update_weights_from_disk(self, args: dict, tensors: dict) -> dict:
+        version = str(args.get("weight_version", self.engine.weight_version))
+        self.engine.update_weights_from_disk(args["model_path"], version)
+        return {"success": True, "message": f"loaded {args['model_path']}", "weight_version": version}
+
+    async def update_weights_from_meta(self, args: dict, tensors: dict) -> dict:
+        version = str(args["weight_version"])
+        client = Client(args["metaserver_url"], self.token)
+        try:
+            weights = await pull_weights(client, version, float(args.get("wait_s", 60)), float(args.get("timeout_s", 600)))
+        finally:
+            await client.close()
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self.service.executor, self.engine.update_weights_from_tensors, weights, version)
+        return {"success": True, "weight_version": version, "tensors": len(weights)}
+
+    def release_memory(self, args: dict, tensors: dict) -> dict:
+        if self.lease is not None:
+            self.lease.release()
+        return {"success": True}
+
+    def resume_memory(self, args: dict, tensors: dict) -> dict:
+        if self.lease is not None:
+            self.lease.acquire(float(args.get("timeout_s", self.lease_timeout_s)))
+        return {"success": True}
+
+    def events(self, args: dict, tensors: dict) -> dict:
+        event = args.get("event")
+        if event == "rollout_start":
+            self.resume_memory(args, tensors)
+        elif event == "rollout_end":
+            self.release_memory(args, tensors)
+        elif event not in ("train_start", "train_end"):
+            raise ValueError(f"unknown event {event!r}; valid: rollout_start, rollout_end, train_start, train_end")
+        return {"event": event, "ack": True, "step": args.get("step")}
+
+    def health_generate(self, args: dict, tensors: dict) -> dict:
+        if self.lease is not None and not self.lease.held:
+            return {"ok": True, "skipped": "device lease held by the train side"}
+        self.engine.generate([[self.engine.eos_token_id or 1]], {"max_new_tokens": 1})
+        return {"ok": True}
+
+    def model_info(self, args: dict, tensors: dict) -> dict:
+        cfg = self.engine.model.config
+        return {"model_path": getattr(cfg, "_name_or_path", ""), "is_generation": True,
+                "model_type": cfg.model_type, "weight_version": self.engine.weight_version}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--config", required=True, help="resolved run config YAML")
+    parser.add_argument("--ready-file", required=True, help="written with the URL once listening")
+    parser.add_argument("--host", default=DEFAULT_HOST)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--colocate", action="store_true", help="generate only while holding device <rank>'s lease")
+    args = parser.parse_args(argv)
+    set_pdeathsig()
+    token = os.environ.get("RLHF_TOKEN")
+    if not token:
+        parser.error("RLHF_TOKEN is not set (the run token is passed in the environment)")
+
+    import torch
+
+    from rlhf.config import build_config
+    from rlhf.models import build_model_and_tokenizer
+    from rlhf.rollout.engine import RolloutEngine
+    from rlhf.run_dir import setup_logging
+
+    setup_logging(args.run_dir, "rollout", args.rank, console=False)
+    torch.set_num_threads(int(os.environ.get("RLHF_ROLLOUT_THREADS", "1")))
+    cfg = build_config(config_file=args.config)
+    model, tok = build_model_and_tokenizer(cfg.model, seed=cfg.seed)
+    seed = (cfg.rollout.seed if cfg.rollout.seed >= 0 else cfg.seed + 17) + 1000 * args.rank
+    engine = RolloutEngine(model, tok, seed=seed)
+    lease = DeviceLease(args.run_dir, args.rank, f"rollout-{args.rank}") if args.colocate else None
+    server = RolloutServer(engine, args.rank, token, cfg.runtime.resilience, lease, cfg.runtime.lease_timeout_s)
+
+    def ready(port: int) -> None:
+        url = f"http://{args.host}:{port}"
+        write_atomic(args.ready_file, url)
+        log.info("rollout server %d listening on %s (pid %d, colocate=%s)", args.rank, url, os.getpid(), args.colocate)
+
+    try:
+        asyncio.run(serve_forever(server.service, args.host, args.port, ready))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""Rollout server as a real process over HTTP, with the MetaServer relaying weights."""
+
+import asyncio
+import os
+import sys
+
+import pytest
+
+from rlhf.config import build_config
+from rlhf.data import encode_prompts
+from rlhf.rollout.engine import RolloutEngine
+from rlhf.runtime.colocation import DeviceLease
+from rlhf.runtime.errors import HTTPStatusError, RemoteError
+from rlhf.runtime.http import Client, LoopThread
+from rlhf.runtime.metaserver import MetaServer
+from rlhf.runtime.procs import spawn, stop_group, wait_for_file
+from rlhf.weights import checksum, export_state, to_safetensors_bytes
+from tests.conftest import ROOT, diverse_model
+
+TOKEN = "t0k3n"
+
+
+@pytest.fixture()
+def rollout_server(tmp_path):
+    procs = []
+
+    def start(colocate=False, rank=0):
+        cfg = build_config("smoke")
+        (tmp_path / "config.yaml").write_text(cfg.to_yaml())
+        ready = tmp_path / f"ready-{rank}"
+        cmd = [sys.executable, "-m", "rlhf.runtime.rollout_server", "--run-dir", str(tmp_path), "--rank", str(rank),
+               "--config", str(tmp_path / "config.yaml"), "--ready-file", str(ready)] + ["--colocate"] * colocate
+        proc = spawn(cmd, env={**os.environ, "RLHF_TOKEN": TOKEN, "PYTHONPATH": ROOT}, cwd=ROOT,
+                     log_path=str(tmp_path / f"rollout-{rank}.out"))
+        procs.append(proc)
+        return wait_for_file(str(ready), 120, proc), proc
+
+    loop = LoopThread()
+    yield start, loop, tmp_path
+    for p in procs:
+        stop_group(p)
+    loop.close()
+
+
+def _publish(meta_url, model, version, loop, shards=2):
+    """Upload a model's weights to the MetaServer as `shards` shards, the way train ranks do."""
+    client = Client(meta_url, TOKEN)
+    state = export_state(model)
+    names = sorted(state)
+
+    async def go():
+        await client.call("/versions", {"version": version, "shards": shards})
+        for s in range(shards):
+            part = {n: state[n] for n in names[s::shards]}
+            async with (await client.session()).put(f"{meta_url}/weights/{version}/rank{s}",
+                                                    data=to_safetensors_bytes(part),
+                                                    headers={"X-RLHF-Token": TOKEN}) as resp:
+                assert resp.status == 200, await resp.text()
+        await client.close()
+
+    loop.run(go())
+
+
+def test_weights_via_metaserver_then_generate_matches_in_process_engine(rollout_server):
+    start, loop, _ = rollout_server
+    url, _ = start()
+    meta = MetaServer(TOKEN)
+    meta_url = meta.start()
+    try:
+        model, tok = diverse_model("tiny-llama", seed=8)
+        client = Client(url, TOKEN)
+        for version in ("1", "2"):
+            if version == "2":
+                model, tok = diverse_model("tiny-llama", seed=9)
+            _publish(meta_url, model, version, loop)
+            reply, _ = loop.run(client.call("/update_weights_from_meta",
+                                            {"metaserver_url": meta_url, "weight_version": version, "wait_s": 10}))
+            assert reply["success"] and reply["weight_version"] == version
+            got, _ = loop.run(client.call("/weights_checksum", method="GET"))
+            assert got == {"checksum": checksum(export_state(model)), "weight_version": version}
+        prompts = encode_prompts(tok, ["1+2=", "40+41=", "7+7="])
+        params = {"max_new_tokens": 5, "temperature": 0.0}
+        remote, _ = loop.run(client.call("/generate", {"input_ids": prompts, "sampling_params": params,
+                                                       "return_logprob": True}))
+        local = RolloutEngine(model, tok).generate(prompts, params, return_logprob=True)
+        assert [r["output_ids"] for r in remote] == [r["output_ids"] for r in local]
+        assert all(r["meta_info"]["weight_version"] == "2" for r in remote)
+        info, _ = loop.run(client.call("/model_info", method="GET"))
+        assert info["model_type"] == "llama" and info["weight_version"] == "2"
+    finally:
+        meta.stop()
+
+
+def test_meta_update_fails_when_a_shard_never_arrives(rollout_server):
+    start, loop, _ = rollout_server
+    url, _ = start()
+    meta = MetaServer(TOKEN)
+    meta_url = meta.start()
+    try:
+        loop.run(Client(meta_url, TOKEN).call("/versions", {"version": "5", "shards": 2}))
+        with pytest.raises(RemoteError) as err:
+            loop.run(Client(url, TOKEN).call("/update_weights_from_meta",
+                                              {"metaserver_url": meta_url, "weight_version": "5", "wait_s": 0.5}))
+        assert err.value.info.error_class == "HTTPStatusError" and "504" in err.value.info.message
+        assert err.value.info.role == "rollout"
+    finally:
+        meta.stop()
+
+
+ROLLOUT_ENDPOINTS = [("POST", "/generate"), ("POST", "/update_weights_from_disk"), ("POST", "/update_weights_from_meta"),
+                     ("POST", "/release_memory_occupation"), ("POST", "/resume_memory_occupation"), ("POST", "/events"),
+                     ("POST", "/abort_request"), ("GET", "/health"), ("GET", "/health_generate"), ("GET", "/model_info"),
+                     ("GET", "/weights_checksum")]
+META_ENDPOINTS = [("POST", "/versions"), ("PUT", "/weights/1/rank0"), ("GET", "/weights/1/manifest"),
+                  ("GET", "/weights/1/rank0"), ("DELETE", "/weights/1"), ("GET", "/health")]
+
+
+def test_every_endpoint_rejects_a_request_without_the_token(rollout_server):
+    start, loop, _ = rollout_server
+    url, _ = start()
+    meta = MetaServer(TOKEN)
+    meta_url = meta.start()
+
+    async def statuses(base, endpoints, token):
+        client = Client(base, token)
+        out = []
+        for method, path in endpoints:
+            try:
+                await client.call(path, {}, method=method, timeout_s=10)
+                out.append(200)
+            except HTTPStatusError as e:
+                out.append(e.status)
+            except RemoteError:
+                out.append(500)
+        await client.close()
+        return out
+
+    try:
+        assert loop.run(statuses(url, ROLLOUT_ENDPOINTS, "")) == [401] * len(ROLLOUT_ENDPOINTS)
+        assert loop.run(statuses(meta_url, META_ENDPOINTS, "nope")) == [401] * len(META_ENDPOINTS)
+        assert loop.run(statuses(url, [("GET", "/health")], TOKEN)) == [200]
+    finally:
+        meta.stop()
+
+
+def test_colocated_server_cannot_generate_without_the_device_lease(rollout_server):
+    start, loop, run_dir = rollout_server
+    url, _ = start(colocate=True)
+    client = Client(url, TOKEN)
+    req = {"input_ids": [[1, 5, 6]], "sampling_params": {"max_new_tokens": 2}}
+    with pytest.raises(RemoteError) as err:
+        loop.run(client.call("/generate", req))
+    assert err.value.info.error_class == "DeviceBusy" and "lease" in err.value.info.message
+    train_side = DeviceLease(str(run_dir), 0, "train-0")
+    train_side.acquire(0)  # the colocated train rank holds device 0
+    try:
+        with pytest.raises(RemoteError) as err:
+            loop.run(client.call("/events", {"event": "rollout_start", "timeout_s": 0.3}))
+        assert "out of memory" in err.value.info.message
+    finally:
+        train_side.release()
+    ack, _ = loop.run(client.call("/events", {"event": "rollout_start", "step": 1}))
+    assert ack == {"event": "rollout_start", "ack": True, "step": 1}
+    out, _ = loop.run(client.call("/generate", req))
+    assert len(out) == 1 and len(out[0]["output_ids"]) >= 1
+    loop.run(client.call("/events", {"event": "rollout_end"}))
+    train_side.acquire(0)  # rollout_end gave the device back: the train side gets it at once
+    assert train_side.held
+    train_side.release()
