@@ -1,0 +1,210 @@
+"""Scheduler service: starts, lists and stops jobs; stops them all when the controller's lease lapses.
+
+    python -m rlhf.runtime.scheduler --run-dir D --ready-file F --lease-s 10   (token in RLHF_TOKEN)
+
+    POST   /jobs        {name, role, command: [...], env: {...}, colocate_with}  -> {name, pid}
+    GET    /jobs        every job with its state
+    GET    /jobs/<name> one job
+    DELETE /jobs/<name> stop it (SIGTERM to its process group, SIGKILL after a grace period)
+    POST   /lease       the controller's heartbeat
+    GET    /health
+
+Jobs are started from the event-loop (main) thread with PDEATHSIG, so they die with the
+scheduler; the scheduler dies with the controller (PDEATHSIG too) and, should the controller
+hang instead, stops every job once `lease_s` passes without a heartbeat. No orphans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from rlhf.runtime.http import DEFAULT_HOST, Client, LoopThread, Service, serve_forever
+from rlhf.runtime.procs import set_pdeathsig, spawn, stop_group, wait_for_file, write_atomic
+
+log = logging.getLogger("rlhf.scheduler")
+
+
+@dataclass
+class Job:
+    name: str
+    role: str
+    command: list[str]
+    env: dict[str, str]
+    colocate_with: str = ""
+    proc: Any = None
+    started_at: float = field(default_factory=time.time)
+    stopped: bool = False
+
+    def describe(self) -> dict[str, Any]:
+        code = self.proc.poll() if self.proc is not None else None
+        state = "stopped" if self.stopped else ("running" if code is None else f"exited({code})")
+        return {"name": self.name, "role": self.role, "pid": self.proc.pid if self.proc else None, "state": state,
+                "colocate_with": self.colocate_with, "started_at": self.started_at}
+
+
+class Scheduler:
+    def __init__(self, run_dir: str, token: str, lease_s: float) -> None:
+        self.run_dir, self.lease_s = run_dir, lease_s
+        self.jobs: dict[str, Job] = {}
+        self.last_renewal = time.monotonic()
+        self.service = Service("scheduler", 0, token)
+        app = self.service.app
+        app.router.add_post("/jobs", self._submit)
+        app.router.add_get("/jobs", self._list)
+        app.router.add_get("/jobs/{name}", self._get)
+        app.router.add_delete("/jobs/{name}", self._cancel)
+        app.router.add_post("/lease", self._renew)
+        app.router.add_get("/health", self._health)
+
+    async def _submit(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        name = body["name"]
+        if name in self.jobs and self.jobs[name].describe()["state"] == "running":
+            return web.json_response({"error": f"job {name!r} is already running"}, status=409)
+        job = Job(name, body.get("role", ""), list(body["command"]), dict(body.get("env") or {}),
+                  body.get("colocate_with", ""))
+        os.makedirs(os.path.join(self.run_dir, "logs"), exist_ok=True)
+        job.proc = spawn(job.command, env={**os.environ, **job.env},
+                         log_path=os.path.join(self.run_dir, "logs", f"{name}.stdout"))
+        self.jobs[name] = job
+        log.info("started job %s (role %s) pid %d", name, job.role, job.proc.pid)
+        return web.json_response(job.describe())
+
+    async def _list(self, request: web.Request) -> web.Response:
+        return web.json_response([j.describe() for j in self.jobs.values()])
+
+    def _job(self, request: web.Request) -> Job:
+        name = request.match_info["name"]
+        if name not in self.jobs:
+            raise web.HTTPNotFound(text=f"no job {name!r} (jobs: {sorted(self.jobs)})")
+        return self.jobs[name]
+
+    async def _get(self, request: web.Request) -> web.Response:
+        return web.json_response(self._job(request).describe())
+
+    async def _cancel(self, request: web.Request) -> web.Response:
+        job = self._job(request)
+        code = await asyncio.get_running_loop().run_in_executor(None, stop_group, job.proc)
+        job.stopped = True
+        log.info("stopped job %s (exit %s)", job.name, code)
+        return web.json_response(job.describe())
+
+    async def _renew(self, request: web.Request) -> web.Response:
+        self.last_renewal = time.monotonic()
+        return web.json_response({"lease_s": self.lease_s})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "jobs": len(self.jobs), "lease_age_s": time.monotonic() - self.last_renewal})
+
+    def stop_all(self, reason: str) -> None:
+        for job in self.jobs.values():
+            if not job.stopped and job.proc is not None:
+                log.warning("stopping job %s: %s", job.name, reason)
+                stop_group(job.proc, grace_s=2.0)
+                job.stopped = True
+
+    async def watch_lease(self) -> None:
+        while True:
+            await asyncio.sleep(min(0.5, self.lease_s / 4))
+            if time.monotonic() - self.last_renewal > self.lease_s:
+                log.error("controller lease lapsed (%.1f s without renewal): stopping every job", self.lease_s)
+                self.stop_all("lease lapsed")
+                os._exit(3)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--ready-file", required=True)
+    parser.add_argument("--lease-s", type=float, default=10.0)
+    parser.add_argument("--host", default=DEFAULT_HOST)
+    args = parser.parse_args(argv)
+    set_pdeathsig()
+    token = os.environ.get("RLHF_TOKEN")
+    if not token:
+        parser.error("RLHF_TOKEN is not set")
+    from rlhf.run_dir import setup_logging
+
+    setup_logging(args.run_dir, "scheduler", 0, console=False)
+    scheduler = Scheduler(args.run_dir, token, args.lease_s)
+
+    def on_term(signum: int, frame: Any) -> None:
+        scheduler.stop_all(f"scheduler got signal {signum}")
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+
+    async def run() -> None:
+        watcher = asyncio.create_task(scheduler.watch_lease())
+
+        def ready(port: int) -> None:
+            write_atomic(args.ready_file, f"http://{args.host}:{port}")
+            log.info("scheduler listening on port %d (pid %d, lease %.1f s)", port, os.getpid(), args.lease_s)
+
+        try:
+            await serve_forever(scheduler.service, args.host, 0, ready)
+        finally:
+            watcher.cancel()
+
+    try:
+        asyncio.run(run())
+    finally:
+        scheduler.stop_all("scheduler exiting")
+    return 0
+
+
+class SchedulerClient:
+    """The controller's handle: starts the scheduler process, renews its lease, submits/stops jobs."""
+
+    def __init__(self, run_dir: str, token: str, lease_s: float, startup_timeout_s: float, loop: LoopThread) -> None:
+        self.run_dir, self.token, self.lease_s, self.loop = run_dir, token, lease_s, loop
+        ready = os.path.join(run_dir, "scheduler.url")
+        if os.path.exists(ready):
+            os.remove(ready)
+        self.proc = spawn([sys.executable, "-m", "rlhf.runtime.scheduler", "--run-dir", run_dir, "--ready-file", ready,
+                           "--lease-s", str(lease_s)],
+                          env={**os.environ, "RLHF_TOKEN": token},
+                          log_path=os.path.join(run_dir, "logs", "scheduler.stdout"))
+        self.url = wait_for_file(ready, startup_timeout_s, self.proc)
+        self.client = Client(self.url, token)
+        self._renewer: asyncio.Future | None = asyncio.run_coroutine_threadsafe(self._renew_forever(), loop.loop)  # type: ignore[assignment]
+
+    async def _renew_forever(self) -> None:
+        while True:
+            try:
+                await self.client.call("/lease", {}, timeout_s=self.lease_s / 2)
+            except (ConnectionError, TimeoutError, RuntimeError) as exc:
+                log.warning("scheduler lease renewal failed: %s", exc)
+            await asyncio.sleep(self.lease_s / 4)
+
+    def submit(self, name: str, role: str, command: list[str], env: dict[str, str], colocate_with: str = "") -> dict:
+        return self.loop.run(self.client.call("/jobs", {"name": name, "role": role, "command": command, "env": env,
+                                                        "colocate_with": colocate_with}))[0]
+
+    def jobs(self) -> list[dict]:
+        return self.loop.run(self.client.call("/jobs", method="GET"))[0]
+
+    async def stop_job(self, name: str, timeout_s: float, step: int = -1) -> dict:
+        return (await self.client.call(f"/jobs/{name}", method="DELETE", timeout_s=timeout_s, stage="cleanup",
+                                       step=step))[0]
+
+    def close(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
+            self._renewer = None
+        stop_group(self.proc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Scheduler service: jobs start and stop, the lease reaps them, nothing outlives its parent."""
+
+import os
+import signal
+import sys
+import time
+
+import psutil
+import pytest
+
+from rlhf.runtime.errors import HTTPStatusError
+from rlhf.runtime.http import Client, LoopThread
+from rlhf.runtime.scheduler import SchedulerClient
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
+
+
+def _gone(pid, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture()
+def scheduler(tmp_path):
+    os.makedirs(tmp_path / "logs", exist_ok=True)
+    loop = LoopThread()
+    made = []
+
+    def make(lease_s=5.0):
+        s = SchedulerClient(str(tmp_path), "tok", lease_s, 60, loop)
+        made.append(s)
+        return s
+
+    yield make, loop
+    for s in made:
+        s.close()
+    loop.close()
+
+
+def test_submit_list_cancel(scheduler):
+    make, loop = scheduler
+    s = make()
+    job = s.submit("sleeper-0", "test", SLEEPER, {"X": "1"})
+    assert job["state"] == "running" and psutil.pid_exists(job["pid"])
+    assert [j["name"] for j in s.jobs()] == ["sleeper-0"]
+    stopped = loop.run(s.stop_job("sleeper-0", timeout_s=15))
+    assert stopped["state"] == "stopped" and _gone(job["pid"])
+
+
+def test_lapsed_lease_stops_every_job(scheduler):
+    make, loop = scheduler
+    s = make(lease_s=1.0)
+    pids = [s.submit(f"sleeper-{i}", "test", SLEEPER, {})["pid"] for i in range(2)]
+    s._renewer.cancel()  # the controller hangs: no more heartbeats
+    assert all(_gone(pid, 10) for pid in pids)
+    assert _gone(s.proc.pid, 10)  # the scheduler exits too
+
+
+def test_jobs_die_with_a_killed_scheduler(scheduler):
+    make, loop = scheduler
+    s = make()
+    pid = s.submit("sleeper", "test", SLEEPER, {})["pid"]
+    os.kill(s.proc.pid, signal.SIGKILL)
+    assert _gone(pid, 10)
+
+
+def test_scheduler_rejects_requests_without_the_token(scheduler):
+    make, loop = scheduler
+    s = make()
+    for method, path in [("POST", "/jobs"), ("GET", "/jobs"), ("GET", "/jobs/x"), ("DELETE", "/jobs/x"),
+                         ("POST", "/lease"), ("GET", "/health")]:
+        with pytest.raises(HTTPStatusError) as err:
+            loop.run(Client(s.url, "wrong").call(path, {"name": "x", "command": SLEEPER}, method=method))
+        assert err.value.status == 401, path
+    assert s.jobs() == []
