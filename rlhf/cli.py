@@ -15,9 +15,11 @@ from rlhf.cli_args import make_parser, parse_config
 from rlhf.run_dir import default_run_dir, make_run_dir, setup_logging, write_json
 
 GRPO_DESCRIPTION = """GRPO on the embedded default: tiny Llama (~0.8M params, random init), 2-operand addition,
-CPU, no downloads. SFT warm start until held-out accuracy enters sft.band_low..band_high, eval,
-GRPO steps, eval. Writes <run-dir>/steps.csv, summary.json, config.yaml and logs/; prints the
-summary JSON as the last line."""
+CPU, no downloads. Under torchrun every rank is an SPMD train worker and rank 0 also runs the
+controller; rollout servers run as jobs of a scheduler process. SFT warm start until held-out
+accuracy enters sft.band_low..band_high, eval, GRPO steps, eval. Writes <run-dir>/steps.csv,
+summary.json, config.yaml, logs/<role>-<rank>.log and checkpoints/; prints the summary JSON as
+the last line. Run the same command again to resume from the newest checkpoint."""
 
 SFT_DESCRIPTION = """The SFT baseline: supervised fine-tuning on the same train engine for --steps steps
 (sft.max_steps), then greedy eval. Writes <run-dir>/steps.csv and summary.json; prints the
@@ -34,11 +36,9 @@ def _prepare(cfg, role: str) -> str:
 
 def grpo_main(argv: list[str] | None = None, prog: str = "grpo_trainer.py") -> int:
     cfg, _ = parse_config(argv, make_parser(prog, GRPO_DESCRIPTION))
-    run_dir = _prepare(cfg, "trainer")
-    from rlhf.trainers.grpo import GRPOTrainer
+    from rlhf.runtime.launch import print_summary, run
 
-    summary = GRPOTrainer(cfg, run_dir).run()
-    print(json.dumps(summary), flush=True)
+    print_summary(run(cfg))
     return 0
 
 

@@ -35,8 +35,26 @@ LOG_FORMAT = "%(asctime)s.%(msecs)03d %(role)s-%(rank)s %(levelname)s %(name)s: 
 DATE_FORMAT = "%Y-%m-%dT%H:%M:%S"
 
 
-def setup_logging(run_dir: str | None, role: str, rank: int = 0, console: bool = True) -> logging.Logger:
-    """Log lines with timestamp, role and rank to <run_dir>/logs/<role>-<rank>.log (+ stderr)."""
+class _Route(logging.Filter):
+    """Keep (or drop) records whose logger name starts with one of `prefixes`."""
+
+    def __init__(self, prefixes: tuple[str, ...], keep: bool) -> None:
+        super().__init__()
+        self.prefixes, self.keep = prefixes, keep
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.name.startswith(self.prefixes) == self.keep
+
+
+def setup_logging(run_dir: str | None, role: str, rank: int = 0, console: bool = True,
+                  routes: dict[tuple[str, ...], tuple[str, int]] | None = None,
+                  console_prefixes: tuple[str, ...] | None = None) -> logging.Logger:
+    """Log lines with timestamp, role and rank to <run_dir>/logs/<role>-<rank>.log (+ stderr).
+
+    `routes` sends loggers by name prefix to another role's file, for a process that plays two
+    roles (rank 0 is the controller and train worker 0): {("rlhf.controller",): ("controller", 0)}.
+    `console_prefixes` limits what reaches stderr.
+    """
     root = logging.getLogger("rlhf")
     root.setLevel(logging.INFO)
     root.propagate = False
@@ -44,17 +62,33 @@ def setup_logging(run_dir: str | None, role: str, rank: int = 0, console: bool =
         root.removeHandler(handler)
         handler.close()
     fmt = logging.Formatter(LOG_FORMAT, DATE_FORMAT)
-    context = _Context(role, rank)
+    routes = routes or {}
+    routed = tuple(p for prefixes in routes for p in prefixes)
+
+    def file_handler(r: str, k: int, filt: logging.Filter | None) -> None:
+        fh = logging.FileHandler(os.path.join(run_dir, "logs", f"{r}-{k}.log"))  # type: ignore[arg-type]
+        fh.setFormatter(fmt)
+        fh.addFilter(_Context(r, k))
+        if filt is not None:
+            fh.addFilter(filt)
+        root.addHandler(fh)
+
     if run_dir:
         os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
-        fh = logging.FileHandler(os.path.join(run_dir, "logs", f"{role}-{rank}.log"))
-        fh.setFormatter(fmt)
-        fh.addFilter(context)
-        root.addHandler(fh)
+        file_handler(role, rank, _Route(routed, keep=False) if routed else None)
+        for prefixes, (r, k) in routes.items():
+            file_handler(r, k, _Route(prefixes, keep=True))
     if console:
         sh = logging.StreamHandler(sys.stderr)
         sh.setFormatter(fmt)
-        sh.addFilter(context)
+        for prefixes, (r, k) in routes.items():
+            if console_prefixes and set(prefixes) & set(console_prefixes):
+                sh.addFilter(_Context(r, k))
+                break
+        else:
+            sh.addFilter(_Context(role, rank))
+        if console_prefixes:
+            sh.addFilter(_Route(console_prefixes, keep=True))
         root.addHandler(sh)
     return root
 

@@ -193,6 +193,14 @@ class LoopThread:
     def run(self, coro: Awaitable, timeout: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)  # type: ignore[arg-type]
 
+    def gather(self, *coros: Awaitable, return_exceptions: bool = False) -> list:
+        """Run coroutines concurrently on the loop; the gather itself is made inside the loop."""
+
+        async def _all() -> list:
+            return list(await asyncio.gather(*coros, return_exceptions=return_exceptions))
+
+        return self.run(_all())
+
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)

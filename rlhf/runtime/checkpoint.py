@@ -1,0 +1,178 @@
+"""Parity checkpoints: latest_recover_save into alternating latest_odd / latest_even slots, and
+periodic_recover_save into periodic/step_<N>. Everything is safetensors + JSON (no pickle).
+
+A slot holds model.safetensors, optimizer.safetensors + optimizer.json, rng-rank<r>.safetensors +
+rng-rank<r>.json, and meta.json (step, controller state, sha256 of every file) written last.
+`hardened` writes into a temporary folder, fsyncs, and renames it into place, so a slot is
+either the old one or the new one; `faithful` writes the files in place, as the seeds' system
+did, so a crash or a full disk mid-save leaves a partial slot that is only noticed when read.
+Resume takes the newest slot whose meta.json is complete and whose checksums verify, falling
+back to the other slot.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import random
+import shutil
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from rlhf.weights import export_state, import_state
+
+META = "meta.json"
+
+
+def slot_for_step(step: int) -> str:
+    return "latest_odd" if step % 2 else "latest_even"
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """AdamW state as named tensors + JSON (param groups, scalar state)."""
+    state = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, Any] = {}
+    for idx, st in state["state"].items():
+        for key, value in st.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{idx}.{key}"] = value.detach().contiguous().cpu()
+            else:
+                scalars[f"{idx}.{key}"] = value
+    return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
+
+
+def load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    state: dict[int, dict[str, Any]] = {}
+    for name, value in tensors.items():
+        idx, key = name.split(".", 1)
+        state.setdefault(int(idx), {})[key] = value
+    for name, value in meta["scalars"].items():
+        idx, key = name.split(".", 1)
+        state.setdefault(int(idx), {})[key] = value
+    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    py = random.getstate()
+    return {"torch": torch.get_rng_state()}, {"python": [py[0], list(py[1]), py[2]]}
+
+
+def set_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    torch.set_rng_state(tensors["torch"])
+    v, internal, gauss = meta["python"]
+    random.setstate((v, tuple(internal), gauss))
+
+
+def write_rank_files(directory: str, rank: int, model: torch.nn.Module | None, optimizer: Any, fsync: bool,
+                     write_hook: Any = None) -> dict[str, str]:
+    """Write this rank's files into `directory`; rank 0 also writes model and optimizer. Returns sha256 by file."""
+    os.makedirs(directory, exist_ok=True)
+    written: dict[str, str] = {}
+
+    def put_tensors(name: str, tensors: dict[str, torch.Tensor]) -> None:
+        path = os.path.join(directory, name)
+        if write_hook is not None:
+            write_hook(path)
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, path)
+        if fsync:
+            _fsync_file(path)
+        written[name] = _sha256(path)
+
+    def put_json(name: str, data: Any) -> None:
+        path = os.path.join(directory, name)
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(data, fh)
+            if fsync:
+                fh.flush()
+                os.fsync(fh.fileno())
+        written[name] = _sha256(path)
+
+    if rank == 0 and model is not None:
+        put_tensors("model.safetensors", export_state(model))
+        opt_tensors, opt_meta = optimizer_tensors(optimizer)
+        put_tensors("optimizer.safetensors", opt_tensors or {"empty": torch.zeros(0)})
+        put_json("optimizer.json", opt_meta)
+    rng_tensors, rng_meta = rng_state()
+    put_tensors(f"rng-rank{rank}.safetensors", rng_tensors)
+    put_json(f"rng-rank{rank}.json", rng_meta)
+    return written
+
+
+def finish_slot(checkpoints: str, slot: str, staging: str, meta: dict[str, Any], atomic: bool) -> str:
+    """Write meta.json (last) and, when atomic, move the staging folder into place."""
+    with open(os.path.join(staging, META), "w", encoding="utf-8") as fh:
+        json.dump(meta, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    final = os.path.join(checkpoints, slot)
+    if atomic and staging != final:
+        old = final + ".old"
+        if os.path.exists(final):
+            os.replace(final, old)
+        os.replace(staging, final)
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def verify_slot(path: str, check_sums: bool) -> dict[str, Any] | None:
+    """meta.json of a complete slot (with files matching their checksums when asked), else None."""
+    try:
+        with open(os.path.join(path, META), encoding="utf-8") as fh:
+            meta = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    if not meta.get("complete"):
+        return None
+    if check_sums:
+        for name, digest in meta.get("files", {}).items():
+            file = os.path.join(path, name)
+            if not os.path.exists(file) or _sha256(file) != digest:
+                return None
+    return meta
+
+
+def newest_checkpoint(checkpoints: str, check_sums: bool = True) -> tuple[str, dict[str, Any]] | None:
+    """The newest valid checkpoint among latest_odd, latest_even and periodic/step_*."""
+    candidates = [os.path.join(checkpoints, s) for s in ("latest_odd", "latest_even")]
+    candidates += glob.glob(os.path.join(checkpoints, "periodic", "step_*"))
+    best: tuple[str, dict[str, Any]] | None = None
+    for path in candidates:
+        meta = verify_slot(path, check_sums)
+        if meta is not None and (best is None or meta["step"] > best[1]["step"]):
+            best = (path, meta)
+    return best
+
+
+def load_rank_files(path: str, rank: int, model: torch.nn.Module, optimizer: Any) -> None:
+    import_state(model, load_file(os.path.join(path, "model.safetensors")))
+    if optimizer is not None:
+        with open(os.path.join(path, "optimizer.json"), encoding="utf-8") as fh:
+            opt_meta = json.load(fh)
+        opt_tensors = load_file(os.path.join(path, "optimizer.safetensors"))
+        opt_tensors.pop("empty", None)
+        load_optimizer(optimizer, opt_tensors, opt_meta)
+    rng_file = os.path.join(path, f"rng-rank{rank}.safetensors")
+    if os.path.exists(rng_file):
+        with open(os.path.join(path, f"rng-rank{rank}.json"), encoding="utf-8") as fh:
+            set_rng_state(load_file(rng_file), json.load(fh))

@@ -1,0 +1,86 @@
+"""torch.distributed for the SPMD train workers: init (gloo on CPU, nccl on GPU), the data-parallel
+hooks the train engine needs, and a rendezvous for small strings through the c10d store.
+
+`python examples/grpo_trainer.py` without torchrun is world size 1: we fill in the torchrun
+environment for one local process so the same code path runs.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+
+
+def init_distributed(device: str = "cpu", timeout_s: float = 1800.0) -> DistInfo:
+    """Join the torchrun world (or make a world of one). gloo on CPU, nccl when device is cuda."""
+    if "RANK" not in os.environ:
+        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": str(_free_port())})
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise RuntimeError("model.device is cuda but torch sees no CUDA device; use --model.device cpu")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), backend)
+
+
+def store() -> dist.Store:
+    """The c10d key-value store of the world (raw bytes; no pickling)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def publish(key: str, value: str) -> None:
+    store().set(f"rlhf/{key}", value.encode())
+
+
+def fetch(key: str) -> str:
+    return store().get(f"rlhf/{key}").decode()
+
+
+class GlooDataParallel:
+    """The train engine's DataParallel hooks over the default process group."""
+
+    def __init__(self) -> None:
+        self.world_size = dist.get_world_size()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out
+
+    def all_reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        """Sum gradients over ranks in one flat buffer (the loss is already globally normalised)."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        offset = 0
+        for p, g in zip(params, grads):
+            n = g.numel()
+            p.grad = flat[offset : offset + n].view_as(p).clone()
+            offset += n
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

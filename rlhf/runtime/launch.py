@@ -1,0 +1,81 @@
+"""Per-rank entry of the distributed runtime (what examples/grpo_trainer.py runs on every rank).
+
+Rank 0 makes the run token and the run directory, publishes them in the c10d store, starts its
+TrainWorker's RPC server and then runs the Controller; every other rank starts its TrainWorker
+and serves until the controller says /shutdown. torchrun (or, without it, a world of one)
+provides the ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import signal
+from typing import Any
+
+import torch
+
+from rlhf.config import Config
+from rlhf.run_dir import default_run_dir, make_run_dir, setup_logging
+from rlhf.runtime.dist import fetch, init_distributed, publish, shutdown_distributed
+from rlhf.runtime.http import ServiceThread
+
+log = logging.getLogger("rlhf.launch")
+
+CONTROLLER_LOGGERS = ("rlhf.controller", "rlhf.metaserver", "rlhf.launch")
+
+
+def run(cfg: Config) -> dict[str, Any] | None:
+    info = init_distributed(cfg.model.device)
+    rank, world = info.rank, info.world_size
+    if rank == 0:
+        token = secrets.token_hex(16)
+        run_dir = os.path.abspath(cfg.run_dir or default_run_dir())
+        publish("token", token)
+        publish("run_dir", run_dir)
+    else:
+        token, run_dir = fetch("token"), fetch("run_dir")
+    make_run_dir(run_dir)
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    if rank == 0:
+        with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as fh:
+            fh.write(cfg.to_yaml())
+        setup_logging(run_dir, "train", 0, routes={CONTROLLER_LOGGERS: ("controller", 0)},
+                      console_prefixes=CONTROLLER_LOGGERS)
+    else:
+        setup_logging(run_dir, "train", rank, console=False)
+
+    from rlhf.runtime.train_worker import TrainWorker
+
+    worker = TrainWorker(cfg, run_dir, rank, world, token)
+    server = ServiceThread(worker.service)
+    server.start()
+    publish(f"worker/{rank}", server.url)
+    logging.getLogger("rlhf.train_worker").info("train worker %d/%d serving on %s (pid %d)", rank, world,
+                                                server.url, os.getpid())
+    summary = None
+    try:
+        if rank == 0:
+            from rlhf.runtime.controller import Controller
+
+            urls = [fetch(f"worker/{r}") for r in range(world)]
+            log.info("run %s: %d train ranks (%s), %d rollout servers, weights %s, resilience %s%s", run_dir, world,
+                     info.backend, cfg.rollout.servers, cfg.weights.mode, cfg.runtime.resilience,
+                     ", colocated" if cfg.runtime.colocate else "")
+            summary = Controller(cfg, run_dir, urls, token).run()
+        else:
+            signal.signal(signal.SIGTERM, lambda *_: worker.shutdown.set())
+            while not worker.shutdown.wait(0.5):
+                pass
+    finally:
+        server.stop()
+        worker.close()
+        shutdown_distributed()
+    return summary
+
+
+def print_summary(summary: dict[str, Any] | None) -> None:
+    if summary is not None:
+        print(json.dumps(summary), flush=True)

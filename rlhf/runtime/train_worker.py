@@ -1,0 +1,177 @@
+"""TrainWorker: one per torchrun rank (SPMD), an RPC server the controller drives.
+
+Endpoints, one per method: /health, /sft_warm_start, /begin_grpo, /compute_logprobs,
+/train_step, /upload_weights, /save_weights_dir, /save, /load, /events, /shutdown.
+Every rank holds the full model (data parallel); gradients are summed with gloo (nccl on GPU)
+inside /train_step, so the controller must call /train_step on every rank of a step — the SPMD
+contract. Calls are served one at a time, in arrival order, on one worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+
+from rlhf.config import Config
+from rlhf.models import build_model_and_tokenizer
+from rlhf.runtime import checkpoint as ckpt
+from rlhf.runtime.colocation import DeviceLease
+from rlhf.runtime.dist import GlooDataParallel
+from rlhf.runtime.http import Client, Service
+from rlhf.tasks import build_task, reward_fn
+from rlhf.train.engine import TrainEngine
+from rlhf.trainers.sft import run_sft
+from rlhf.weights import export_state, import_state, save_state_dir, to_safetensors_bytes
+
+log = logging.getLogger("rlhf.train_worker")
+
+
+def shard_names(names: list[str], rank: int, world_size: int) -> list[str]:
+    """Which parameters rank `rank` uploads: every world_size-th name (a stand-in for TP/PP shards)."""
+    return sorted(names)[rank::world_size]
+
+
+class TrainWorker:
+    def __init__(self, cfg: Config, run_dir: str, rank: int, world_size: int, token: str) -> None:
+        self.cfg, self.run_dir, self.rank, self.world_size, self.token = cfg, run_dir, rank, world_size, token
+        self.dp = GlooDataParallel()
+        self.model, self.tokenizer = build_model_and_tokenizer(cfg.model, seed=cfg.seed)
+        self.engine: TrainEngine | None = None
+        self.shutdown = threading.Event()
+        self.lease = DeviceLease(run_dir, rank, f"train-{rank}") if cfg.runtime.colocate else None
+        if self.lease is not None:
+            self.lease.acquire(cfg.runtime.lease_timeout_s)
+        self.service = Service("train", rank, token, cfg.runtime.resilience)
+        for name in ("sft_warm_start", "begin_grpo", "compute_logprobs", "train_step", "upload_weights",
+                     "save_weights_dir", "save", "load", "events"):
+            self.service.route(f"/{name}", getattr(self, name))
+        self.service.route("/health", lambda a, t: {"ok": True, "rank": self.rank, "pid": os.getpid()},
+                           method="GET", inline=True)
+        self.service.route("/shutdown", lambda a, t: self.shutdown.set() or {"ok": True}, inline=True)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _require_device(self, what: str) -> None:
+        if self.lease is not None and not self.lease.held:
+            self.lease.acquire(self.cfg.runtime.lease_timeout_s)  # waits for rollout_end's release
+            log.info("train-%d: device lease reacquired for %s", self.rank, what)
+
+    def _engine(self) -> TrainEngine:
+        if self.engine is None:
+            raise RuntimeError("train worker: GRPO engine not ready (call /begin_grpo first)")
+        return self.engine
+
+    # ------------------------------------------------------------------ endpoints
+
+    def sft_warm_start(self, args: dict, tensors: dict) -> dict:
+        self._require_device("sft")
+        cfg = self.cfg
+        per_rank = slice(self.rank, None, self.world_size)
+        result = run_sft(cfg, self.model, self.tokenizer, build_task(cfg.task), reward_fn(cfg.task.reward),
+                         dp=self.dp, examples_per_rank=per_rank)
+        return result
+
+    def begin_grpo(self, args: dict, tensors: dict) -> dict:
+        """GRPO engine with the current weights as KL reference; `reference` tensors override it (resume)."""
+        cfg = self.cfg
+        self.engine = TrainEngine(self.model, cfg.train, cfg.algorithm, temperature=cfg.rollout.temperature or 1.0,
+                                  keep_reference=cfg.algorithm.kl_coef > 0, dp=self.dp)
+        ref_path = os.path.join(self.run_dir, "checkpoints", "reference", "model.safetensors")
+        if args.get("load_reference") and self.engine.reference is not None:
+            from safetensors.torch import load_file
+
+            import_state(self.engine.reference, load_file(ref_path))
+        elif self.rank == 0 and self.engine.reference is not None and args.get("save_reference", True):
+            os.makedirs(os.path.dirname(ref_path), exist_ok=True)
+            tmp = ref_path + ".tmp"
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in export_state(self.engine.reference).items()}, tmp)
+            os.replace(tmp, ref_path)
+        return {"ok": True}
+
+    def compute_logprobs(self, args: dict, tensors: dict) -> tuple[dict, dict]:
+        self._require_device("compute_logprobs")
+        which = args.get("which", "reference")
+        out = self._engine().compute_logprobs(tensors, which)
+        return {"which": which, "rows": int(out.shape[0])}, {"logprobs": out}
+
+    def train_step(self, args: dict, tensors: dict) -> dict:
+        self._require_device("train_step")
+        t0 = time.perf_counter()
+        metrics = self._engine().train_step(tensors)
+        metrics["train_seconds"] = time.perf_counter() - t0
+        metrics["rank"] = self.rank
+        return metrics
+
+    def upload_weights(self, args: dict, tensors: dict) -> dict:
+        """PUT this rank's shard of the weights to the MetaServer as version args['version']."""
+        state = export_state(self.model)
+        names = shard_names(list(state), self.rank, self.world_size)
+        body = to_safetensors_bytes({n: state[n] for n in names})
+        url = f"{args['metaserver_url']}/weights/{args['version']}/rank{self.rank}"
+        t0 = time.perf_counter()
+
+        async def put() -> None:
+            client = Client(args["metaserver_url"], self.token)
+            try:
+                session = await client.session()
+                import aiohttp
+
+                async with session.put(url, data=body, headers={"X-RLHF-Token": self.token},
+                                       timeout=aiohttp.ClientTimeout(total=float(args.get("timeout_s", 600)))) as resp:
+                    if resp.status != 200:
+                        raise RuntimeError(f"metaserver refused shard rank{self.rank}: HTTP {resp.status} "
+                                           f"{(await resp.text())[:200]}")
+            finally:
+                await client.close()
+
+        asyncio.run(put())
+        return {"rank": self.rank, "tensors": len(names), "bytes": len(body), "seconds": time.perf_counter() - t0}
+
+    def save_weights_dir(self, args: dict, tensors: dict) -> dict:
+        """Disk mode: rank 0 writes an HF safetensors directory the rollout servers load."""
+        if self.rank == 0:
+            path = args["path"]
+            tmp = path + ".tmp"
+            save_state_dir(self.model, tmp, self.tokenizer)
+            if os.path.exists(path):
+                import shutil
+
+                shutil.rmtree(path)
+            os.replace(tmp, path)
+        return {"rank": self.rank, "path": args["path"]}
+
+    def save(self, args: dict, tensors: dict) -> dict:
+        """Write this rank's checkpoint files into args['directory'] (staging or the slot itself)."""
+        engine = self._engine()
+        t0 = time.perf_counter()
+        files = ckpt.write_rank_files(args["directory"], self.rank, self.model, engine.optimizer,
+                                      fsync=bool(args.get("fsync", True)))
+        return {"rank": self.rank, "files": files, "seconds": time.perf_counter() - t0}
+
+    def load(self, args: dict, tensors: dict) -> dict:
+        engine = self._engine()
+        ckpt.load_rank_files(args["path"], self.rank, self.model, engine.optimizer)
+        engine.optimizer_steps = int(args.get("optimizer_steps", engine.optimizer_steps))
+        return {"rank": self.rank, "loaded": args["path"]}
+
+    def events(self, args: dict, tensors: dict) -> dict:
+        event = args.get("event")
+        if self.lease is not None:
+            if event == "rollout_start":
+                self.lease.release()  # CPU stand-in for offloading params and optimizer state
+            elif event == "rollout_end":
+                self.lease.acquire(self.cfg.runtime.lease_timeout_s)
+        return {"event": event, "ack": True, "rank": self.rank}
+
+    def close(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+
