@@ -236,6 +236,8 @@ class WeightsConfig:
     """Timeout of one train rank's upload of its shard, seconds."""
     update_timeout_s: float = 600.0
     """Timeout of one rollout server's weights update (waiting for all shards included), seconds."""
+    verify: bool = True
+    """After each weights update, check every rollout server's weight_version and weights checksum against the trainer's."""
 
     def __post_init__(self) -> None:
         _choice("weights.mode", self.mode, ["meta", "disk"])

@@ -68,9 +68,9 @@ def setup_logging(run_dir: str | None, role: str, rank: int = 0, console: bool =
     def file_handler(r: str, k: int, filt: logging.Filter | None) -> None:
         fh = logging.FileHandler(os.path.join(run_dir, "logs", f"{r}-{k}.log"))  # type: ignore[arg-type]
         fh.setFormatter(fmt)
-        fh.addFilter(_Context(r, k))
         if filt is not None:
-            fh.addFilter(filt)
+            fh.addFilter(filt)  # route first, so only the accepting handler stamps role and rank
+        fh.addFilter(_Context(r, k))
         root.addHandler(fh)
 
     if run_dir:
@@ -81,14 +81,10 @@ def setup_logging(run_dir: str | None, role: str, rank: int = 0, console: bool =
     if console:
         sh = logging.StreamHandler(sys.stderr)
         sh.setFormatter(fmt)
-        for prefixes, (r, k) in routes.items():
-            if console_prefixes and set(prefixes) & set(console_prefixes):
-                sh.addFilter(_Context(r, k))
-                break
-        else:
-            sh.addFilter(_Context(role, rank))
         if console_prefixes:
             sh.addFilter(_Route(console_prefixes, keep=True))
+        if not run_dir:
+            sh.addFilter(_Context(role, rank))  # otherwise the file handlers stamped the record
         root.addHandler(sh)
     return root
 

@@ -30,9 +30,9 @@ def test_grpo_trainer_writes_steps_summary_and_prints_it_last(tmp_path):
     rows = list(csv.DictReader((run_dir / "steps.csv").open()))
     assert [r["step"] for r in rows] == ["1", "2", "3"]
     assert all(float(r["rollout_s"]) > 0 and float(r["train_s"]) > 0 for r in rows)
-    log = (run_dir / "logs" / "trainer-0.log").read_text().splitlines()
+    log = (run_dir / "logs" / "controller-0.log").read_text().splitlines()
     assert any("step 3/3 reward" in line for line in log)
-    assert all(" trainer-0 " in line for line in log)
+    assert all(" controller-0 " in line for line in log)
     assert "group_size: 4" in (run_dir / "config.yaml").read_text()
 
 

@@ -51,8 +51,13 @@ STEP_COLUMNS = [
     "step", "seconds", "reward_mean", "reward_std", "equal_reward_groups", "kl", "clip_fraction", "entropy",
     "response_length", "loss", "grad_norm", "ratio_mean", "rollout_tokens", "rollout_tokens_per_s", "batch_size",
     "dp_imbalance", "weights_update_s", "events_s", "rollout_s", "reward_s", "reference_s", "advantage_s", "train_s",
-    "latest_recover_save_s", "periodic_recover_save_s", "upload_s_max", "update_s_max", "eval_accuracy",
+    "latest_recover_save_s", "periodic_recover_save_s", "upload_s_max", "update_s_max", "weights_verified",
+    "eval_accuracy",
 ]
+
+
+class WeightsMismatch(RuntimeError):
+    """A rollout server's weights or version differ from the trainer's after a weights update."""
 
 
 class WorkerGroup:
@@ -209,6 +214,8 @@ class Controller:
         row: dict[str, Any] = {"step": step}
         with clock.stage("weights_update"):
             row.update(self.weights_update(str(step), step))
+            if cfg.weights.verify:
+                row["weights_verified"] = self.verify_weights(str(step), step)
         with clock.stage("events"):
             self.notify("rollout_start", step)
         with clock.stage("rollout"):
@@ -297,6 +304,19 @@ class Controller:
         times = await asyncio.gather(*uploads, *updates)  # upload and update in parallel; wait for both sides
         n = len(uploads)
         return {"upload_s_max": max(times[:n]), "update_s_max": max(times[n:]) if times[n:] else 0.0}
+
+    def verify_weights(self, version: str, step: int) -> int:
+        """Every rollout server must report `version` and the trainer's checksum; returns 1 or raises."""
+        trainer = self.workers.call("weights_checksum", step=step, stage="weights_update")[0][0]
+        replies = self.loop.gather(*[c.call("/weights_checksum", method="GET", stage="weights_update", step=step)
+                                     for c in self.rollout])
+        wrong = [f"rollout-{r}: version {rep['weight_version']} checksum {rep['checksum'][:12]}"
+                 for r, (rep, _) in enumerate(replies)
+                 if rep["weight_version"] != version or rep["checksum"] != trainer["checksum"]]
+        if wrong:
+            raise WeightsMismatch(f"step {step}: trainer has version {version} checksum {trainer['checksum'][:12]}; "
+                                  + "; ".join(wrong))
+        return 1
 
     def notify(self, event: str, step: int) -> None:
         """Colocation events to train rank r and rollout server r (only when colocated)."""

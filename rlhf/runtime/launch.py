@@ -21,6 +21,7 @@ from rlhf.config import Config
 from rlhf.run_dir import default_run_dir, make_run_dir, setup_logging
 from rlhf.runtime.dist import fetch, init_distributed, publish, shutdown_distributed
 from rlhf.runtime.http import ServiceThread
+from rlhf.runtime.procs import set_pdeathsig
 
 log = logging.getLogger("rlhf.launch")
 
@@ -28,6 +29,8 @@ CONTROLLER_LOGGERS = ("rlhf.controller", "rlhf.metaserver", "rlhf.launch")
 
 
 def run(cfg: Config) -> dict[str, Any] | None:
+    if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:
+        set_pdeathsig()  # a rank never outlives its torchrun agent, however the agent ends
     info = init_distributed(cfg.model.device)
     rank, world = info.rank, info.world_size
     if rank == 0:
@@ -43,7 +46,7 @@ def run(cfg: Config) -> dict[str, Any] | None:
         with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as fh:
             fh.write(cfg.to_yaml())
         setup_logging(run_dir, "train", 0, routes={CONTROLLER_LOGGERS: ("controller", 0)},
-                      console_prefixes=CONTROLLER_LOGGERS)
+                      console_prefixes=CONTROLLER_LOGGERS + ("rlhf.sft",))
     else:
         setup_logging(run_dir, "train", rank, console=False)
 

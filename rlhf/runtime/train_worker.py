@@ -1,7 +1,8 @@
 """TrainWorker: one per torchrun rank (SPMD), an RPC server the controller drives.
 
 Endpoints, one per method: /health, /sft_warm_start, /begin_grpo, /compute_logprobs,
-/train_step, /upload_weights, /save_weights_dir, /save, /load, /events, /shutdown.
+/train_step, /upload_weights, /save_weights_dir, /save, /load, /events, /weights_checksum,
+/shutdown.
 Every rank holds the full model (data parallel); gradients are summed with gloo (nccl on GPU)
 inside /train_step, so the controller must call /train_step on every rank of a step — the SPMD
 contract. Calls are served one at a time, in arrival order, on one worker thread.
@@ -27,7 +28,7 @@ from rlhf.runtime.http import Client, Service
 from rlhf.tasks import build_task, reward_fn
 from rlhf.train.engine import TrainEngine
 from rlhf.trainers.sft import run_sft
-from rlhf.weights import export_state, import_state, save_state_dir, to_safetensors_bytes
+from rlhf.weights import checksum, export_state, import_state, save_state_dir, to_safetensors_bytes
 
 log = logging.getLogger("rlhf.train_worker")
 
@@ -53,6 +54,7 @@ class TrainWorker:
             self.service.route(f"/{name}", getattr(self, name))
         self.service.route("/health", lambda a, t: {"ok": True, "rank": self.rank, "pid": os.getpid()},
                            method="GET", inline=True)
+        self.service.route("/weights_checksum", lambda a, t: {"checksum": checksum(export_state(self.model))})
         self.service.route("/shutdown", lambda a, t: self.shutdown.set() or {"ok": True}, inline=True)
 
     # ------------------------------------------------------------------ helpers

@@ -14,10 +14,18 @@ from rlhf.models import build_model_and_tokenizer
 from rlhf.rollout.engine import RolloutEngine
 from rlhf.run_dir import StepsWriter
 from rlhf.tasks import build_task, reward_fn
-from rlhf.trainers.grpo import seed_everything
 from rlhf.trainers.sft import run_sft
 
 log = logging.getLogger("rlhf.sft")
+
+def seed_everything(seed: int) -> None:
+    import random
+
+    import torch
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+
 
 SFT_COLUMNS = ["step", "seconds", "loss", "grad_norm", "tokens", "val_accuracy"]
 
