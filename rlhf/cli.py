@@ -3,6 +3,7 @@
     rlhf grpo [flags]      GRPO: SFT warm start → eval → GRPO steps → eval (= examples/grpo_trainer.py)
     rlhf sft [flags]       the SFT baseline alone (= examples/sft_trainer.py)
     rlhf config [flags]    print the resolved config as YAML
+    rlhf trace RUN_DIR     a run's traces: per-step trees, errors, fault events; Jaeger / Perfetto files
 """
 
 from __future__ import annotations
@@ -65,7 +66,13 @@ def config_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-COMMANDS = {"grpo": grpo_main, "sft": sft_main, "config": config_main}
+def trace_main(argv: list[str] | None = None, prog: str = "rlhf trace") -> int:
+    from rlhf.tracing.cli import trace_main as run
+
+    return run(argv)
+
+
+COMMANDS = {"grpo": grpo_main, "sft": sft_main, "config": config_main, "trace": trace_main}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -290,6 +290,26 @@ class CheckpointConfig:
 
 
 @dataclass
+class TracingConfig:
+    enabled: bool = True
+    """OpenTelemetry spans in every process (off: the API's no-op tracer, nothing written)."""
+    file: bool = True
+    """Write spans as OTLP JSON lines to <run-dir>/traces/<role>-<rank>.jsonl (needs no server)."""
+    otlp_endpoint: str = ""
+    """Also send spans with OTLP over HTTP to this base URL (Jaeger: http://127.0.0.1:4318); empty = $OTEL_EXPORTER_OTLP_ENDPOINT if set."""
+    export_delay_ms: int = 500
+    """Batch span processor delay between exports, milliseconds (spans of a SIGKILLed process newer than this are lost)."""
+    metrics_interval_s: float = 1.0
+    """Resource sampler period (CPU, RSS, threads, fds, IO, GPU) into <run-dir>/metrics/<role>-<rank>.csv; 0 disables."""
+
+    def __post_init__(self) -> None:
+        _positive("tracing.export_delay_ms", self.export_delay_ms)
+        _positive("tracing.metrics_interval_s", self.metrics_interval_s, allow_zero=True)
+        if self.otlp_endpoint and not self.otlp_endpoint.startswith(("http://", "https://")):
+            raise ConfigError(f"tracing.otlp_endpoint: {self.otlp_endpoint!r} must start with http:// or https://")
+
+
+@dataclass
 class Config:
     """The whole run. Sections: model, task, rollout, train, algorithm, sft."""
 
@@ -310,6 +330,7 @@ class Config:
     weights: WeightsConfig = field(default_factory=WeightsConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
     def __post_init__(self) -> None:
         _positive("steps", self.steps, allow_zero=True)

@@ -24,17 +24,23 @@ STAGES = (
 
 
 class StageClock:
-    """Accumulates wall time per stage for one step: `with clock.stage("rollout"): ...`."""
+    """Wall time per stage for one step, each stage a span: `with clock.stage("rollout"): ...`."""
 
-    def __init__(self) -> None:
+    def __init__(self, step: int = -1) -> None:
+        self.step = step
         self.seconds: dict[str, float] = {}
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
+        from rlhf import tracing
+        from rlhf.tracing.metrics import ACTIVITY
+
         if name not in STAGES:
             raise ValueError(f"unknown stage {name!r}; canonical stages: {', '.join(STAGES)}")
+        ACTIVITY.set(name, self.step)
         start = time.perf_counter()
         try:
-            yield
+            with tracing.span(name, stage=name, step=self.step):
+                yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start

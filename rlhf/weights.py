@@ -62,7 +62,10 @@ def from_safetensors_bytes(data: bytes) -> dict[str, torch.Tensor]:
 
 def save_state_dir(model: torch.nn.Module, directory: str, tokenizer=None) -> None:
     """Write an HF model directory (config.json + model.safetensors [+ tokenizer])."""
+    from transformers.utils import logging as hf_logging
+
     os.makedirs(directory, exist_ok=True)
+    hf_logging.disable_progress_bar()  # a progress bar per save would flood the rank's log
     model.save_pretrained(directory, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)

@@ -21,6 +21,8 @@ import shutil
 from typing import Any
 
 import torch
+
+from rlhf import tracing
 from safetensors.torch import load_file, save_file
 
 from rlhf.weights import export_state, import_state
@@ -94,9 +96,11 @@ def write_rank_files(directory: str, rank: int, model: torch.nn.Module | None, o
         path = os.path.join(directory, name)
         if write_hook is not None:
             write_hook(path)
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, path)
+        with tracing.span("checkpoint.write", file=name):
+            save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, path)
         if fsync:
-            _fsync_file(path)
+            with tracing.span("checkpoint.fsync", file=name):
+                _fsync_file(path)
         written[name] = _sha256(path)
 
     def put_json(name: str, data: Any) -> None:

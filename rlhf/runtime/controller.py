@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from rlhf import tracing
 from rlhf.algorithms.grpo import group_advantages
 from rlhf.config import Config
 from rlhf.data import PromptSampler, build_rl_batch, encode_prompts
@@ -64,7 +65,7 @@ class WorkerGroup:
     """RPC clients for every train rank; `call` runs a method on all of them concurrently."""
 
     def __init__(self, urls: list[str], token: str, loop: LoopThread, timeout_s: float) -> None:
-        self.clients = [Client(u, token, timeout_s) for u in urls]
+        self.clients = [Client(u, token, timeout_s, peer=f"train-{r}") for r, u in enumerate(urls)]
         self.loop = loop
 
     def __len__(self) -> int:
@@ -113,9 +114,11 @@ class Controller:
         cfg = self.cfg
         start = time.perf_counter()
         try:
-            self.start_services()
-            resumed = self.resume_or_warm_start()
-            self.weights_update(self.version, step=self.start_step)
+            with tracing.span("startup", new_trace=True, world_size=len(self.workers),
+                              rollout_servers=cfg.rollout.servers):
+                self.start_services()
+                resumed = self.resume_or_warm_start()
+                self.weights_update(self.version, step=self.start_step)
             before = self.evaluate()
             log.info("eval accuracy %s: %.3f (%d problems, greedy)", "at resume" if resumed else "before GRPO",
                      before, len(self.task.split("eval")))
@@ -181,7 +184,8 @@ class Controller:
             self.scheduler.submit(f"rollout-{r}", "rollout", cmd, env, colocate_with=f"train-{r}" if cfg.runtime.colocate else "")
             ready_files.append(ready)
         urls = [wait_for_file(f, cfg.runtime.startup_timeout_s) for f in ready_files]
-        self.rollout = [Client(u, self.token, cfg.runtime.rollout_timeout_s) for u in urls]
+        self.rollout = [Client(u, self.token, cfg.runtime.rollout_timeout_s, peer=f"rollout-{r}")
+                        for r, u in enumerate(urls)]
         log.info("services up: metaserver %s, scheduler %s, %d rollout servers, %d train ranks",
                  self.metaserver_url, self.scheduler.url, len(urls), len(self.workers))
 
@@ -210,7 +214,11 @@ class Controller:
     # ------------------------------------------------------------------ one step
 
     def step(self, step: int) -> dict[str, Any]:
-        clock, t0, cfg = StageClock(), time.perf_counter(), self.cfg
+        with tracing.span("step", step=step, new_trace=True):
+            return self._step(step)
+
+    def _step(self, step: int) -> dict[str, Any]:
+        clock, t0, cfg = StageClock(step), time.perf_counter(), self.cfg
         row: dict[str, Any] = {"step": step}
         with clock.stage("weights_update"):
             row.update(self.weights_update(str(step), step))
@@ -280,7 +288,7 @@ class Controller:
 
     async def _weights_update_meta(self, version: str, step: int) -> dict[str, float]:
         cfg = self.cfg
-        meta = Client(self.metaserver_url, self.token)
+        meta = Client(self.metaserver_url, self.token, peer="metaserver-0")
         try:
             await meta.call("/versions", {"version": version, "shards": len(self.workers)}, stage="weights_update",
                             step=step)
@@ -403,6 +411,12 @@ class Controller:
 
     def evaluate(self) -> float:
         """Greedy accuracy on the eval split, spread over the rollout servers."""
+        with tracing.span("evaluate", new_trace=True) as sp:
+            accuracy = self._evaluate()
+            sp.set_attribute("rlhf.eval_accuracy", accuracy)
+            return accuracy
+
+    def _evaluate(self) -> float:
         examples = self.task.split("eval")
         prompt_ids = encode_prompts(self.tokenizer, [e.prompt for e in examples])
         chunks = _chunks(list(range(len(examples))), len(self.rollout))
@@ -430,6 +444,10 @@ class Controller:
 
     def cleanup(self) -> None:
         """Stop every job through the scheduler, then the services. Errors here are logged, never raised over the first."""
+        with tracing.span("cleanup", stage="cleanup", new_trace=True):
+            self._cleanup()
+
+    def _cleanup(self) -> None:
         errors: list[str] = []
         if self.scheduler is not None:
             async def stop_all() -> list[Any]:
@@ -447,7 +465,7 @@ class Controller:
         if self.metaserver is not None:
             self.metaserver.stop()
         try:
-            self.workers.call("shutdown", timeout_s=10)
+            self.workers.call("shutdown", timeout_s=10, stage="cleanup")
         except (RuntimeError, OSError, TimeoutError) as exc:
             errors.append(f"worker shutdown: {type(exc).__name__}: {exc}")
         for e in errors:
@@ -458,7 +476,7 @@ class Controller:
 
 
 async def _jobs(scheduler: SchedulerClient) -> list[dict]:
-    return (await scheduler.client.call("/jobs", method="GET"))[0]
+    return (await scheduler.client.call("/jobs", method="GET", stage="cleanup"))[0]
 
 
 _ROLLOUT_KEYS = ["sample_index", "prompt_ids", "output_ids", "logprobs", "num_tokens", "prompts", "answers",

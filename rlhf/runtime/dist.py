@@ -15,6 +15,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from rlhf import tracing
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -66,14 +68,16 @@ class GlooDataParallel:
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.clone()
-        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        with tracing.span("collective.all_reduce", what="count", numel=out.numel()):
+            dist.all_reduce(out, op=dist.ReduceOp.SUM)
         return out
 
     def all_reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """Sum gradients over ranks in one flat buffer (the loss is already globally normalised)."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        with tracing.span("collective.all_reduce", what="gradients", numel=flat.numel()):
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         offset = 0
         for p, g in zip(params, grads):
             n = g.numel()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import logging
 import threading
 from typing import Any, Awaitable, Callable
@@ -22,6 +23,7 @@ from typing import Any, Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
+from rlhf import tracing
 from rlhf.runtime import wire
 from rlhf.runtime.errors import ErrorInfo, HTTPStatusError, RemoteError, RpcConnectionError, RpcTimeout
 
@@ -42,8 +44,36 @@ class Service:
     def __init__(self, role: str, rank: int, token: str, resilience: str = "hardened") -> None:
         self.role, self.rank, self.token, self.resilience = role, rank, token, resilience
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{role}-{rank}")
-        self.app = web.Application(middlewares=[self._auth], client_max_size=1 << 34)
+        self.app = web.Application(middlewares=[self._trace, self._auth], client_max_size=1 << 34)
         self.stage, self.step = "", -1
+        self.untraced_paths: set[str] = set()
+
+    @web.middleware
+    async def _trace(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+        """A server span per request, child of the caller's span (W3C traceparent), in this service's role."""
+        from rlhf.tracing.metrics import ACTIVITY
+
+        if request.path in self.untraced_paths:
+            return await handler(request)
+        stage = request.headers.get(STAGE_HEADER, "")
+        step = _int(request.headers.get(STEP_HEADER, "-1"))
+        route = request.match_info.route.resource
+        name = f"{request.method} {route.canonical if route is not None else request.path}"
+        ACTIVITY.set(name, step)
+        with tracing.use_role(self.role, self.rank):
+            token = tracing.otel_context.attach(tracing.extract_context(request.headers))
+            try:
+                with tracing.span(name, stage=stage or None, step=step, kind=tracing.SpanKind.SERVER,
+                                  role=self.role, rank=self.rank, **{"http.request.method": request.method,
+                                                                     "url.path": request.path}) as sp:
+                    response = await handler(request)
+                    sp.set_attribute("http.response.status_code", response.status)
+                    if response.status >= 400 and response.status != 500:
+                        sp.set_status(tracing.Status(tracing.StatusCode.ERROR, f"HTTP {response.status}"))
+                    return response
+            finally:
+                tracing.otel_context.detach(token)
+                ACTIVITY.set("idle", step)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Callable) -> web.StreamResponse:
@@ -66,9 +96,11 @@ class Service:
                     result = fn(args or {}, tensors)
                 else:
                     call = lambda: fn(args or {}, tensors)  # noqa: E731
-                    result = await asyncio.get_running_loop().run_in_executor(self.executor, call)
+                    ctx = contextvars.copy_context()  # the server span and role follow the work onto the thread
+                    result = await asyncio.get_running_loop().run_in_executor(self.executor, ctx.run, call)
             except Exception as exc:  # every handler error becomes a reply; nothing is swallowed
                 info = ErrorInfo.from_exception(exc, self.role, self.rank, stage, step)
+                tracing.record_error(tracing.trace.get_current_span(), exc, info)
                 log.error("%s %s failed: %s: %s", method, path, info.error_class, info.message)
                 if self.resilience == "faithful":
                     return web.Response(status=500, text=BARE_500)
@@ -80,6 +112,13 @@ class Service:
             return web.Response(body=data, content_type=content_type.split(";")[0])
 
         self.app.router.add_route(method, path, handle)
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        return -1
 
 
 class ServiceThread:
@@ -132,8 +171,9 @@ async def serve_forever(service: Service, host: str, port: int, on_ready: Callab
 class Client:
     """Calls one service. Timeouts are per call; errors come back typed (RemoteError) when they can."""
 
-    def __init__(self, base_url: str, token: str, timeout_s: float = 60.0) -> None:
+    def __init__(self, base_url: str, token: str, timeout_s: float = 60.0, peer: str = "") -> None:
         self.base_url, self.token, self.timeout_s = base_url.rstrip("/"), token, timeout_s
+        self.peer = peer or self.base_url.split("//", 1)[-1]
         self._session: aiohttp.ClientSession | None = None
 
     async def session(self) -> aiohttp.ClientSession:
@@ -150,11 +190,22 @@ class Client:
         stage: str = "",
         step: int = -1,
         method: str = "POST",
+        traced: bool = True,
     ) -> tuple[Any, dict]:
+        """One request. traced=False skips the client span (lease renewals would flood the traces)."""
+        if not traced:
+            return await self._call(path, args, tensors, timeout_s, stage, step, method)
+        with tracing.span(f"{method} {path.split('?', 1)[0]}", stage=stage or None, step=step,
+                          kind=tracing.SpanKind.CLIENT, peer=self.peer, **{"server.address": self.base_url}):
+            return await self._call(path, args, tensors, timeout_s, stage, step, method)
+
+    async def _call(self, path: str, args: Any, tensors: dict | None, timeout_s: float | None, stage: str, step: int,
+                    method: str) -> tuple[Any, dict]:
         url = self.base_url + path
         timeout = self.timeout_s if timeout_s is None else timeout_s
         body, content_type = wire.encode(args, tensors)
         headers = {TOKEN_HEADER: self.token, "Content-Type": content_type, STAGE_HEADER: stage, STEP_HEADER: str(step)}
+        tracing.inject_headers(headers)
         session = await self.session()
         try:
             async with session.request(

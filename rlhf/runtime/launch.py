@@ -17,11 +17,14 @@ from typing import Any
 
 import torch
 
+from rlhf import tracing
 from rlhf.config import Config
 from rlhf.run_dir import default_run_dir, make_run_dir, setup_logging
 from rlhf.runtime.dist import fetch, init_distributed, publish, shutdown_distributed
 from rlhf.runtime.http import ServiceThread
 from rlhf.runtime.procs import set_pdeathsig
+from rlhf.tracing import metrics
+from rlhf.tracing.setup import stop_process_telemetry
 
 log = logging.getLogger("rlhf.launch")
 
@@ -49,6 +52,10 @@ def run(cfg: Config) -> dict[str, Any] | None:
                       console_prefixes=CONTROLLER_LOGGERS + ("rlhf.sft",))
     else:
         setup_logging(run_dir, "train", rank, console=False)
+    # spans: rank 0's main thread is the controller (its train worker and MetaServer set their own role
+    # per request); metrics: one file per process, named after its train rank
+    tracing.setup_tracing(run_dir, "controller" if rank == 0 else "train", rank, cfg.tracing)
+    metrics.start_sampler(run_dir, "train", rank, cfg.tracing.metrics_interval_s)
 
     from rlhf.runtime.train_worker import TrainWorker
 
@@ -76,6 +83,7 @@ def run(cfg: Config) -> dict[str, Any] | None:
         server.stop()
         worker.close()
         shutdown_distributed()
+        stop_process_telemetry()
     return summary
 
 

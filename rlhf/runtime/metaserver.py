@@ -26,10 +26,12 @@ from typing import Any
 
 from aiohttp import web
 
+from rlhf import tracing
 from rlhf.weights import tensor_bytes
 
 from rlhf.runtime import wire
-from rlhf.runtime.http import Service, ServiceThread
+from rlhf.runtime.errors import HTTPStatusError
+from rlhf.runtime.http import STAGE_HEADER, TOKEN_HEADER, Service, ServiceThread
 
 log = logging.getLogger("rlhf.metaserver")
 
@@ -90,11 +92,12 @@ class MetaServer:
         data = await request.read()
         if self.bytes_held() + len(data) > self.max_bytes:
             return web.Response(status=507, text=f"metaserver full: {self.bytes_held()} + {len(data)} > {self.max_bytes} bytes")
-        _, tensors = wire.decode(data, wire.TENSORS_TYPE)
-        for name, t in tensors.items():
-            raw = tensor_bytes(t)
-            v.entries[name] = {"shard": shard, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
-                               "bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+        with tracing.span("metaserver.put", shard=shard, bytes=len(data)):
+            _, tensors = wire.decode(data, wire.TENSORS_TYPE)
+            for name, t in tensors.items():
+                raw = tensor_bytes(t)
+                v.entries[name] = {"shard": shard, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
+                                   "bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
         v.shards[shard] = data
         if len(v.shards) >= v.expected_shards:
             v.complete.set()
@@ -104,7 +107,8 @@ class MetaServer:
         v = self._version(request)
         wait_s = float(request.query.get("wait_s", "0"))
         try:
-            await asyncio.wait_for(v.complete.wait(), timeout=wait_s)
+            with tracing.span("metaserver.wait_shards", expected=v.expected_shards, have=len(v.shards)):
+                await asyncio.wait_for(v.complete.wait(), timeout=wait_s)
         except asyncio.TimeoutError:
             return web.json_response(
                 {"error": "incomplete", "have": sorted(v.shards), "expected": v.expected_shards}, status=504)
@@ -125,6 +129,21 @@ class MetaServer:
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "versions": sorted(self.versions), "bytes": self.bytes_held()})
+
+
+async def push_shard(client: Any, version: str, shard: str, body: bytes, timeout_s: float) -> None:
+    """Train side of a meta-mode update: PUT one rank's safetensors shard."""
+    import aiohttp
+
+    session = await client.session()
+    url = f"{client.base_url}/weights/{version}/{shard}"
+    with tracing.span("PUT /weights/{version}/{shard}", stage="weights_update", kind=tracing.SpanKind.CLIENT,
+                      peer=client.peer, bytes=len(body)):
+        headers = tracing.inject_headers({TOKEN_HEADER: client.token, "Content-Type": wire.TENSORS_TYPE,
+                                          STAGE_HEADER: "weights_update"})
+        async with session.put(url, data=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            if resp.status != 200:
+                raise HTTPStatusError(resp.status, f"metaserver refused shard {shard}: {(await resp.text())[:200]}", url)
 
 
 async def pull_weights(client: Any, version: str, wait_s: float, timeout_s: float) -> dict:

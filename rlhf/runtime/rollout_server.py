@@ -15,13 +15,16 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 from typing import Any
 
+from rlhf import tracing
 from rlhf.runtime.colocation import DeviceBusy, DeviceLease
 from rlhf.runtime.http import DEFAULT_HOST, Client, Service, serve_forever
 from rlhf.runtime.metaserver import pull_weights
 from rlhf.runtime.procs import set_pdeathsig, write_atomic
+from rlhf.tracing.setup import start_process_telemetry, stop_process_telemetry
 
 log = logging.getLogger("rlhf.rollout_server")
 
@@ -52,24 +55,30 @@ class RolloutServer:
                              f"(device {self.lease.device} belongs to the colocated train rank)")
         input_ids = args["input_ids"]
         single = bool(input_ids) and isinstance(input_ids[0], int)
-        out = self.engine.generate([input_ids] if single else input_ids, args.get("sampling_params"),
-                                   bool(args.get("return_logprob", False)))
+        params = args.get("sampling_params") or {}
+        with tracing.span("generate", prompts=1 if single else len(input_ids), n=int(params.get("n", 1))) as sp:
+            before = self.engine.tokens_generated
+            out = self.engine.generate([input_ids] if single else input_ids, params,
+                                       bool(args.get("return_logprob", False)))
+            sp.set_attribute("rlhf.tokens", self.engine.tokens_generated - before)
         return out[0] if single and len(out) == 1 else out
 
     def update_weights_from_disk(self, args: dict, tensors: dict) -> dict:
         version = str(args.get("weight_version", self.engine.weight_version))
-        self.engine.update_weights_from_disk(args["model_path"], version)
+        with tracing.span("weights.load", source="disk", weight_version=version):
+            self.engine.update_weights_from_disk(args["model_path"], version)
         return {"success": True, "message": f"loaded {args['model_path']}", "weight_version": version}
 
     async def update_weights_from_meta(self, args: dict, tensors: dict) -> dict:
         version = str(args["weight_version"])
-        client = Client(args["metaserver_url"], self.token)
+        client = Client(args["metaserver_url"], self.token, peer="metaserver-0")
         try:
             weights = await pull_weights(client, version, float(args.get("wait_s", 60)), float(args.get("timeout_s", 600)))
         finally:
             await client.close()
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self.service.executor, self.engine.update_weights_from_tensors, weights, version)
+        with tracing.span("weights.load", source="metaserver", weight_version=version):
+            await loop.run_in_executor(self.service.executor, self.engine.update_weights_from_tensors, weights, version)
         return {"success": True, "weight_version": version, "tensors": len(weights)}
 
     def release_memory(self, args: dict, tensors: dict) -> dict:
@@ -129,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.run_dir, "rollout", args.rank, console=False)
     torch.set_num_threads(int(os.environ.get("RLHF_ROLLOUT_THREADS", "1")))
     cfg = build_config(config_file=args.config)
+    start_process_telemetry(args.run_dir, "rollout", args.rank, cfg.tracing)
     model, tok = build_model_and_tokenizer(cfg.model, seed=cfg.seed)
     seed = (cfg.rollout.seed if cfg.rollout.seed >= 0 else cfg.seed + 17) + 1000 * args.rank
     engine = RolloutEngine(model, tok, seed=seed)
@@ -140,11 +150,18 @@ def main(argv: list[str] | None = None) -> int:
         write_atomic(args.ready_file, url)
         log.info("rollout server %d listening on %s (pid %d, colocate=%s)", args.rank, url, os.getpid(), args.colocate)
 
+    signal.signal(signal.SIGTERM, _exit_on_signal)  # SystemExit unwinds the loop; atexit flushes the spans
     try:
         asyncio.run(serve_forever(server.service, args.host, args.port, ready))
     except KeyboardInterrupt:
         pass
+    finally:
+        stop_process_telemetry()
     return 0
+
+
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

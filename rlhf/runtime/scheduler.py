@@ -28,6 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
+from rlhf import tracing
 from rlhf.runtime.http import DEFAULT_HOST, Client, LoopThread, Service, serve_forever
 from rlhf.runtime.procs import set_pdeathsig, spawn, stop_group, wait_for_file, write_atomic
 
@@ -58,6 +59,7 @@ class Scheduler:
         self.jobs: dict[str, Job] = {}
         self.last_renewal = time.monotonic()
         self.service = Service("scheduler", 0, token)
+        self.service.untraced_paths.add("/lease")  # a heartbeat every few seconds; not worth a trace each
         app = self.service.app
         app.router.add_post("/jobs", self._submit)
         app.router.add_get("/jobs", self._list)
@@ -74,8 +76,10 @@ class Scheduler:
         job = Job(name, body.get("role", ""), list(body["command"]), dict(body.get("env") or {}),
                   body.get("colocate_with", ""))
         os.makedirs(os.path.join(self.run_dir, "logs"), exist_ok=True)
-        job.proc = spawn(job.command, env={**os.environ, **job.env},
-                         log_path=os.path.join(self.run_dir, "logs", f"{name}.stdout"))
+        with tracing.span("scheduler.start_job", job=name, job_role=job.role) as sp:
+            job.proc = spawn(job.command, env={**os.environ, **job.env},
+                             log_path=os.path.join(self.run_dir, "logs", f"{name}.stdout"))
+            sp.set_attribute("rlhf.job_pid", job.proc.pid)
         self.jobs[name] = job
         log.info("started job %s (role %s) pid %d", name, job.role, job.proc.pid)
         return web.json_response(job.describe())
@@ -94,7 +98,9 @@ class Scheduler:
 
     async def _cancel(self, request: web.Request) -> web.Response:
         job = self._job(request)
-        code = await asyncio.get_running_loop().run_in_executor(None, stop_group, job.proc)
+        with tracing.span("scheduler.stop_job", job=job.name, job_pid=job.proc.pid) as sp:
+            code = await asyncio.get_running_loop().run_in_executor(None, stop_group, job.proc)
+            sp.set_attribute("rlhf.exit_code", code if code is not None else -1)
         job.stopped = True
         log.info("stopped job %s (exit %s)", job.name, code)
         return web.json_response(job.describe())
@@ -119,6 +125,9 @@ class Scheduler:
             if time.monotonic() - self.last_renewal > self.lease_s:
                 log.error("controller lease lapsed (%.1f s without renewal): stopping every job", self.lease_s)
                 self.stop_all("lease lapsed")
+                from rlhf.tracing.setup import stop_process_telemetry
+
+                stop_process_telemetry()
                 os._exit(3)
 
 
@@ -135,11 +144,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("RLHF_TOKEN is not set")
     from rlhf.run_dir import setup_logging
 
+    from rlhf.tracing.setup import start_process_telemetry, stop_process_telemetry, tracing_config_of_run
+
     setup_logging(args.run_dir, "scheduler", 0, console=False)
+    start_process_telemetry(args.run_dir, "scheduler", 0, tracing_config_of_run(args.run_dir))
     scheduler = Scheduler(args.run_dir, token, args.lease_s)
 
     def on_term(signum: int, frame: Any) -> None:
         scheduler.stop_all(f"scheduler got signal {signum}")
+        stop_process_telemetry()
         os._exit(0)
 
     signal.signal(signal.SIGTERM, on_term)
@@ -161,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(run())
     finally:
         scheduler.stop_all("scheduler exiting")
+        stop_process_telemetry()
     return 0
 
 
@@ -177,13 +191,13 @@ class SchedulerClient:
                           env={**os.environ, "RLHF_TOKEN": token},
                           log_path=os.path.join(run_dir, "logs", "scheduler.stdout"))
         self.url = wait_for_file(ready, startup_timeout_s, self.proc)
-        self.client = Client(self.url, token)
+        self.client = Client(self.url, token, peer="scheduler-0")
         self._renewer: asyncio.Future | None = asyncio.run_coroutine_threadsafe(self._renew_forever(), loop.loop)  # type: ignore[assignment]
 
     async def _renew_forever(self) -> None:
         while True:
             try:
-                await self.client.call("/lease", {}, timeout_s=self.lease_s / 2)
+                await self.client.call("/lease", {}, timeout_s=self.lease_s / 2, traced=False)
             except (ConnectionError, TimeoutError, RuntimeError) as exc:
                 log.warning("scheduler lease renewal failed: %s", exc)
             await asyncio.sleep(self.lease_s / 4)

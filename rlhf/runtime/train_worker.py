@@ -19,12 +19,14 @@ from typing import Any
 
 import torch
 
+from rlhf import tracing
 from rlhf.config import Config
 from rlhf.models import build_model_and_tokenizer
 from rlhf.runtime import checkpoint as ckpt
 from rlhf.runtime.colocation import DeviceLease
 from rlhf.runtime.dist import GlooDataParallel
 from rlhf.runtime.http import Client, Service
+from rlhf.runtime.metaserver import push_shard
 from rlhf.tasks import build_task, reward_fn
 from rlhf.train.engine import TrainEngine
 from rlhf.trainers.sft import run_sft
@@ -114,23 +116,16 @@ class TrainWorker:
 
     def upload_weights(self, args: dict, tensors: dict) -> dict:
         """PUT this rank's shard of the weights to the MetaServer as version args['version']."""
-        state = export_state(self.model)
-        names = shard_names(list(state), self.rank, self.world_size)
-        body = to_safetensors_bytes({n: state[n] for n in names})
-        url = f"{args['metaserver_url']}/weights/{args['version']}/rank{self.rank}"
+        with tracing.span("weights.serialize"):
+            state = export_state(self.model)
+            names = shard_names(list(state), self.rank, self.world_size)
+            body = to_safetensors_bytes({n: state[n] for n in names})
         t0 = time.perf_counter()
 
         async def put() -> None:
-            client = Client(args["metaserver_url"], self.token)
+            client = Client(args["metaserver_url"], self.token, peer="metaserver-0")
             try:
-                session = await client.session()
-                import aiohttp
-
-                async with session.put(url, data=body, headers={"X-RLHF-Token": self.token},
-                                       timeout=aiohttp.ClientTimeout(total=float(args.get("timeout_s", 600)))) as resp:
-                    if resp.status != 200:
-                        raise RuntimeError(f"metaserver refused shard rank{self.rank}: HTTP {resp.status} "
-                                           f"{(await resp.text())[:200]}")
+                await push_shard(client, str(args["version"]), f"rank{self.rank}", body, float(args.get("timeout_s", 600)))
             finally:
                 await client.close()
 

@@ -19,6 +19,8 @@ import math
 from typing import Any, Callable, Protocol
 
 import torch
+
+from rlhf import tracing
 import torch.nn.functional as F
 
 from rlhf.algorithms import LOSSES
@@ -184,8 +186,10 @@ class TrainEngine:
                     part["response_mask"], self.algorithm, num_tokens, num_sequences, entropy,
                 )
 
-            all_metrics += self._accumulate(mini, loss_of, with_entropy=True)
-            grad_norms.append(self._optimizer_step())
+            with tracing.span("forward_backward", sequences=hi - lo):
+                all_metrics += self._accumulate(mini, loss_of, with_entropy=True)
+            with tracing.span("optimizer.step"):
+                grad_norms.append(self._optimizer_step())
         out = _weighted_mean(all_metrics)
         out["grad_norm"] = sum(grad_norms) / len(grad_norms)
         out["loss"] = sum(m["loss"] for m in all_metrics) / n_mini

@@ -1,0 +1,290 @@
+#!/usr/bin/env python
+"""Runtime costs: where a GRPO step's time goes, and what a weights update costs.
+
+Part `stages` runs the real system (torchrun, 2 train ranks, 2 rollout servers) for --steps
+steps per weights mode and prints the median seconds of every stage of a step (DESIGN.md §2)
+with its share of the step, read from the run's steps.csv. `--from-run DIR` reads an existing
+run directory instead of starting one.
+
+Part `bandwidth` moves the weights of --model (default `llama-25m`, ~100 MB fp32) the way a
+step does, with one process per train rank and per rollout server, and a MetaServer in this
+process as in the controller:
+
+  meta   every train rank serialises its shard and PUTs it to the MetaServer while every
+         rollout server already waits on the manifest, fetches all shards, checks sha256 and
+         loads them into its model; time = from the start signal until the last server loaded.
+  disk   rank 0 writes an HF safetensors directory (as `save_weights_dir`), then every rollout
+         server reads it and loads it into its model (as `/update_weights_from_disk`).
+  copy   a plain in-memory copy of the same bytes (param.copy_), one process: the floor.
+
+Rates are the model's bytes divided by the wall time (each server receives the whole model).
+
+    python benchmarks/runtime.py                                   # both parts
+    python benchmarks/runtime.py --part bandwidth --repeats 5
+    python benchmarks/runtime.py --part stages --steps 20 --modes meta,disk
+    python benchmarks/runtime.py --part stages --from-run runs/grpo-20261122-101500
+"""
+
+import argparse
+import asyncio
+import csv
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+
+STAGES = ["weights_update", "events", "rollout", "reward", "reference", "advantage", "train",
+          "latest_recover_save", "periodic_recover_save"]
+
+
+# ---------------------------------------------------------------------------- stages
+
+
+def stage_table(run_dir: str, skip: int) -> list[tuple[str, float, float]]:
+    with open(os.path.join(run_dir, "steps.csv")) as f:
+        rows = list(csv.DictReader(f))[skip:]
+    if not rows:
+        raise SystemExit(f"{run_dir}/steps.csv has no steps after skipping {skip}")
+    step = statistics.median(float(r["seconds"]) for r in rows)
+    out = []
+    for s in STAGES:
+        values = [float(r[f"{s}_s"]) for r in rows if r.get(f"{s}_s") not in (None, "")]
+        med = statistics.median(values) if values else 0.0
+        out.append((s, med, med / step if step else 0.0))
+    out.append(("step (median)", step, 1.0))
+    return out
+
+
+def run_stages(args: argparse.Namespace) -> None:
+    runs: list[tuple[str, str]] = []
+    if args.from_run:
+        runs = [(os.path.basename(os.path.normpath(args.from_run)), args.from_run)]
+    else:
+        base = tempfile.mkdtemp(prefix="rlhf-bench-runtime-")
+        for mode in args.modes.split(","):
+            run_dir = os.path.join(base, mode)
+            cmd = ["torchrun", "--nproc_per_node", str(args.ranks), "--master_port", "0", "--rdzv_backend", "c10d",
+                   "--rdzv_endpoint", "127.0.0.1:0", os.path.join(ROOT, "examples", "grpo_trainer.py"),
+                   "--run-dir", run_dir, "--steps", str(args.steps), "--rollout.servers", str(args.servers),
+                   "--weights.mode", mode, "--seed", str(args.seed)]
+            print(f"[stages] {mode}: {' '.join(cmd[4:])}", file=sys.stderr, flush=True)
+            t0 = time.perf_counter()
+            proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            if proc.returncode != 0:
+                raise SystemExit(f"run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+            print(f"[stages] {mode}: done in {time.perf_counter() - t0:.0f} s ({run_dir})", file=sys.stderr, flush=True)
+            runs.append((mode, run_dir))
+    tables = {name: stage_table(d, args.skip) for name, d in runs}
+    names = list(tables)
+    print(f"\nPer-stage time of a GRPO step, median over steps (first {args.skip} skipped), seconds and share of step\n")
+    print("| stage | " + " | ".join(f"{n} s | {n} %" for n in names) + " |")
+    print("|---|" + "---:|---:|" * len(names))
+    for i, (stage, _, _) in enumerate(tables[names[0]]):
+        cells = " | ".join(f"{tables[n][i][1]:.3f} | {100 * tables[n][i][2]:.1f}" for n in names)
+        print(f"| {stage} | {cells} |")
+    print("\n(stage medians need not add up to the step median; `events` is 0 unless --colocate)")
+
+
+# ---------------------------------------------------------------------------- bandwidth
+
+
+def _build(model_name: str, seed: int):
+    import torch
+
+    from rlhf.config import ModelConfig
+    from rlhf.models import build_model_and_tokenizer
+
+    torch.set_num_threads(1)
+    return build_model_and_tokenizer(ModelConfig(name=model_name), seed=seed)
+
+
+def _uploader(rank: int, world: int, model_name: str, url: str, token: str, repeats: int, barrier, results) -> None:
+    from rlhf.runtime.http import Client
+    from rlhf.runtime.metaserver import push_shard
+    from rlhf.runtime.train_worker import shard_names
+    from rlhf.weights import export_state, to_safetensors_bytes
+
+    model, _ = _build(model_name, seed=rank)
+
+    async def put(version: str) -> int:
+        client = Client(url, token)
+        try:
+            state = export_state(model)
+            body = to_safetensors_bytes({n: state[n] for n in shard_names(list(state), rank, world)})
+            await push_shard(client, version, f"rank{rank}", body, 600)
+            return len(body)
+        finally:
+            await client.close()
+
+    for i in range(repeats):
+        barrier.wait()
+        t0 = time.perf_counter()
+        nbytes = asyncio.run(put(f"r{i}"))
+        results.put(("upload", rank, time.perf_counter() - t0, nbytes))
+
+
+def _puller(rank: int, model_name: str, url: str, token: str, repeats: int, barrier, results) -> None:
+    from rlhf.runtime.http import Client
+    from rlhf.runtime.metaserver import pull_weights
+    from rlhf.weights import import_state
+
+    model, _ = _build(model_name, seed=100 + rank)
+
+    async def pull(version: str) -> None:
+        client = Client(url, token)
+        try:
+            import_state(model, await pull_weights(client, version, 600, 600))
+        finally:
+            await client.close()
+
+    for i in range(repeats):
+        barrier.wait()
+        t0 = time.perf_counter()
+        asyncio.run(pull(f"r{i}"))
+        results.put(("pull", rank, time.perf_counter() - t0, 0))
+
+
+def _disk_reader(rank: int, model_name: str, path: str, repeats: int, barrier, results) -> None:
+    from rlhf.weights import import_state, load_state_dir
+
+    model, _ = _build(model_name, seed=200 + rank)
+    for _ in range(repeats):
+        barrier.wait()
+        t0 = time.perf_counter()
+        import_state(model, load_state_dir(path))
+        results.put(("read", rank, time.perf_counter() - t0, 0))
+
+
+async def _open_version(url: str, token: str, version: str, shards: int) -> None:
+    from rlhf.runtime.http import Client
+
+    client = Client(url, token)
+    try:
+        await client.call("/versions", {"version": version, "shards": shards})
+    finally:
+        await client.close()
+
+
+def _collect(results, n: int) -> list[tuple]:
+    return [results.get(timeout=600) for _ in range(n)]
+
+
+def run_bandwidth(args: argparse.Namespace) -> None:
+    import torch
+
+    from rlhf.runtime.metaserver import MetaServer
+    from rlhf.weights import save_state_dir
+
+    ctx = mp.get_context("spawn")
+    model, tokenizer = _build(args.model, seed=0)
+    params = list(model.parameters())
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    mb = nbytes / 1e6
+    print(f"[bandwidth] {args.model}: {sum(p.numel() for p in params) / 1e6:.1f} M params, {mb:.1f} MB; "
+          f"{args.ranks} train ranks, {args.servers} rollout servers, {args.repeats} repeats", file=sys.stderr, flush=True)
+    rows: dict[str, list[float]] = {"copy": [], "meta": [], "meta upload (max rank)": [], "meta update (max server)": [],
+                                    "disk": [], "disk write (rank 0)": [], "disk read+load (max server)": []}
+
+    # copy: the same bytes, in memory
+    dst = [torch.empty_like(p) for p in params]
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for d, p in zip(dst, params):
+                d.copy_(p)
+        rows["copy"].append(time.perf_counter() - t0)
+
+    # meta
+    token = "bench-token"
+    server = MetaServer(token, max_versions=2, max_bytes=4 * nbytes + (64 << 20))
+    url = server.start()
+    barrier, results = ctx.Barrier(1 + args.ranks + args.servers), ctx.Queue()
+    procs = [ctx.Process(target=_uploader, args=(r, args.ranks, args.model, url, token, args.repeats, barrier, results))
+             for r in range(args.ranks)]
+    procs += [ctx.Process(target=_puller, args=(r, args.model, url, token, args.repeats, barrier, results))
+              for r in range(args.servers)]
+    try:
+        for p in procs:
+            p.start()
+        for i in range(args.repeats):
+            asyncio.run(_open_version(url, token, f"r{i}", args.ranks))
+            barrier.wait(timeout=300)
+            t0 = time.perf_counter()
+            got = _collect(results, args.ranks + args.servers)
+            rows["meta"].append(time.perf_counter() - t0)
+            rows["meta upload (max rank)"].append(max(g[2] for g in got if g[0] == "upload"))
+            rows["meta update (max server)"].append(max(g[2] for g in got if g[0] == "pull"))
+            print(f"[bandwidth] meta repeat {i + 1}/{args.repeats}: {rows['meta'][-1]:.2f} s", file=sys.stderr, flush=True)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+        server.stop()
+
+    # disk
+    tmp = tempfile.mkdtemp(prefix="rlhf-bench-disk-")
+    path = os.path.join(tmp, "latest")
+    barrier = ctx.Barrier(1 + args.servers)
+    procs = [ctx.Process(target=_disk_reader, args=(r, args.model, path, args.repeats, barrier, results))
+             for r in range(args.servers)]
+    try:
+        for p in procs:
+            p.start()
+        for i in range(args.repeats):
+            t0 = time.perf_counter()
+            shutil.rmtree(path, ignore_errors=True)
+            save_state_dir(model, path, tokenizer)
+            write = time.perf_counter() - t0
+            barrier.wait(timeout=300)
+            t1 = time.perf_counter()
+            got = _collect(results, args.servers)
+            rows["disk write (rank 0)"].append(write)
+            rows["disk read+load (max server)"].append(max(g[2] for g in got))
+            rows["disk"].append(write + time.perf_counter() - t1)
+            print(f"[bandwidth] disk repeat {i + 1}/{args.repeats}: {rows['disk'][-1]:.2f} s", file=sys.stderr, flush=True)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    print(f"\nWeights update of {args.model} ({mb:.1f} MB fp32), {args.ranks} train ranks -> {args.servers} rollout "
+          f"servers, median of {args.repeats}\n")
+    print("| path | seconds | MB/s per server | vs copy |")
+    print("|---|---:|---:|---:|")
+    floor = statistics.median(rows["copy"])
+    for name, values in rows.items():
+        med = statistics.median(values)
+        print(f"| {name} | {med:.3f} | {mb / med:,.0f} | {med / floor:.0f}x |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", choices=["all", "stages", "bandwidth"], default="all")
+    ap.add_argument("--model", default="llama-25m", help="model preset for the bandwidth part")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--ranks", type=int, default=2, help="train ranks (uploaders)")
+    ap.add_argument("--servers", type=int, default=2, help="rollout servers (pullers / readers)")
+    ap.add_argument("--steps", type=int, default=20, help="steps per run for the stages part")
+    ap.add_argument("--skip", type=int, default=2, help="first steps left out of the medians")
+    ap.add_argument("--modes", default="meta,disk", help="weights modes for the stages part")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--from-run", default="", help="read steps.csv of this run directory instead of running")
+    args = ap.parse_args()
+    if args.part in ("all", "bandwidth"):
+        run_bandwidth(args)
+    if args.part in ("all", "stages"):
+        run_stages(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""A resource sampler thread per process: <run-dir>/metrics/<role>-<rank>.csv at a fixed period.
+
+Columns: wall time, CPU % of this process (and its children, e.g. fault burners are separate
+processes and are sampled by their target's own file only if they are children), RSS, threads,
+open fds, cumulative IO bytes, the process's current activity (the heartbeat: what it is doing
+and since when), and GPU utilisation / memory through nvidia-ml-py when a GPU is present.
+Every row is flushed, so the file is current even when the process hangs or is killed.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import psutil
+
+log = logging.getLogger("rlhf.metrics")
+
+COLUMNS = ["time", "role", "rank", "pid", "cpu_percent", "rss_bytes", "threads", "open_fds", "io_read_bytes",
+           "io_write_bytes", "activity", "activity_step", "activity_age_s", "gpu_util_percent", "gpu_mem_used_bytes"]
+
+
+class Activity:
+    """What this process is doing now (the heartbeat). Set by stage spans and RPC handlers."""
+
+    def __init__(self) -> None:
+        self.name, self.step, self.since = "idle", -1, time.time()
+
+    def set(self, name: str, step: int = -1) -> None:
+        self.name, self.step, self.since = name, step, time.time()
+
+
+ACTIVITY = Activity()
+
+
+class _Gpu:
+    """nvidia-ml-py, imported lazily; absent or without a device it reports nothing."""
+
+    def __init__(self) -> None:
+        self.handle: Any = None
+        try:
+            import pynvml  # nvidia-ml-py
+
+            pynvml.nvmlInit()
+            index = int((os.environ.get("CUDA_VISIBLE_DEVICES") or os.environ.get("LOCAL_RANK") or "0").split(",")[0])
+            self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            self.nvml = pynvml
+        except Exception as exc:  # ImportError on CPU installs, NVMLError without a driver
+            log.debug("no GPU metrics: %s: %s", type(exc).__name__, exc)
+            self.handle = None
+
+    def sample(self) -> tuple[Any, Any]:
+        if self.handle is None:
+            return "", ""
+        util = self.nvml.nvmlDeviceGetUtilizationRates(self.handle)
+        mem = self.nvml.nvmlDeviceGetMemoryInfo(self.handle)
+        return util.gpu, mem.used
+
+
+class ResourceSampler:
+    def __init__(self, run_dir: str, role: str, rank: int, interval_s: float = 1.0) -> None:
+        self.path = os.path.join(run_dir, "metrics", f"{role}-{rank}.csv")
+        self.role, self.rank, self.interval_s = role, rank, interval_s
+        self.proc = psutil.Process()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"metrics-{role}-{rank}", daemon=True)
+
+    def start(self) -> "ResourceSampler":
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+
+    def sample(self) -> dict[str, Any]:
+        with self.proc.oneshot():
+            try:
+                io = self.proc.io_counters()
+                io_read, io_write = io.read_bytes, io.write_bytes
+            except (psutil.AccessDenied, AttributeError):
+                io_read = io_write = ""
+            row = {
+                "time": round(time.time(), 3), "role": self.role, "rank": self.rank, "pid": self.proc.pid,
+                "cpu_percent": self.proc.cpu_percent(None), "rss_bytes": self.proc.memory_info().rss,
+                "threads": self.proc.num_threads(), "open_fds": self.proc.num_fds(),
+                "io_read_bytes": io_read, "io_write_bytes": io_write,
+            }
+        row.update({"activity": ACTIVITY.name, "activity_step": ACTIVITY.step,
+                    "activity_age_s": round(time.time() - ACTIVITY.since, 3)})
+        return row
+
+    def _run(self) -> None:
+        gpu = _Gpu()
+        self.proc.cpu_percent(None)  # the first call primes the counter
+        with open(self.path, "a", newline="", encoding="utf-8") as fh:
+            writer = csv.DictWriter(fh, fieldnames=COLUMNS)
+            if fh.tell() == 0:
+                writer.writeheader()
+            while not self._stop.wait(self.interval_s):
+                try:
+                    row = self.sample()
+                    row["gpu_util_percent"], row["gpu_mem_used_bytes"] = gpu.sample()
+                except psutil.Error as exc:
+                    log.warning("metrics sample failed: %s", exc)
+                    continue
+                writer.writerow(row)
+                fh.flush()
+
+
+_sampler: ResourceSampler | None = None
+
+
+def start_sampler(run_dir: str, role: str, rank: int, interval_s: float) -> ResourceSampler | None:
+    """Start this process's sampler (once); interval 0 disables."""
+    global _sampler
+    if interval_s <= 0 or _sampler is not None:
+        return _sampler
+    _sampler = ResourceSampler(run_dir, role, rank, interval_s).start()
+    return _sampler
+
+
+def stop_sampler() -> None:
+    global _sampler
+    if _sampler is not None:
+        _sampler.stop()
+        _sampler = None
