@@ -19,6 +19,9 @@ setup(
         "aiohttp>=3.9",
         "tenacity>=8",
         "psutil>=5.9",
+        "opentelemetry-api>=1.25",
+        "opentelemetry-sdk>=1.25",
+        "opentelemetry-exporter-otlp-proto-http>=1.25",  # also brings opentelemetry-proto and protobuf
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6"],

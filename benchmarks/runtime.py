@@ -22,7 +22,7 @@ Rates are the model's bytes divided by the wall time (each server receives the w
     python benchmarks/runtime.py                                   # both parts
     python benchmarks/runtime.py --part bandwidth --repeats 5
     python benchmarks/runtime.py --part stages --steps 20 --modes meta,disk
-    python benchmarks/runtime.py --part stages --from-run runs/grpo-20261122-101500
+    python benchmarks/runtime.py --part stages --from-run runs/a runs/b
 """
 
 import argparse
@@ -65,7 +65,7 @@ def stage_table(run_dir: str, skip: int) -> list[tuple[str, float, float]]:
 def run_stages(args: argparse.Namespace) -> None:
     runs: list[tuple[str, str]] = []
     if args.from_run:
-        runs = [(os.path.basename(os.path.normpath(args.from_run)), args.from_run)]
+        runs = [(os.path.basename(os.path.normpath(d)), d) for d in args.from_run]
     else:
         base = tempfile.mkdtemp(prefix="rlhf-bench-runtime-")
         for mode in args.modes.split(","):
@@ -278,7 +278,7 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=2, help="first steps left out of the medians")
     ap.add_argument("--modes", default="meta,disk", help="weights modes for the stages part")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--from-run", default="", help="read steps.csv of this run directory instead of running")
+    ap.add_argument("--from-run", nargs="+", default=[], help="read steps.csv of these run directories instead of running")
     args = ap.parse_args()
     if args.part in ("all", "bandwidth"):
         run_bandwidth(args)

@@ -4,6 +4,7 @@
     rlhf sft [flags]       the SFT baseline alone (= examples/sft_trainer.py)
     rlhf config [flags]    print the resolved config as YAML
     rlhf trace RUN_DIR     a run's traces: per-step trees, errors, fault events; Jaeger / Perfetto files
+    rlhf faults list       every fault kind and point;  rlhf faults validate FILE  checks a fault file
 """
 
 from __future__ import annotations
@@ -72,7 +73,13 @@ def trace_main(argv: list[str] | None = None, prog: str = "rlhf trace") -> int:
     return run(argv)
 
 
-COMMANDS = {"grpo": grpo_main, "sft": sft_main, "config": config_main, "trace": trace_main}
+def faults_main(argv: list[str] | None = None, prog: str = "rlhf faults") -> int:
+    from rlhf.faults.cli import faults_main as run
+
+    return run(argv)
+
+
+COMMANDS = {"grpo": grpo_main, "sft": sft_main, "config": config_main, "trace": trace_main, "faults": faults_main}
 
 
 def main(argv: list[str] | None = None) -> int:

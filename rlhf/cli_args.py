@@ -26,6 +26,8 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
     parser.add_argument("--colocate", action="store_true", default=None,
                         help="train rank r and rollout server r share device r (= --runtime.colocate)")
     parser.add_argument("--resilience", choices=["faithful", "hardened"], help="= --runtime.resilience")
+    parser.add_argument("--faults", action="append", metavar="FILE", default=[],
+                        help="fault spec YAML (repeatable); validated before anything starts (rlhf faults list)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     return parser
 
@@ -48,6 +50,18 @@ def parse_config(argv: list[str] | None, parser: argparse.ArgumentParser) -> tup
         )
     except ConfigError as err:
         parser.error(str(err))
+    if args.faults:
+        from rlhf.faults.spec import FaultSpecError, load_fault_file
+
+        try:
+            specs = [spec for path in args.faults for spec in load_fault_file(path)]
+        except FaultSpecError as err:
+            parser.error(str(err))
+        names = [s.name for s in specs]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            parser.error(f"fault names must be unique across --faults files; repeated: {', '.join(dup)}")
+        cfg.faults = list(cfg.faults) + [s.to_dict() for s in specs]
     if args.print_config:
         print(cfg.to_yaml(), end="")
         raise SystemExit(0)

@@ -331,6 +331,8 @@ class Config:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    faults: list = field(default_factory=list)
+    """Armed faults (DESIGN.md §4), normally from --faults FILE; every process arms those that target it."""
 
     def __post_init__(self) -> None:
         _positive("steps", self.steps, allow_zero=True)
@@ -423,6 +425,10 @@ def _convert(key: str, raw: Any, tp: Any) -> Any:
             return tp(raw) if not (tp is int and isinstance(raw, str)) else int(raw, 0)
         except (TypeError, ValueError):
             raise ConfigError(f"{key}: expected {tp.__name__}, got {raw!r}") from None
+    if tp is list:
+        if not isinstance(raw, list):
+            raise ConfigError(f"{key}: expected a list, got {type(raw).__name__}")
+        return list(raw)
     if tp is str:
         if isinstance(raw, (dict, list)):
             raise ConfigError(f"{key}: expected a string, got {type(raw).__name__}")
@@ -522,6 +528,8 @@ def format_help(cfg: Config | None = None) -> str:
     lines = []
     section = None
     for key, tp, doc, default in iter_fields(Config, cfg):
+        if tp is list:
+            continue  # faults: set with --faults FILE (YAML), not a dotted flag
         head = key.split(".")[0] if "." in key else ""
         if head != section:
             section = head

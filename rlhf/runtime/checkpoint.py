@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from rlhf import tracing
+from rlhf.faults import fault_point
 from safetensors.torch import load_file, save_file
 
 from rlhf.weights import export_state, import_state
@@ -96,9 +97,11 @@ def write_rank_files(directory: str, rank: int, model: torch.nn.Module | None, o
         path = os.path.join(directory, name)
         if write_hook is not None:
             write_hook(path)
+        fault_point("checkpoint.write", path=path)
         with tracing.span("checkpoint.write", file=name):
             save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, path)
         if fsync:
+            fault_point("checkpoint.fsync", path=path)
             with tracing.span("checkpoint.fsync", file=name):
                 _fsync_file(path)
         written[name] = _sha256(path)

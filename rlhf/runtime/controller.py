@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from rlhf import tracing
+from rlhf.faults import fault_point
 from rlhf.algorithms.grpo import group_advantages
 from rlhf.config import Config
 from rlhf.data import PromptSampler, build_rl_batch, encode_prompts
@@ -214,7 +215,8 @@ class Controller:
     # ------------------------------------------------------------------ one step
 
     def step(self, step: int) -> dict[str, Any]:
-        with tracing.span("step", step=step, new_trace=True):
+        with tracing.span("step", step=step, new_trace=True), tracing.at_step(step):
+            fault_point("step.begin", step=step)
             return self._step(step)
 
     def _step(self, step: int) -> dict[str, Any]:
@@ -232,6 +234,7 @@ class Controller:
             self.notify("rollout_end", step)
         with clock.stage("reward"):
             memory["rewards"] = torch.tensor(self.reward(memory["completions"], memory["answers"], memory["prompts"]))
+            fault_point("data.split", step=step)
             shards, split = memory.split(len(self.workers), tokens_key="num_tokens")
             batches = [self.to_batch(s) for s in shards]
         with clock.stage("reference"):
@@ -335,11 +338,12 @@ class Controller:
 
         async def send() -> None:
             calls = []
+            async def one(client: Client) -> Any:
+                return await client.call("/events", {"event": event, "step": step}, timeout_s=timeout, stage="events",
+                                         step=step, points=("events.notify",))
+
             for r in range(pairs):
-                calls.append(self.workers.clients[r].call("/events", {"event": event, "step": step}, timeout_s=timeout,
-                                                          stage="events", step=step))
-                calls.append(self.rollout[r].call("/events", {"event": event, "step": step}, timeout_s=timeout,
-                                                  stage="events", step=step))
+                calls += [one(self.workers.clients[r]), one(self.rollout[r])]
             await asyncio.gather(*calls)
 
         self.loop.run(send())
@@ -468,6 +472,13 @@ class Controller:
             self.workers.call("shutdown", timeout_s=10, stage="cleanup")
         except (RuntimeError, OSError, TimeoutError) as exc:
             errors.append(f"worker shutdown: {type(exc).__name__}: {exc}")
+        from rlhf import faults
+
+        faults.restore_all("run end")
+        report = faults.audit(self.run_dir)  # what dead processes left behind: helpers, fill files
+        if report["unrestored"]:
+            log.warning("fault audit: %d injection(s) not restored by their process; cleaned: %s",
+                        len(report["unrestored"]), "; ".join(report["cleaned"]) or "nothing left")
         for e in errors:
             log.error("cleanup: %s", e)
         clients = self.workers.clients + self.rollout + ([self.scheduler.client] if self.scheduler else [])

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf import tracing
+from rlhf.faults import fault_point
 
 
 def _free_port() -> int:
@@ -68,6 +69,7 @@ class GlooDataParallel:
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.clone()
+        fault_point("collective.all_reduce")
         with tracing.span("collective.all_reduce", what="count", numel=out.numel()):
             dist.all_reduce(out, op=dist.ReduceOp.SUM)
         return out
@@ -76,6 +78,7 @@ class GlooDataParallel:
         """Sum gradients over ranks in one flat buffer (the loss is already globally normalised)."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
+        fault_point("collective.all_reduce")
         with tracing.span("collective.all_reduce", what="gradients", numel=flat.numel()):
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         offset = 0

@@ -24,6 +24,7 @@ import aiohttp
 from aiohttp import web
 
 from rlhf import tracing
+from rlhf.faults import afault_point
 from rlhf.runtime import wire
 from rlhf.runtime.errors import ErrorInfo, HTTPStatusError, RemoteError, RpcConnectionError, RpcTimeout
 
@@ -60,7 +61,7 @@ class Service:
         route = request.match_info.route.resource
         name = f"{request.method} {route.canonical if route is not None else request.path}"
         ACTIVITY.set(name, step)
-        with tracing.use_role(self.role, self.rank):
+        with tracing.use_role(self.role, self.rank, step):
             token = tracing.otel_context.attach(tracing.extract_context(request.headers))
             try:
                 with tracing.span(name, stage=stage or None, step=step, kind=tracing.SpanKind.SERVER,
@@ -79,7 +80,34 @@ class Service:
     async def _auth(self, request: web.Request, handler: Callable) -> web.StreamResponse:
         if request.headers.get(TOKEN_HEADER) != self.token:
             return web.json_response({"error": "missing or wrong run token"}, status=401)
+        try:
+            directives = await afault_point("rpc.server.handle", peer=request.path)
+        except Exception as exc:  # an injected error looks like the handler's own
+            return self._error_reply(exc, request.method, request.path, request.headers.get(STAGE_HEADER, ""),
+                                     _int(request.headers.get(STEP_HEADER, "-1")))
+        for d in directives:
+            action = d.get("server_action")
+            if action == "respond":
+                return web.Response(status=int(d["status"]), text=str(d["body"]))
+            if action in ("reset", "truncate") and request.transport is not None:
+                if action == "truncate":  # headers promise more than is sent: the client sees a cut body
+                    resp = web.StreamResponse(status=200, headers={"Content-Type": wire.JSON_TYPE})
+                    resp.content_length = 1 << 20
+                    await resp.prepare(request)
+                    await resp.write(b'{"partial": "')
+                    request.transport.abort()
+                    return resp
+                request.transport.abort()
+                return web.Response(status=500, text="connection reset")
         return await handler(request)
+
+    def _error_reply(self, exc: BaseException, method: str, path: str, stage: str, step: int) -> web.Response:
+        info = ErrorInfo.from_exception(exc, self.role, self.rank, stage, step)
+        tracing.record_error(tracing.trace.get_current_span(), exc, info)
+        log.error("%s %s failed: %s: %s", method, path, info.error_class, info.message)
+        if self.resilience == "faithful":
+            return web.Response(status=500, text=BARE_500)
+        return web.json_response({"error": info.to_dict()}, status=500)
 
     def route(self, path: str, fn: Handler, method: str = "POST", inline: bool = False) -> None:
         """Expose fn at path. Coroutine fns and inline=True run on the event loop (never block there)."""
@@ -99,12 +127,7 @@ class Service:
                     ctx = contextvars.copy_context()  # the server span and role follow the work onto the thread
                     result = await asyncio.get_running_loop().run_in_executor(self.executor, ctx.run, call)
             except Exception as exc:  # every handler error becomes a reply; nothing is swallowed
-                info = ErrorInfo.from_exception(exc, self.role, self.rank, stage, step)
-                tracing.record_error(tracing.trace.get_current_span(), exc, info)
-                log.error("%s %s failed: %s: %s", method, path, info.error_class, info.message)
-                if self.resilience == "faithful":
-                    return web.Response(status=500, text=BARE_500)
-                return web.json_response({"error": info.to_dict()}, status=500)
+                return self._error_reply(exc, method, path, stage, step)
             out_tensors = None
             if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
                 result, out_tensors = result
@@ -191,23 +214,38 @@ class Client:
         step: int = -1,
         method: str = "POST",
         traced: bool = True,
+        points: tuple[str, ...] = (),
     ) -> tuple[Any, dict]:
-        """One request. traced=False skips the client span (lease renewals would flood the traces)."""
+        """One request within timeout_s. traced=False skips the client span (lease renewals would flood traces).
+
+        `points`: fault points of the caller's stage (events.notify, scheduler.stop_job) checked, like
+        rpc.client.send, inside the timeout: a delay there counts against it, as on a real network path.
+        """
         if not traced:
-            return await self._call(path, args, tensors, timeout_s, stage, step, method)
+            return await self._call(path, args, tensors, timeout_s, stage, step, method, points)
         with tracing.span(f"{method} {path.split('?', 1)[0]}", stage=stage or None, step=step,
                           kind=tracing.SpanKind.CLIENT, peer=self.peer, **{"server.address": self.base_url}):
-            return await self._call(path, args, tensors, timeout_s, stage, step, method)
+            return await self._call(path, args, tensors, timeout_s, stage, step, method, points)
 
     async def _call(self, path: str, args: Any, tensors: dict | None, timeout_s: float | None, stage: str, step: int,
-                    method: str) -> tuple[Any, dict]:
+                    method: str, points: tuple[str, ...] = ()) -> tuple[Any, dict]:
         url = self.base_url + path
         timeout = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            return await asyncio.wait_for(self._request(url, path, args, tensors, timeout, stage, step, method, points),
+                                          timeout)
+        except asyncio.TimeoutError:
+            raise RpcTimeout(url, timeout) from None
+
+    async def _request(self, url: str, path: str, args: Any, tensors: dict | None, timeout: float, stage: str,
+                       step: int, method: str, points: tuple[str, ...]) -> tuple[Any, dict]:
         body, content_type = wire.encode(args, tensors)
         headers = {TOKEN_HEADER: self.token, "Content-Type": content_type, STAGE_HEADER: stage, STEP_HEADER: str(step)}
         tracing.inject_headers(headers)
         session = await self.session()
         try:
+            for point in points + ("rpc.client.send",):
+                await afault_point(point, step=step if step >= 0 else None, peer=self.peer, path=path)
             async with session.request(
                 method, url, data=body if method != "GET" else None, headers=headers,
                 timeout=aiohttp.ClientTimeout(total=timeout),
@@ -223,9 +261,11 @@ class Client:
                     if isinstance(err, dict) and isinstance(err.get("error"), dict):
                         raise RemoteError(ErrorInfo(**err["error"]), url)
                 raise HTTPStatusError(resp.status, payload.decode(errors="replace"), url)
-        except asyncio.TimeoutError:
-            raise RpcTimeout(url, timeout) from None
         except aiohttp.ClientConnectionError as exc:
+            raise RpcConnectionError(url, exc) from exc
+        except OSError as exc:  # name resolution (socket.gaierror) and other socket errors
+            if isinstance(exc, (RpcConnectionError, TimeoutError)):
+                raise
             raise RpcConnectionError(url, exc) from exc
 
     async def close(self) -> None:

@@ -56,6 +56,10 @@ def run(cfg: Config) -> dict[str, Any] | None:
     # per request); metrics: one file per process, named after its train rank
     tracing.setup_tracing(run_dir, "controller" if rank == 0 else "train", rank, cfg.tracing)
     metrics.start_sampler(run_dir, "train", rank, cfg.tracing.metrics_interval_s)
+    if cfg.faults:
+        from rlhf import faults
+
+        faults.arm(run_dir, cfg.faults)
 
     from rlhf.runtime.train_worker import TrainWorker
 
@@ -83,6 +87,9 @@ def run(cfg: Config) -> dict[str, Any] | None:
         server.stop()
         worker.close()
         shutdown_distributed()
+        from rlhf import faults
+
+        faults.restore_all("run end")
         stop_process_telemetry()
     return summary
 

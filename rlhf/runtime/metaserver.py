@@ -27,6 +27,7 @@ from typing import Any
 from aiohttp import web
 
 from rlhf import tracing
+from rlhf.faults import afault_point
 from rlhf.weights import tensor_bytes
 
 from rlhf.runtime import wire
@@ -89,6 +90,7 @@ class MetaServer:
     async def _put(self, request: web.Request) -> web.Response:
         v = self._version(request)
         shard = request.match_info["shard"]
+        await afault_point("metaserver.put", peer=shard)
         data = await request.read()
         if self.bytes_held() + len(data) > self.max_bytes:
             return web.Response(status=507, text=f"metaserver full: {self.bytes_held()} + {len(data)} > {self.max_bytes} bytes")
@@ -105,6 +107,7 @@ class MetaServer:
 
     async def _manifest(self, request: web.Request) -> web.Response:
         v = self._version(request)
+        await afault_point("metaserver.get", peer="manifest")
         wait_s = float(request.query.get("wait_s", "0"))
         try:
             with tracing.span("metaserver.wait_shards", expected=v.expected_shards, have=len(v.shards)):
@@ -119,6 +122,7 @@ class MetaServer:
     async def _get(self, request: web.Request) -> web.Response:
         v = self._version(request)
         shard = request.match_info["shard"]
+        await afault_point("metaserver.get", peer=shard)
         if shard not in v.shards:
             raise web.HTTPNotFound(text=f"shard {shard!r} not uploaded (have {sorted(v.shards)})")
         return web.Response(body=v.shards[shard], content_type=wire.TENSORS_TYPE)

@@ -20,6 +20,7 @@ import sys
 from typing import Any
 
 from rlhf import tracing
+from rlhf.faults import afault_point, fault_point
 from rlhf.runtime.colocation import DeviceBusy, DeviceLease
 from rlhf.runtime.http import DEFAULT_HOST, Client, Service, serve_forever
 from rlhf.runtime.metaserver import pull_weights
@@ -56,6 +57,7 @@ class RolloutServer:
         input_ids = args["input_ids"]
         single = bool(input_ids) and isinstance(input_ids[0], int)
         params = args.get("sampling_params") or {}
+        fault_point("rollout.generate")
         with tracing.span("generate", prompts=1 if single else len(input_ids), n=int(params.get("n", 1))) as sp:
             before = self.engine.tokens_generated
             out = self.engine.generate([input_ids] if single else input_ids, params,
@@ -65,12 +67,14 @@ class RolloutServer:
 
     def update_weights_from_disk(self, args: dict, tensors: dict) -> dict:
         version = str(args.get("weight_version", self.engine.weight_version))
+        fault_point("weights_update.update", path=args["model_path"])
         with tracing.span("weights.load", source="disk", weight_version=version):
             self.engine.update_weights_from_disk(args["model_path"], version)
         return {"success": True, "message": f"loaded {args['model_path']}", "weight_version": version}
 
     async def update_weights_from_meta(self, args: dict, tensors: dict) -> dict:
         version = str(args["weight_version"])
+        await afault_point("weights_update.update", peer="metaserver-0")
         client = Client(args["metaserver_url"], self.token, peer="metaserver-0")
         try:
             weights = await pull_weights(client, version, float(args.get("wait_s", 60)), float(args.get("timeout_s", 600)))
@@ -139,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(int(os.environ.get("RLHF_ROLLOUT_THREADS", "1")))
     cfg = build_config(config_file=args.config)
     start_process_telemetry(args.run_dir, "rollout", args.rank, cfg.tracing)
+    if cfg.faults:
+        from rlhf import faults
+
+        faults.arm(args.run_dir, cfg.faults)
     model, tok = build_model_and_tokenizer(cfg.model, seed=cfg.seed)
     seed = (cfg.rollout.seed if cfg.rollout.seed >= 0 else cfg.seed + 17) + 1000 * args.rank
     engine = RolloutEngine(model, tok, seed=seed)

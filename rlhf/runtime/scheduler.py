@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging(args.run_dir, "scheduler", 0, console=False)
     start_process_telemetry(args.run_dir, "scheduler", 0, tracing_config_of_run(args.run_dir))
+    _arm_faults(args.run_dir)
     scheduler = Scheduler(args.run_dir, token, args.lease_s)
 
     def on_term(signum: int, frame: Any) -> None:
@@ -176,6 +177,17 @@ def main(argv: list[str] | None = None) -> int:
         scheduler.stop_all("scheduler exiting")
         stop_process_telemetry()
     return 0
+
+
+def _arm_faults(run_dir: str) -> None:
+    path = os.path.join(run_dir, "config.yaml")
+    if os.path.exists(path):
+        from rlhf import faults
+        from rlhf.config import build_config
+
+        specs = build_config(config_file=path).faults
+        if specs:
+            faults.arm(run_dir, specs)
 
 
 class SchedulerClient:
@@ -211,7 +223,7 @@ class SchedulerClient:
 
     async def stop_job(self, name: str, timeout_s: float, step: int = -1) -> dict:
         return (await self.client.call(f"/jobs/{name}", method="DELETE", timeout_s=timeout_s, stage="cleanup",
-                                       step=step))[0]
+                                       step=step, points=("scheduler.stop_job",)))[0]
 
     def close(self) -> None:
         if self._renewer is not None:

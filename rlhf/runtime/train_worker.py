@@ -21,6 +21,7 @@ import torch
 
 from rlhf import tracing
 from rlhf.config import Config
+from rlhf.faults import afault_point, fault_point
 from rlhf.models import build_model_and_tokenizer
 from rlhf.runtime import checkpoint as ckpt
 from rlhf.runtime.colocation import DeviceLease
@@ -103,12 +104,14 @@ class TrainWorker:
     def compute_logprobs(self, args: dict, tensors: dict) -> tuple[dict, dict]:
         self._require_device("compute_logprobs")
         which = args.get("which", "reference")
+        fault_point("reference.compute")
         out = self._engine().compute_logprobs(tensors, which)
         return {"which": which, "rows": int(out.shape[0])}, {"logprobs": out}
 
     def train_step(self, args: dict, tensors: dict) -> dict:
         self._require_device("train_step")
         t0 = time.perf_counter()
+        fault_point("train.step")
         metrics = self._engine().train_step(tensors)
         metrics["train_seconds"] = time.perf_counter() - t0
         metrics["rank"] = self.rank
@@ -125,6 +128,7 @@ class TrainWorker:
         async def put() -> None:
             client = Client(args["metaserver_url"], self.token, peer="metaserver-0")
             try:
+                await afault_point("weights_update.upload", peer="metaserver-0")
                 await push_shard(client, str(args["version"]), f"rank{self.rank}", body, float(args.get("timeout_s", 600)))
             finally:
                 await client.close()
@@ -134,6 +138,7 @@ class TrainWorker:
 
     def save_weights_dir(self, args: dict, tensors: dict) -> dict:
         """Disk mode: rank 0 writes an HF safetensors directory the rollout servers load."""
+        fault_point("weights_update.save_dir")
         if self.rank == 0:
             path = args["path"]
             tmp = path + ".tmp"
@@ -155,12 +160,14 @@ class TrainWorker:
 
     def load(self, args: dict, tensors: dict) -> dict:
         engine = self._engine()
+        fault_point("checkpoint.load", path=args["path"])
         ckpt.load_rank_files(args["path"], self.rank, self.model, engine.optimizer)
         engine.optimizer_steps = int(args.get("optimizer_steps", engine.optimizer_steps))
         return {"rank": self.rank, "loaded": args["path"]}
 
     def events(self, args: dict, tensors: dict) -> dict:
         event = args.get("event")
+        fault_point("events.handle", peer=str(event))
         if self.lease is not None:
             if event == "rollout_start":
                 self.lease.release()  # CPU stand-in for offloading params and optimizer state

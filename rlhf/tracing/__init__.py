@@ -43,6 +43,8 @@ log = logging.getLogger("rlhf.tracing")
 
 ATTR_PREFIX = "rlhf."
 _current_tracer: contextvars.ContextVar[Any] = contextvars.ContextVar("rlhf_tracer", default=None)
+_current_identity: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar("rlhf_identity", default=None)
+_current_step: contextvars.ContextVar[int] = contextvars.ContextVar("rlhf_step", default=-1)
 
 
 class _State:
@@ -64,6 +66,7 @@ def setup_tracing(run_dir: str, role: str, rank: int, cfg: Any) -> None:
 
     cfg is a `rlhf.config.TracingConfig`. Safe to call again (later calls only change the primary role).
     """
+    _state.primary = (role, rank)  # who this process is, also when tracing is off (fault targets use it)
     if not cfg.enabled:
         _state.settings = None
         return
@@ -151,13 +154,36 @@ def current_tracer() -> trace.Tracer:
 
 
 @contextmanager
-def use_role(role: str, rank: int) -> Iterator[None]:
-    """Spans opened below (also in tasks and handed-over threads) belong to role-rank."""
+def use_role(role: str, rank: int, step: int | None = None) -> Iterator[None]:
+    """Code below (also in tasks and handed-over threads) runs as role-rank: its spans, its fault targets."""
     token = _current_tracer.set(tracer_for(role, rank))
+    ident = _current_identity.set((role, rank))
+    step_token = _current_step.set(step) if step is not None else None
     try:
         yield
     finally:
+        if step_token is not None:
+            _current_step.reset(step_token)
+        _current_identity.reset(ident)
         _current_tracer.reset(token)
+
+
+def whoami() -> tuple[str, int]:
+    """(role, rank) of the code running now: the role in use, else this process's primary role."""
+    return _current_identity.get() or _state.primary or ("", -1)
+
+
+def current_step() -> int:
+    return _current_step.get()
+
+
+@contextmanager
+def at_step(step: int) -> Iterator[None]:
+    token = _current_step.set(step)
+    try:
+        yield
+    finally:
+        _current_step.reset(token)
 
 
 def attributes(stage: str | None = None, step: int | None = None, **extra: Any) -> dict[str, Any]:
@@ -251,6 +277,6 @@ def trace_id_hex() -> str:
 
 
 __all__ = [
-    "Status", "StatusCode", "SpanKind", "otel_context", "trace", "add_event", "attributes", "current_tracer", "extract_context", "flush", "inject_headers",
+    "at_step", "current_step", "whoami", "Status", "StatusCode", "SpanKind", "otel_context", "trace", "add_event", "attributes", "current_tracer", "extract_context", "flush", "inject_headers",
     "record_error", "setup_tracing", "shutdown_tracing", "span", "trace_id_hex", "tracer_for", "use_role",
 ]

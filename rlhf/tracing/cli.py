@@ -78,7 +78,11 @@ def _title(root: SpanRecord) -> str:
 
 def render_tree(root: SpanRecord, depth: int | None, out: list[str], width: int = 58) -> None:
     keep = _interesting(root)
-    status = f"  {ERROR_MARK} failed" if keep else ""
+    spans = [s for s, _ in root.walk()]
+    errors = sum(1 for s in spans if s.error)
+    faults = sum(1 for s in spans for e in s.events if e["name"] == "fault.inject")
+    status = (f"  {ERROR_MARK} {errors} error span{'s' * (errors != 1)}" if errors else "") + \
+             (f"  {FAULT_MARK} {faults} fault{'s' * (faults != 1)}" if faults else "")
     out.append(f"{_title(root)}  {root.duration_s:.3f} s  trace {root.trace_id[:16]}  ({root.service}){status}")
 
     def below(s: SpanRecord) -> int:
@@ -114,7 +118,7 @@ def render_text(ts: TraceSet, step: int | None = None, depth: int | None = 1) ->
             steps = sorted({r.step for r in roots if r.name == "step" and r.step is not None})
             raise SystemExit(f"rlhf trace: no trace for step {step}; steps traced: "
                              f"{_ranges(steps) if steps else 'none'}")
-        roots, depth = chosen, None
+        roots = chosen
     for r in roots:
         out.append("")
         render_tree(r, depth, out)
@@ -229,7 +233,8 @@ def trace_main(argv: list[str] | None = None) -> int:
                                      epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", help="a run directory (with traces/*.jsonl)")
     parser.add_argument("--step", type=int, help="show this step's whole tree")
-    parser.add_argument("--depth", type=int, default=1, help="tree depth below each root (default 1: the stages)")
+    parser.add_argument("--depth", type=int, default=None,
+                        help="tree depth below each root (default: 1, the stages; with --step: the whole tree)")
     parser.add_argument("--format", choices=["text", "jaeger", "perfetto"], default="text")
     parser.add_argument("-o", "--output", help="file to write (jaeger/perfetto); default stdout")
     args = parser.parse_args(argv)
@@ -239,7 +244,8 @@ def trace_main(argv: list[str] | None = None) -> int:
         print(f"rlhf trace: {exc}", file=sys.stderr)
         return 2
     if args.format == "text":
-        text = render_text(ts, args.step, args.depth)
+        depth = args.depth if args.depth is not None else (None if args.step is not None else 1)
+        text = render_text(ts, args.step, depth)
     else:
         text = json.dumps(to_jaeger(ts) if args.format == "jaeger" else to_perfetto(ts))
     if args.output:

@@ -9,6 +9,8 @@ past `sft.band_high`. Baseline mode runs `sft.max_steps` steps.
 
 from __future__ import annotations
 
+from rlhf.faults import fault_point
+
 import logging
 import time
 from typing import Any
@@ -45,6 +47,7 @@ def run_sft(
     history = []
     for step in range(1, sft.max_steps + 1):
         t_step = time.perf_counter()
+        fault_point("sft.step", step=step)
         examples = sampler.next(sft.batch_size)
         if examples_per_rank is not None:
             examples = examples[examples_per_rank]

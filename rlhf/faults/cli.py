@@ -1,0 +1,61 @@
+"""`rlhf faults`: list every kind and point, validate fault files.
+
+    rlhf faults list                    every fault kind and every point, one line each
+    rlhf faults validate FILE [FILE…]   parse and check; exit 0 if every file is valid, 1 if not
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+from rlhf.faults.kinds import KINDS
+from rlhf.faults.points import POINTS
+from rlhf.faults.spec import REQUIRED, FaultSpecError, load_fault_file
+
+
+def list_text() -> str:
+    out = ["Fault kinds (kind: what it does; parameters):", ""]
+    for name in sorted(KINDS):
+        cls = KINDS[name]
+        flags = " [background: lasts duration_s]" if cls.BACKGROUND else ""
+        out.append(f"  {name}{flags}")
+        out += ["      " + line for line in textwrap.wrap(cls.DOC, 96)]
+        for key, (types, default, doc) in cls.PARAMS.items():
+            d = "required" if default is REQUIRED else f"default {default!r}"
+            out.append(f"      params.{key} ({'/'.join(t.__name__ for t in types)}, {d}): {doc}")
+    out += ["", "Fault points (point: where it is checked):", ""]
+    width = max(map(len, POINTS))
+    out += [f"  {name:<{width}}  {doc}" for name, doc in POINTS.items()]
+    out += ["", "A fault: name, kind, point (glob), target {role, rank|ranks, peer}, "
+            "when {step|steps, after_s, probability, seed, max_hits}, duration_s, params."]
+    return "\n".join(out)
+
+
+def faults_main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0 if argv else 2
+    if argv[0] == "list":
+        print(list_text())
+        return 0
+    if argv[0] == "validate":
+        if len(argv) < 2:
+            print("rlhf faults validate: give one or more fault files", file=sys.stderr)
+            return 2
+        bad = 0
+        for path in argv[1:]:
+            try:
+                specs = load_fault_file(path)
+            except FaultSpecError as err:
+                print(f"invalid: {err}", file=sys.stderr)
+                bad += 1
+                continue
+            print(f"ok: {path}: {len(specs)} fault{'s' * (len(specs) != 1)}")
+            for s in specs:
+                when = ", ".join(f"{k}={v}" for k, v in s.to_dict()["when"].items()) or "every hit"
+                print(f"  - {s.name}: {s.kind} at {s.point} on {s.target.describe()} ({when})")
+        return 1 if bad else 0
+    print(f"rlhf faults: unknown subcommand {argv[0]!r}; choose list or validate", file=sys.stderr)
+    return 2

@@ -1,0 +1,292 @@
+"""The fault spec: YAML parsed once and validated fully before a run starts (DESIGN.md §4).
+
+    faults:
+      - name: slow-upload-from-rank-1          # free text; shows in traces and markers
+        kind: network_delay                    # `rlhf faults list` shows every kind
+        point: weights_update.upload           # a point name or a glob (rpc.*)
+        target: {role: train, rank: 1}         # role, rank or ranks, peer
+        when: {step: 3}                        # step | steps | after_s | probability (+ seed) | max_hits
+        duration_s: 60                         # how long a background effect lasts (default: to the run's end)
+        params: {delay_ms: 1000, jitter_ms: 500}
+
+Every error names the file, the line, the field and the valid choices, e.g.
+
+    scenario.yaml:7: faults[0].kind: 'netwrk_delay' is not a fault kind (did you mean 'network_delay'?);
+    kinds: clock_skew, cpu_contention, ...
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+ROLES = ("controller", "train", "rollout", "metaserver", "scheduler")
+TOP_KEYS = ("name", "kind", "point", "target", "when", "duration_s", "params")
+TARGET_KEYS = ("role", "rank", "ranks", "peer")
+WHEN_KEYS = ("step", "steps", "after_s", "probability", "seed", "max_hits")
+
+
+class FaultSpecError(ValueError):
+    """A bad fault spec: one message with file, line, field and the valid choices."""
+
+
+@dataclass
+class Target:
+    role: str = ""
+    ranks: tuple[int, ...] = ()
+    peer: str = ""
+
+    def matches(self, role: str, rank: int) -> bool:
+        return (not self.role or self.role == role) and (not self.ranks or rank in self.ranks)
+
+    def describe(self) -> str:
+        who = self.role or "any role"
+        if self.ranks:
+            who += f" rank {','.join(map(str, self.ranks))}"
+        return who + (f" → {self.peer}" if self.peer else "")
+
+
+@dataclass
+class When:
+    steps: tuple[int, ...] = ()
+    after_s: float = 0.0
+    probability: float = 1.0
+    seed: int = 0
+    max_hits: int = 0  # 0 = unlimited
+
+
+@dataclass
+class FaultSpec:
+    name: str
+    kind: str
+    point: str
+    points: tuple[str, ...]  # the registered points the glob matches
+    target: Target = field(default_factory=Target)
+    when: When = field(default_factory=When)
+    duration_s: float = 0.0  # 0 = until the run ends (background kinds) / kind default
+    params: dict[str, Any] = field(default_factory=dict)
+    source: str = ""  # file:line
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for config.yaml (re-validated by every process that arms it)."""
+        out: dict[str, Any] = {"name": self.name, "kind": self.kind, "point": self.point,
+                               "target": {k: v for k, v in (("role", self.target.role), ("ranks", list(self.target.ranks)),
+                                                            ("peer", self.target.peer)) if v},
+                               "when": {k: v for k, v in (("steps", list(self.when.steps)), ("after_s", self.when.after_s),
+                                                          ("max_hits", self.when.max_hits)) if v},
+                               "params": dict(self.params)}
+        if self.when.probability < 1.0:
+            out["when"].update(probability=self.when.probability, seed=self.when.seed)
+        if self.duration_s:
+            out["duration_s"] = self.duration_s
+        return out
+
+
+def _hint(value: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(str(value), choices, n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+class _Checker:
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, node: Any, where: str, problem: str) -> None:
+        line = f":{node.start_mark.line + 1}" if node is not None and hasattr(node, "start_mark") else ""
+        raise FaultSpecError(f"{self.source}{line}: {where}: {problem}")
+
+
+def _mapping(node: Any) -> dict[str, tuple[Any, Any]]:
+    """key → (key node, value node) of a YAML mapping node."""
+    return {k.value: (k, v) for k, v in node.value}
+
+
+def _scalar(chk: _Checker, node: Any, where: str, types: tuple[type, ...], what: str) -> Any:
+    if not isinstance(node, yaml.ScalarNode):
+        chk.fail(node, where, f"expected {what}, got a {'list' if isinstance(node, yaml.SequenceNode) else 'mapping'}")
+    value = yaml.safe_load(yaml.serialize(node))
+    if isinstance(value, bool) and bool not in types:
+        chk.fail(node, where, f"expected {what}, got {value!r}")
+    if float in types and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, types):
+        chk.fail(node, where, f"expected {what}, got {value!r}")
+    return value
+
+
+def parse_faults_text(text: str, source: str = "<faults>") -> list[FaultSpec]:
+    """Parse and validate a fault file's text. Raises FaultSpecError (with the line) on the first problem."""
+    from rlhf.faults.kinds import KINDS
+    from rlhf.faults.points import POINTS
+
+    chk = _Checker(source)
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        raise FaultSpecError(f"{source}{line}: YAML syntax error: {getattr(exc, 'problem', None) or exc}") from None
+    if root is None:
+        return []
+    if isinstance(root, yaml.MappingNode):
+        top = _mapping(root)
+        unknown = [k for k in top if k != "faults"]
+        if unknown:
+            chk.fail(top[unknown[0]][0], unknown[0], f"unknown top-level key{_hint(unknown[0], ['faults'])}; "
+                     "a fault file has one key: faults (a list)")
+        if "faults" not in top:
+            return []
+        items = top["faults"][1]
+    else:
+        items = root
+    if isinstance(items, yaml.ScalarNode) and items.value in ("", "null", "~"):
+        return []
+    if not isinstance(items, yaml.SequenceNode):
+        chk.fail(items, "faults", "expected a list of faults (each a mapping starting with '- name: ...')")
+    specs = []
+    names: set[str] = set()
+    for i, item in enumerate(items.value):
+        where = f"faults[{i}]"
+        if not isinstance(item, yaml.MappingNode):
+            chk.fail(item, where, "expected a mapping with name, kind, point, target, when, duration_s, params")
+        m = _mapping(item)
+        for key, (knode, _) in m.items():
+            if key not in TOP_KEYS:
+                chk.fail(knode, f"{where}.{key}", f"unknown field{_hint(key, list(TOP_KEYS))}; "
+                         f"fields: {', '.join(TOP_KEYS)}")
+        for required in ("kind", "point"):
+            if required not in m:
+                chk.fail(item, where, f"missing field '{required}' (required: kind, point)")
+        kind = _scalar(chk, m["kind"][1], f"{where}.kind", (str,), "a kind name")
+        if kind not in KINDS:
+            chk.fail(m["kind"][1], f"{where}.kind", f"{kind!r} is not a fault kind{_hint(kind, sorted(KINDS))}; "
+                     f"kinds: {', '.join(sorted(KINDS))}")
+        point = _scalar(chk, m["point"][1], f"{where}.point", (str,), "a point name or glob")
+        matched = tuple(p for p in POINTS if fnmatch.fnmatchcase(p, point))
+        if not matched:
+            chk.fail(m["point"][1], f"{where}.point", f"{point!r} matches no fault point{_hint(point, list(POINTS))}; "
+                     f"points: {', '.join(POINTS)}")
+        name = (_scalar(chk, m["name"][1], f"{where}.name", (str,), "a string") if "name" in m
+                else f"{kind}@{point}#{i}")
+        if name in names:
+            chk.fail(m["name"][1] if "name" in m else item, f"{where}.name", f"duplicate fault name {name!r}")
+        names.add(name)
+        target = Target()
+        if "target" in m:
+            tnode = m["target"][1]
+            if not isinstance(tnode, yaml.MappingNode):
+                chk.fail(tnode, f"{where}.target", "expected a mapping like {role: train, rank: 1}")
+            tm = _mapping(tnode)
+            for key, (knode, vnode) in tm.items():
+                w = f"{where}.target.{key}"
+                if key not in TARGET_KEYS:
+                    chk.fail(knode, w, f"unknown field{_hint(key, list(TARGET_KEYS))}; fields: {', '.join(TARGET_KEYS)}")
+                if key == "role":
+                    role = _scalar(chk, vnode, w, (str,), "a role")
+                    if role not in ROLES:
+                        chk.fail(vnode, w, f"{role!r} is not a role{_hint(role, list(ROLES))}; roles: {', '.join(ROLES)}")
+                    target.role = role
+                elif key == "rank":
+                    target.ranks = (_scalar(chk, vnode, w, (int,), "an integer rank"),)
+                elif key == "ranks":
+                    if not isinstance(vnode, yaml.SequenceNode):
+                        chk.fail(vnode, w, "expected a list of integer ranks")
+                    target.ranks = tuple(_scalar(chk, v, w, (int,), "an integer rank") for v in vnode.value)
+                elif key == "peer":
+                    target.peer = _scalar(chk, vnode, w, (str,), "a peer like metaserver, scheduler, rollout-0")
+        when = When()
+        if "when" in m:
+            wnode = m["when"][1]
+            if not isinstance(wnode, yaml.MappingNode):
+                chk.fail(wnode, f"{where}.when", "expected a mapping like {step: 3}")
+            for key, (knode, vnode) in _mapping(wnode).items():
+                w = f"{where}.when.{key}"
+                if key not in WHEN_KEYS:
+                    chk.fail(knode, w, f"unknown field{_hint(key, list(WHEN_KEYS))}; fields: {', '.join(WHEN_KEYS)}")
+                if key == "step":
+                    when.steps = (_scalar(chk, vnode, w, (int,), "an integer step"),)
+                elif key == "steps":
+                    if not isinstance(vnode, yaml.SequenceNode):
+                        chk.fail(vnode, w, "expected a list of integer steps")
+                    when.steps = tuple(_scalar(chk, v, w, (int,), "an integer step") for v in vnode.value)
+                elif key == "after_s":
+                    when.after_s = _scalar(chk, vnode, w, (float,), "seconds (a number)")
+                elif key == "probability":
+                    when.probability = _scalar(chk, vnode, w, (float,), "a probability")
+                    if not 0.0 <= when.probability <= 1.0:
+                        chk.fail(vnode, w, f"{when.probability} is outside [0, 1]")
+                elif key == "seed":
+                    when.seed = _scalar(chk, vnode, w, (int,), "an integer seed")
+                elif key == "max_hits":
+                    when.max_hits = _scalar(chk, vnode, w, (int,), "an integer")
+                    if when.max_hits < 0:
+                        chk.fail(vnode, w, "must be >= 0 (0 = unlimited)")
+        duration = 0.0
+        if "duration_s" in m:
+            duration = _scalar(chk, m["duration_s"][1], f"{where}.duration_s", (float,), "seconds (a number)")
+            if duration < 0:
+                chk.fail(m["duration_s"][1], f"{where}.duration_s", "must be >= 0")
+        params: dict[str, Any] = {}
+        kind_cls = KINDS[kind]
+        pnodes: dict[str, tuple[Any, Any]] = {}
+        if "params" in m:
+            pnode = m["params"][1]
+            if not isinstance(pnode, yaml.MappingNode):
+                chk.fail(pnode, f"{where}.params", "expected a mapping")
+            pnodes = _mapping(pnode)
+        for key, (knode, vnode) in pnodes.items():
+            if key not in kind_cls.PARAMS:
+                valid = ", ".join(kind_cls.PARAMS) or "none"
+                chk.fail(knode, f"{where}.params.{key}", f"{kind} has no parameter {key!r}"
+                         f"{_hint(key, list(kind_cls.PARAMS))}; its parameters: {valid}")
+        for key, (types, default, doc) in kind_cls.PARAMS.items():
+            w = f"{where}.params.{key}"
+            if key in pnodes:
+                vnode = pnodes[key][1]
+                what = doc.split(";")[0]
+                if types == (list,):
+                    if not isinstance(vnode, yaml.SequenceNode):
+                        chk.fail(vnode, w, f"expected a list ({what})")
+                    value = yaml.safe_load(yaml.serialize(vnode))
+                else:
+                    value = _scalar(chk, vnode, w, types, what)
+                problem = kind_cls.check_param(key, value)
+                if problem:
+                    chk.fail(vnode, w, problem)
+                params[key] = value
+            elif default is REQUIRED:
+                chk.fail(item, f"{where}.params", f"{kind} needs parameter {key!r} ({doc})")
+            else:
+                params[key] = default
+        problem = kind_cls.check_spec(point, matched, target, params)
+        if problem:
+            chk.fail(item, where, problem)
+        specs.append(FaultSpec(name, kind, point, matched, target, when, duration, params,
+                               source=f"{source}:{item.start_mark.line + 1}"))
+    return specs
+
+
+class _Required:
+    def __repr__(self) -> str:
+        return "REQUIRED"
+
+
+REQUIRED: Any = _Required()
+
+
+def load_fault_file(path: str) -> list[FaultSpec]:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as exc:
+        raise FaultSpecError(f"{path}: cannot read fault file: {exc.strerror}") from None
+    return parse_faults_text(text, source=path)
+
+
+def parse_fault_dicts(items: list[dict[str, Any]], source: str = "config.yaml") -> list[FaultSpec]:
+    """Re-validate the fault list carried in a run's config (each process arms from it)."""
+    return parse_faults_text(yaml.safe_dump({"faults": items}, sort_keys=False), source=source)
