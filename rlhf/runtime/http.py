@@ -261,7 +261,7 @@ class Client:
                     if isinstance(err, dict) and isinstance(err.get("error"), dict):
                         raise RemoteError(ErrorInfo(**err["error"]), url)
                 raise HTTPStatusError(resp.status, payload.decode(errors="replace"), url)
-        except aiohttp.ClientConnectionError as exc:
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:  # reset, refused, cut mid-body
             raise RpcConnectionError(url, exc) from exc
         except OSError as exc:  # name resolution (socket.gaierror) and other socket errors
             if isinstance(exc, (RpcConnectionError, TimeoutError)):

@@ -20,8 +20,8 @@ import psutil
 
 log = logging.getLogger("rlhf.metrics")
 
-COLUMNS = ["time", "role", "rank", "pid", "cpu_percent", "rss_bytes", "threads", "open_fds", "io_read_bytes",
-           "io_write_bytes", "activity", "activity_step", "activity_age_s", "gpu_util_percent", "gpu_mem_used_bytes"]
+COLUMNS = ["time", "role", "rank", "pid", "cpu_percent", "children_cpu_percent", "system_cpu_percent", "rss_bytes",
+           "threads", "open_fds", "io_read_bytes", "io_write_bytes", "activity", "activity_step", "activity_age_s", "gpu_util_percent", "gpu_mem_used_bytes"]
 
 
 class Activity:
@@ -67,6 +67,7 @@ class ResourceSampler:
         self.role, self.rank, self.interval_s = role, rank, interval_s
         self.proc = psutil.Process()
         self._stop = threading.Event()
+        self._children: dict[int, psutil.Process] = {}
         self._thread = threading.Thread(target=self._run, name=f"metrics-{role}-{rank}", daemon=True)
 
     def start(self) -> "ResourceSampler":
@@ -92,13 +93,30 @@ class ResourceSampler:
                 "threads": self.proc.num_threads(), "open_fds": self.proc.num_fds(),
                 "io_read_bytes": io_read, "io_write_bytes": io_write,
             }
+        row["children_cpu_percent"] = round(self._children_cpu(), 1)
+        row["system_cpu_percent"] = psutil.cpu_percent(None)
         row.update({"activity": ACTIVITY.name, "activity_step": ACTIVITY.step,
                     "activity_age_s": round(time.time() - ACTIVITY.since, 3)})
         return row
 
+    def _children_cpu(self) -> float:
+        """CPU % of this process's children (fault burners and writers it started show here)."""
+        total, seen = 0.0, set()
+        for child in self.proc.children(recursive=True):
+            seen.add(child.pid)
+            known = self._children.setdefault(child.pid, child)
+            try:
+                total += known.cpu_percent(None)  # 0.0 on the first sample of a child
+            except psutil.Error:
+                continue
+        for pid in set(self._children) - seen:
+            del self._children[pid]
+        return total
+
     def _run(self) -> None:
         gpu = _Gpu()
         self.proc.cpu_percent(None)  # the first call primes the counter
+        psutil.cpu_percent(None)
         with open(self.path, "a", newline="", encoding="utf-8") as fh:
             writer = csv.DictWriter(fh, fieldnames=COLUMNS)
             if fh.tell() == 0:

@@ -39,6 +39,7 @@ class MemoryPressure(FaultKind):
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
         self.rss_before = 0
+        self.cap = 0
 
     def _grow(self, cap_bytes: int, device: str) -> None:
         import torch
@@ -58,16 +59,22 @@ class MemoryPressure(FaultKind):
 
             if not torch.cuda.is_available():
                 raise RuntimeError("memory_pressure device=cuda: no CUDA device in this process (use device: host)")
-        cap = int(min(self.params["cap_mb"] * (1 << 20), psutil.virtual_memory().available // 2))
+        import torch  # noqa: F401  (imported here, not on the growth thread's clock)
+
+        cap = self.cap = int(min(self.params["cap_mb"] * (1 << 20), psutil.virtual_memory().available // 2))
         self.rss_before = psutil.Process().memory_info().rss
         self.active = True
         self.stop.clear()
-        self.thread = threading.Thread(target=self._grow, args=(cap, device), name="fault-memory", daemon=True)
+        self.thread = threading.Thread(target=self._grow, args=(cap, "cpu" if device == "host" else device), name="fault-memory", daemon=True)
         self.thread.start()
         return {"cap_bytes": cap, "rate_mb_s": self.params["rate_mb_s"], "device": device}
 
     def verify(self) -> dict[str, Any]:
-        time.sleep(0.2)
+        """Wait (up to 5 s) until the first 64 MB (or the cap) are held, then report held bytes and RSS growth."""
+        want = min(64 << 20, self.cap)
+        deadline = time.monotonic() + 5.0
+        while sum(b.numel() for b in self.blocks) < want and time.monotonic() < deadline and not self.stop.is_set():
+            time.sleep(0.02)
         return {"held_bytes": sum(b.numel() for b in self.blocks),
                 "rss_growth_bytes": psutil.Process().memory_info().rss - self.rss_before}
 

@@ -1,0 +1,441 @@
+"""Fault points: spec validation, every kind's real effect, markers, restore, and the leftover audit.
+
+Kinds that hold something outside the call (burners, writers, fill files, memory) are tested in
+a separate target process, so that the same test can SIGKILL it and check what remains.
+"""
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+
+from rlhf import clock, faults
+from rlhf.faults import afault_point, fault_point
+from rlhf.faults.spec import FaultSpecError, parse_faults_text
+from rlhf.runtime.errors import HTTPStatusError, RemoteError, RpcConnectionError
+from rlhf.runtime.http import Client, LoopThread, Service, ServiceThread
+from tests.conftest import ROOT
+
+
+def arm(tmp_path, yaml_text):
+    os.makedirs(tmp_path / "faults", exist_ok=True)
+    return faults.arm(str(tmp_path), parse_faults_text(textwrap.dedent(yaml_text), "test.yaml"))
+
+
+def markers(run_dir):
+    path = os.path.join(run_dir, "faults", "markers.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as fh:
+        return [json.loads(line) for line in fh]
+
+
+@pytest.fixture(autouse=True)
+def _disarm():
+    yield
+    faults.disarm()
+
+
+# ---------------------------------------------------------------------------- spec errors
+
+
+BAD_SPECS = {
+    "unknown kind": ("faults:\n  - kind: netwrk_delay\n    point: rollout.generate\n",
+                     ["test.yaml:2", "faults[0].kind", "did you mean 'network_delay'", "kinds: clock_skew"]),
+    "unknown point": ("faults:\n  - kind: hang\n    point: rollout.generat\n",
+                      ["test.yaml:3", "faults[0].point", "did you mean 'rollout.generate'", "points: weights_update"]),
+    "wrong type": ("faults:\n  - kind: network_delay\n    point: rpc.client.send\n    params: {delay_ms: fast}\n",
+                   ["test.yaml:4", "faults[0].params.delay_ms", "expected delay in milliseconds, got 'fast'"]),
+    "missing field": ("faults:\n  - name: x\n    kind: hang\n", ["test.yaml:2", "missing field 'point'"]),
+    "missing param": ("faults:\n  - kind: network_delay\n    point: rpc.client.send\n",
+                      ["test.yaml:2", "network_delay needs parameter 'delay_ms'"]),
+    "bad role": ("faults:\n  - kind: hang\n    point: train.step\n    target: {role: trainer}\n",
+                 ["test.yaml:4", "faults[0].target.role", "did you mean 'train'", "roles: controller"]),
+    "unknown param": ("faults:\n  - kind: cpu_contention\n    point: train.step\n    params: {lod: 0.5}\n",
+                      ["test.yaml:4", "has no parameter 'lod'", "did you mean 'load'", "its parameters: load, burners"]),
+    "yaml syntax": ("faults:\n  - kind: hang\n    point: [train.step\n", ["test.yaml:4", "YAML syntax error"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SPECS))
+def test_a_bad_spec_gives_one_clear_message_with_the_line(case, tmp_path):
+    text, expected = BAD_SPECS[case]
+    with pytest.raises(FaultSpecError) as err:
+        parse_faults_text(text, "test.yaml")
+    message = str(err.value)
+    assert "\n" not in message
+    for part in expected:
+        assert part in message, (part, message)
+    path = tmp_path / "test.yaml"
+    path.write_text(text)
+    out = subprocess.run([sys.executable, "-m", "rlhf.cli", "faults", "validate", str(path)], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert out.returncode == 1 and expected[1] in out.stderr
+
+
+def test_valid_files_validate_and_list_names_every_kind_and_point(tmp_path):
+    good = tmp_path / "good.yaml"
+    good.write_text("faults:\n  - name: d\n    kind: network_delay\n    point: rpc.*\n    target: {role: train, ranks: [0, 1]}\n"
+                    "    when: {steps: [2, 3], max_hits: 1}\n    params: {delay_ms: 5}\n")
+    out = subprocess.run([sys.executable, "-m", "rlhf.cli", "faults", "validate", str(good)], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert out.returncode == 0 and "1 fault" in out.stdout and "network_delay at rpc.* on train rank 0,1" in out.stdout
+    listing = subprocess.run([sys.executable, "-m", "rlhf.cli", "faults", "list"], capture_output=True, text=True,
+                             cwd=ROOT).stdout
+    for name in faults.KINDS:
+        assert f"\n  {name}" in listing
+    for point in faults.POINTS:
+        assert f"\n  {point} " in listing
+    assert "EMULATED" in listing  # emulated kinds say so
+
+
+def test_a_bad_fault_file_stops_the_trainer_before_anything_starts(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(BAD_SPECS["unknown kind"][0])
+    out = subprocess.run([sys.executable, f"{ROOT}/examples/grpo_trainer.py", "--faults", str(bad), "--run-dir",
+                          str(tmp_path / "run")], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 2 and "bad.yaml:2: faults[0].kind" in out.stderr
+    assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------------- matching
+
+
+def test_target_step_and_max_hits_decide_where_a_fault_fires(tmp_path):
+    from rlhf import tracing
+
+    arm(tmp_path, """
+        faults:
+          - name: boom
+            kind: exception
+            point: train.step
+            target: {role: train, rank: 1}
+            when: {steps: [3, 4], max_hits: 1}
+            params: {error: ValueError, message: injected}
+    """)
+    with tracing.use_role("train", 0):
+        fault_point("train.step", step=3)  # other rank: nothing
+    with tracing.use_role("train", 1):
+        fault_point("train.step", step=2)  # other step: nothing
+        with pytest.raises(ValueError, match="injected"):
+            fault_point("train.step", step=3)
+        fault_point("train.step", step=4)  # max_hits reached
+    m = markers(str(tmp_path))
+    assert [x["event"] for x in m] == ["inject"] and m[0]["rank"] == 1 and m[0]["step"] == 3
+
+
+def test_disarmed_points_do_nothing_and_cost_little():
+    faults.disarm()
+    t0 = time.perf_counter()
+    for _ in range(100_000):
+        fault_point("train.step", step=1)
+    per_hit = (time.perf_counter() - t0) / 100_000
+    assert per_hit < 5e-6  # generous for CI noise; benchmarks/overhead.py reports the real number
+
+
+# ---------------------------------------------------------------------------- inline kinds
+
+
+def test_network_delay_waits_the_delay_sync_and_async_and_records_it(tmp_path):
+    import asyncio
+
+    arm(tmp_path, """
+        faults:
+          - name: slow
+            kind: network_delay
+            point: rpc.client.send
+            target: {peer: metaserver}
+            params: {delay_ms: 150, jitter_ms: 20}
+    """)
+    t0 = time.perf_counter()
+    fault_point("rpc.client.send", peer="metaserver-0")
+    assert 0.125 <= time.perf_counter() - t0 < 0.5
+    t0 = time.perf_counter()
+    fault_point("rpc.client.send", peer="train-1")  # another peer: no delay
+    assert time.perf_counter() - t0 < 0.05
+    t0 = time.perf_counter()
+    asyncio.run(afault_point("rpc.client.send", peer="metaserver-0"))
+    assert time.perf_counter() - t0 >= 0.125
+    verify = [m for m in markers(str(tmp_path)) if m["event"] == "verify"]
+    assert len(verify) == 2 and all(125 <= v["details"]["measured_ms"] < 500 for v in verify)
+
+
+@pytest.fixture()
+def service():
+    svc = Service("metaserver", 0, token="t")
+    svc.route("/work", lambda a, t: {"ok": True, "payload": "x" * 1000})
+    thread = ServiceThread(svc)
+    thread.start()
+    loop = LoopThread()
+    yield thread, loop
+    loop.close()
+    thread.stop()
+
+
+@pytest.mark.parametrize("mode", ["reset", "truncate"])
+def test_network_loss_on_the_server_really_breaks_the_connection(tmp_path, service, mode):
+    thread, loop = service
+    arm(tmp_path, f"""
+        faults:
+          - name: loss
+            kind: network_loss
+            point: rpc.server.handle
+            target: {{role: metaserver, peer: /work}}
+            when: {{max_hits: 1}}
+            params: {{mode: {mode}}}
+    """)
+    client = Client(thread.url, "t", peer="metaserver-0")
+    with pytest.raises(RpcConnectionError) as err:
+        loop.run(client.call("/work", {}))
+    assert ("Payload" in str(err.value) or "payload" in str(err.value)) if mode == "truncate" else True
+    assert loop.run(client.call("/work", {}))[0]["ok"]  # the next request goes through (max_hits 1)
+    loop.run(client.close())
+
+
+def test_dns_failure_is_a_real_resolver_error_seen_as_a_connection_error(tmp_path, service):
+    import socket
+
+    thread, loop = service
+    arm(tmp_path, """
+        faults:
+          - name: dns
+            kind: dns_failure
+            point: events.notify
+            target: {peer: rollout-0}
+    """)
+    client = Client(thread.url, "t", peer="rollout-0")
+    with pytest.raises(RpcConnectionError) as err:
+        loop.run(client.call("/work", {}, points=("events.notify",)))
+    assert isinstance(err.value.cause, socket.gaierror) and "rollout-0.invalid" in str(err.value)
+    loop.run(client.close())
+
+
+def test_http_error_and_exception_come_back_as_http_replies(tmp_path, service):
+    thread, loop = service
+    arm(tmp_path, """
+        faults:
+          - name: unavailable
+            kind: http_error
+            point: rpc.server.handle
+            target: {role: metaserver}
+            when: {max_hits: 1}
+            params: {status: 503, body: overloaded}
+          - name: oom
+            kind: exception
+            point: rpc.server.handle
+            target: {role: metaserver}
+            when: {steps: [7]}
+            params: {error: OutOfMemoryError}
+    """)
+    client = Client(thread.url, "t")
+    with pytest.raises(HTTPStatusError) as err:
+        loop.run(client.call("/work", {}))
+    assert err.value.status == 503 and "overloaded" in err.value.text
+    with pytest.raises(RemoteError) as err:
+        loop.run(client.call("/work", {}, step=7))
+    assert err.value.info.error_class == "OutOfMemoryError" and "CUDA out of memory" in err.value.info.message
+    assert err.value.info.role == "metaserver" and err.value.info.step == 7
+    loop.run(client.close())
+
+
+def test_hang_blocks_until_restored(tmp_path):
+    arm(tmp_path, """
+        faults:
+          - name: stuck
+            kind: hang
+            point: checkpoint.fsync
+    """)
+    done = threading.Event()
+    threading.Thread(target=lambda: (fault_point("checkpoint.fsync"), done.set()), daemon=True).start()
+    assert not done.wait(0.5)  # really blocked
+    faults.restore_all("test")
+    assert done.wait(5)
+    assert [m["event"] for m in markers(str(tmp_path))] == ["inject", "restore", "verify"]
+
+
+def test_device_memory_pressure_is_emulated_and_ends_in_a_device_oom(tmp_path):
+    arm(tmp_path, """
+        faults:
+          - name: grow
+            kind: device_memory_pressure
+            point: train.step
+            params: {capacity_mb: 1000, start_mb: 900, rate_mb_s: 1000}
+    """)
+    fault_point("train.step", step=1)  # starts the growth, below capacity
+    time.sleep(0.15)
+    with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory.*emulated device budget"):
+        fault_point("train.step", step=2)
+    assert all(m["emulated"] for m in markers(str(tmp_path)))
+
+
+def test_disk_full_enospc_at_a_write_point(tmp_path):
+    arm(tmp_path, """
+        faults:
+          - name: full
+            kind: disk_full
+            point: checkpoint.write
+    """)
+    with pytest.raises(OSError) as err:
+        fault_point("checkpoint.write", path=str(tmp_path / "model.safetensors"))
+    assert err.value.errno == errno.ENOSPC and "emulated" in str(err.value)
+
+
+def test_clock_skew_shifts_the_targets_wall_time_and_is_restored(tmp_path):
+    arm(tmp_path, """
+        faults:
+          - name: skew
+            kind: clock_skew
+            point: sft.step
+            params: {offset_s: -120}
+    """)
+    fault_point("sft.step", step=1)
+    assert clock.now() - time.time() == pytest.approx(-120, abs=0.1)
+    faults.restore_all("test")
+    assert clock.now() - time.time() == pytest.approx(0, abs=0.1)
+
+
+def test_process_kill_kills(tmp_path):
+    out = run_target(tmp_path, """
+        faults:
+          - name: kill
+            kind: process_kill
+            point: train.step
+    """, wait=False)
+    assert out.wait(30) == -signal.SIGKILL
+    assert [m["event"] for m in markers(str(tmp_path))] == ["inject"]
+
+
+# ---------------------------------------------------------------------------- background kinds, in a target process
+
+TARGET = """
+import sys, time
+from rlhf import faults
+from rlhf.faults.spec import parse_faults_text
+faults.arm(sys.argv[1], parse_faults_text(open(sys.argv[2]).read(), "target.yaml"))
+faults.fault_point(sys.argv[3], step=1)
+print("HIT", flush=True)
+if len(sys.argv) > 4:
+    time.sleep(float(sys.argv[4]))
+    faults.restore_all("test done")
+    print("RESTORED", flush=True)
+time.sleep(120)
+"""
+
+
+def run_target(tmp_path, yaml_text, point="train.step", restore_after=None, wait=True):
+    spec = tmp_path / "target.yaml"
+    spec.write_text(textwrap.dedent(yaml_text))
+    script = tmp_path / "target.py"
+    script.write_text(TARGET)
+    os.makedirs(tmp_path / "faults", exist_ok=True)
+    args = [sys.executable, str(script), str(tmp_path), str(spec), point]
+    if restore_after is not None:
+        args.append(str(restore_after))
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": ROOT})
+    if wait:
+        line = proc.stdout.readline()
+        assert line.strip() == "HIT", proc.stderr.read() if proc.poll() is not None else line
+    return proc
+
+
+def wait_for_marker(run_dir, event, timeout_s=10):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = [m for m in markers(run_dir) if m["event"] == event]
+        if found:
+            return found[-1]
+        time.sleep(0.05)
+    pytest.fail(f"no {event} marker in {timeout_s} s: {markers(run_dir)}")
+
+
+def gone(pids, timeout_s=10):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+CPU = """
+    faults:
+      - name: burn
+        kind: cpu_contention
+        point: train.step
+        params: {load: 0.9, burners: 2}
+"""
+IO = """
+    faults:
+      - name: writers
+        kind: io_contention
+        point: train.step
+        params: {writers: 2, block_kb: 256, max_mb: 8}
+"""
+FILL = """
+    faults:
+      - name: fill
+        kind: disk_full
+        point: train.step
+        params: {mode: fill, fill_mb: 64, keep_free_mb: 512}
+"""
+MEMORY = """
+    faults:
+      - name: grow
+        kind: memory_pressure
+        point: train.step
+        params: {rate_mb_s: 2000, cap_mb: 300}
+"""
+
+
+@pytest.mark.parametrize("end", ["restore", "sigkill"])
+@pytest.mark.parametrize("kind", ["cpu", "io", "fill", "memory"])
+def test_background_kind_has_a_real_effect_and_leaves_nothing(tmp_path, kind, end):
+    spec = {"cpu": CPU, "io": IO, "fill": FILL, "memory": MEMORY}[kind]
+    proc = run_target(tmp_path, spec, restore_after=1.5 if end == "restore" else None)
+    try:
+        verify = wait_for_marker(str(tmp_path), "verify")["details"]
+        pids, paths = verify.get("pids", []), verify.get("paths", [])
+        if kind == "cpu":
+            assert len(pids) == 2 and verify["burner_cpu_percent"] > 60  # real CPU burnt
+        elif kind == "io":
+            assert len(pids) == 2 and verify["bytes_written"] > 0 and all(os.path.exists(p) for p in paths)
+        elif kind == "fill":
+            assert verify["fill_file_bytes"] == 64 << 20 and os.path.getsize(paths[0]) == 64 << 20
+        elif kind == "memory":
+            assert verify["held_bytes"] >= 64 << 20 and verify["rss_growth_bytes"] >= 60 << 20
+            target = psutil.Process(proc.pid)
+            deadline = time.monotonic() + 5
+            while target.memory_info().rss < 300 << 20 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert target.memory_info().rss >= 300 << 20  # grew to the cap: real, touched memory
+        if end == "restore":
+            assert proc.stdout.readline().strip() == "RESTORED"
+            restore = wait_for_marker(str(tmp_path), "restore")
+            assert restore["details"]["reason"] == "test done"
+            if kind == "memory":
+                assert restore["details"]["released_bytes"] == 300 << 20
+        else:
+            proc.kill()
+            proc.wait(10)
+            report = faults.audit(str(tmp_path))  # the survivor's leftover audit
+            if kind == "fill":
+                assert any("removed" in c for c in report["cleaned"])
+            assert report["unrestored"] or kind == "memory"
+        assert gone(pids), f"helpers still alive: {pids}"
+        assert not any(os.path.exists(p) for p in paths), paths
+        assert faults.audit(str(tmp_path))["cleaned"] == []  # nothing left to clean a second time
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
