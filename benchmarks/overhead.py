@@ -1,7 +1,12 @@
 #!/usr/bin/env python
 """What tracing costs: GRPO step time with tracing off vs on (file exporter), on the default run.
 
-Two measurements:
+Three measurements:
+
+  points       the cost of a disarmed fault point per hit (sync and async), and how many points
+               a step hits (counted by arming a zero-delay fault on every point of a smoke run).
+
+and for tracing:
 
   end to end   the default run (`python examples/grpo_trainer.py`, world size 1, one rollout
                server) is warmed up once (SFT + 1 step), then resumed from that checkpoint in
@@ -14,6 +19,7 @@ Two measurements:
                an estimate of the overhead that the noise of end-to-end timing cannot resolve.
 
     python benchmarks/overhead.py                    # --steps 30 --repeats 3
+    python benchmarks/overhead.py --part points      # the cost of disarmed fault points only
     python benchmarks/overhead.py --steps 50 --repeats 5
 """
 
@@ -77,13 +83,66 @@ def per_span_cost_us(rounds: int = 20, per_round: int = 1000) -> float:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def disarmed_point_cost_ns(n: int = 1_000_000) -> tuple[float, float]:
+    """Per-hit cost of a disarmed fault point, sync and async (nothing armed in this process)."""
+    import asyncio
+
+    from rlhf import faults
+
+    faults.disarm()
+    point = faults.fault_point
+    t0 = time.perf_counter()
+    for _ in range(n):
+        point("train.step", step=1)
+    sync_ns = (time.perf_counter() - t0) / n * 1e9
+
+    async def many() -> float:
+        t = time.perf_counter()
+        for _ in range(n // 10):
+            await faults.afault_point("rpc.client.send", peer="train-1")
+        return (time.perf_counter() - t) / (n // 10) * 1e9
+
+    return sync_ns, asyncio.run(many())
+
+
+def point_hits_per_step(steps: int = 6) -> float:
+    """Arm a zero-delay network_delay on every point and count the injections per step of a smoke run."""
+    import json as _json
+
+    tmp = tempfile.mkdtemp(prefix="rlhf-bench-points-")
+    try:
+        spec = os.path.join(tmp, "all.yaml")
+        with open(spec, "w") as fh:
+            fh.write("faults:\n  - name: count\n    kind: network_delay\n    point: '*'\n    params: {delay_ms: 0}\n")
+        run_dir = os.path.join(tmp, "run")
+        run(run_dir, steps, ["--preset", "smoke", "--faults", spec])
+        with open(os.path.join(run_dir, "faults", "markers.jsonl")) as fh:
+            hits = [m for m in map(_json.loads, fh) if m["event"] == "inject" and m["step"] >= 1]
+        return len(hits) / steps
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=30, help="GRPO steps per measured run")
     ap.add_argument("--repeats", type=int, default=3, help="off/on pairs")
     ap.add_argument("--skip", type=int, default=2, help="first steps of each run left out")
     ap.add_argument("--keep", action="store_true", help="keep the run directories")
+    ap.add_argument("--part", choices=["all", "tracing", "points"], default="all")
     args = ap.parse_args()
+    if args.part in ("all", "points"):
+        sync_ns, async_ns = disarmed_point_cost_ns()
+        hits = point_hits_per_step()
+        print("\nFault points, all disarmed\n")
+        print("| measure | value |")
+        print("|---|---:|")
+        print(f"| one disarmed point, sync | {sync_ns:.0f} ns |")
+        print(f"| one disarmed point, async (await) | {async_ns:.0f} ns |")
+        print(f"| points hit per step (world 1 smoke run, counted by arming every point) | {hits:.0f} |")
+        print(f"| disarmed cost per step | {hits * max(sync_ns, async_ns) / 1000:.1f} us |")
+        if args.part == "points":
+            return
 
     base = tempfile.mkdtemp(prefix="rlhf-bench-overhead-")
     try:

@@ -231,9 +231,12 @@ def test_metrics_sampler_writes_rows_with_the_heartbeat(tmp_path):
 
     sampler = ResourceSampler(str(tmp_path), "rollout", 1, interval_s=0.05).start()
     ACTIVITY.set("rollout", 5)
-    burn_until = time.time() + 0.4
-    while time.time() < burn_until:  # real CPU work, so cpu_percent rises
+    path = tmp_path / "metrics" / "rollout-1.csv"
+    deadline = time.time() + 10
+    while time.time() < deadline:  # real CPU work, so cpu_percent rises, until a few rows are written
         sum(i * i for i in range(1000))
+        if path.exists() and len(path.read_text().splitlines()) >= 5:
+            break
     sampler.stop()
     rows = list(csv.DictReader(open(tmp_path / "metrics" / "rollout-1.csv")))
     assert len(rows) >= 3
