@@ -40,12 +40,23 @@ def parse_config(argv: list[str] | None, parser: argparse.ArgumentParser) -> tup
     except ConfigError as err:
         parser.error(str(err))
     args = parser.parse_args(rest)
+    scenario: list[tuple[str, Any]] = []
+    if args.faults:
+        from rlhf.faults.spec import FaultSpecError, load_fault_config, load_fault_file
+
+        try:
+            for path in args.faults:
+                load_fault_file(path)  # validate first: a bad file fails before its config is read
+                scenario += _flatten(load_fault_config(path))
+        except FaultSpecError as err:
+            parser.error(str(err))
     try:
         cfg = build_config(
             preset=args.preset,
             config_file=args.config,
             dotted=[("runtime.colocate", "true")] * bool(args.colocate)
             + [("runtime.resilience", args.resilience)] * bool(args.resilience) + dotted,
+            scenario=scenario,
             top_level={"seed": args.seed, "steps": args.steps, "run_dir": args.run_dir},
         )
     except ConfigError as err:
@@ -66,6 +77,16 @@ def parse_config(argv: list[str] | None, parser: argparse.ArgumentParser) -> tup
         print(cfg.to_yaml(), end="")
         raise SystemExit(0)
     return cfg, args
+
+
+def _flatten(section: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for key, value in section.items():
+        if isinstance(value, dict):
+            out += _flatten(value, f"{prefix}{key}.")
+        else:
+            out.append((f"{prefix}{key}", value))
+    return out
 
 
 def config_summary(cfg: Config) -> dict[str, Any]:

@@ -575,8 +575,10 @@ def build_config(
     config_file: str | None = None,
     dotted: list[tuple[str, Any]] | None = None,
     top_level: dict[str, Any] | None = None,
+    scenario: list[tuple[str, Any]] | None = None,
 ) -> Config:
-    """Preset → YAML file → top-level flags (--seed, --steps, --run-dir) → dotted overrides."""
+    """Preset → YAML file → a fault file's `config:` (scenario) → top-level flags (--seed, --steps, --run-dir)
+    → dotted overrides."""
     _choice("--preset", preset, PRESETS)
     cfg = PRESETS[preset]()
     if config_file:
@@ -584,6 +586,11 @@ def build_config(
             cfg = apply_overrides(cfg, load_yaml(config_file))
         except ConfigError as err:
             raise ConfigError(f"{config_file}: {err}") from None
+    if scenario:
+        try:
+            cfg = apply_overrides(cfg, dotted_to_nested(scenario))
+        except ConfigError as err:
+            raise ConfigError(f"fault file config: {err}") from None
     if top_level:
         cfg = apply_overrides(cfg, {k: v for k, v in top_level.items() if v is not None})
     if dotted:

@@ -29,6 +29,7 @@ class StageClock:
     def __init__(self, step: int = -1) -> None:
         self.step = step
         self.seconds: dict[str, float] = {}
+        self.current = ""  # the stage running now; left set when a stage raises (where a failure happened)
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
@@ -38,9 +39,11 @@ class StageClock:
         if name not in STAGES:
             raise ValueError(f"unknown stage {name!r}; canonical stages: {', '.join(STAGES)}")
         ACTIVITY.set(name, self.step)
+        self.current = name
         start = time.perf_counter()
         try:
             with tracing.span(name, stage=name, step=self.step):
                 yield
+            self.current = ""
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start

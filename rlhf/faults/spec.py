@@ -118,6 +118,12 @@ def _scalar(chk: _Checker, node: Any, where: str, types: tuple[type, ...], what:
     return value
 
 
+def _int_list(chk: _Checker, node: Any, where: str, what: str) -> tuple[int, ...]:
+    if not isinstance(node, yaml.SequenceNode):
+        chk.fail(node, where, f"expected a list of integer {what}s")
+    return tuple(_scalar(chk, v, where, (int,), f"an integer {what}") for v in node.value)
+
+
 def parse_faults_text(text: str, source: str = "<faults>") -> list[FaultSpec]:
     """Parse and validate a fault file's text. Raises FaultSpecError (with the line) on the first problem."""
     from rlhf.faults.kinds import KINDS
@@ -134,10 +140,10 @@ def parse_faults_text(text: str, source: str = "<faults>") -> list[FaultSpec]:
         return []
     if isinstance(root, yaml.MappingNode):
         top = _mapping(root)
-        unknown = [k for k in top if k != "faults"]
+        unknown = [k for k in top if k not in ("faults", "config")]
         if unknown:
-            chk.fail(top[unknown[0]][0], unknown[0], f"unknown top-level key{_hint(unknown[0], ['faults'])}; "
-                     "a fault file has one key: faults (a list)")
+            chk.fail(top[unknown[0]][0], unknown[0], f"unknown top-level key{_hint(unknown[0], ['faults', 'config'])}; "
+                     "a fault file has: faults (a list) and, for a scenario, config (run settings)")
         if "faults" not in top:
             return []
         items = top["faults"][1]
@@ -193,9 +199,7 @@ def parse_faults_text(text: str, source: str = "<faults>") -> list[FaultSpec]:
                 elif key == "rank":
                     target.ranks = (_scalar(chk, vnode, w, (int,), "an integer rank"),)
                 elif key == "ranks":
-                    if not isinstance(vnode, yaml.SequenceNode):
-                        chk.fail(vnode, w, "expected a list of integer ranks")
-                    target.ranks = tuple(_scalar(chk, v, w, (int,), "an integer rank") for v in vnode.value)
+                    target.ranks = _int_list(chk, vnode, w, "rank")
                 elif key == "peer":
                     target.peer = _scalar(chk, vnode, w, (str,), "a peer like metaserver, scheduler, rollout-0")
         when = When()
@@ -210,9 +214,7 @@ def parse_faults_text(text: str, source: str = "<faults>") -> list[FaultSpec]:
                 if key == "step":
                     when.steps = (_scalar(chk, vnode, w, (int,), "an integer step"),)
                 elif key == "steps":
-                    if not isinstance(vnode, yaml.SequenceNode):
-                        chk.fail(vnode, w, "expected a list of integer steps")
-                    when.steps = tuple(_scalar(chk, v, w, (int,), "an integer step") for v in vnode.value)
+                    when.steps = _int_list(chk, vnode, w, "step")
                 elif key == "after_s":
                     when.after_s = _scalar(chk, vnode, w, (float,), "seconds (a number)")
                 elif key == "probability":
@@ -276,6 +278,19 @@ class _Required:
 
 
 REQUIRED: Any = _Required()
+
+
+def load_fault_config(path: str) -> dict[str, Any]:
+    """The `config:` section of a scenario file: run settings (resilience, scaled timeouts, steps) it needs.
+
+    Applied over the preset and --config, under the command line's own flags.
+    """
+    with open(path, encoding="utf-8") as fh:
+        data = yaml.safe_load(fh) or {}
+    section = data.get("config") or {} if isinstance(data, dict) else {}
+    if not isinstance(section, dict):
+        raise FaultSpecError(f"{path}: config: expected a mapping of config sections")
+    return section
 
 
 def load_fault_file(path: str) -> list[FaultSpec]:

@@ -58,6 +58,9 @@ STEP_COLUMNS = [
 ]
 
 
+OUTER_MARGIN_S = 10.0  # a call that wraps a server-side wait gets this much longer than the wait
+
+
 class WeightsMismatch(RuntimeError):
     """A rollout server's weights or version differ from the trainer's after a weights update."""
 
@@ -101,6 +104,8 @@ class Controller:
         self.version = "0"
         self.sft_result: dict[str, Any] = {}
         self.start_step = 0
+        self.where = {"step": -1, "stage": "startup"}  # what the controller is doing (for the first failure)
+        self.first_failure = ""
 
     def _tokenizer(self) -> Any:
         if self.cfg.model.path:
@@ -160,8 +165,20 @@ class Controller:
             }
             write_json(os.path.join(self.run_dir, "summary.json"), summary)
             return summary
+        except BaseException as exc:
+            self.first_failure = self._describe(exc)
+            log.error("run failed: %s", self.first_failure)
+            raise
         finally:
             self.cleanup()
+            if self.first_failure and self.cfg.runtime.resilience == "hardened":
+                # first-failure ledger: whatever cleanup logged, the last error line names the first failure
+                log.error("first failure of this run: %s", self.first_failure)
+
+    def _describe(self, exc: BaseException) -> str:
+        step, stage = self.where["step"], self.where["stage"]
+        at = f"step {step}, stage {stage}" if step >= 0 else f"{stage}"
+        return f"{at}: {type(exc).__name__}: {exc}"
 
     # ------------------------------------------------------------------ services
 
@@ -220,7 +237,7 @@ class Controller:
             return self._step(step)
 
     def _step(self, step: int) -> dict[str, Any]:
-        clock, t0, cfg = StageClock(step), time.perf_counter(), self.cfg
+        clock, t0, cfg = _TrackedClock(step, self.where), time.perf_counter(), self.cfg
         row: dict[str, Any] = {"step": step}
         with clock.stage("weights_update"):
             row.update(self.weights_update(str(step), step))
@@ -310,7 +327,9 @@ class Controller:
         updates = [timed(c.call("/update_weights_from_meta",
                                 {"metaserver_url": self.metaserver_url, "weight_version": version,
                                  "wait_s": cfg.weights.update_timeout_s, "timeout_s": cfg.weights.update_timeout_s},
-                                timeout_s=cfg.weights.update_timeout_s, stage="weights_update", step=step))
+                                # the server's own wait ends first, so its error (not our timeout) comes back
+                                timeout_s=cfg.weights.update_timeout_s + OUTER_MARGIN_S, stage="weights_update",
+                                step=step))
                    for c in self.rollout]
         times = await asyncio.gather(*uploads, *updates)  # upload and update in parallel; wait for both sides
         n = len(uploads)
@@ -377,7 +396,17 @@ class Controller:
                 "weight_version": [r["meta_info"]["weight_version"] for r in results],
             }, g, strict=False)
 
-        parts = self.loop.gather(*[one(c, idx) for c, idx in zip(self.rollout, chunks)])
+        faithful = cfg.runtime.resilience == "faithful"
+        results = self.loop.gather(*[one(c, idx) for c, idx in zip(self.rollout, chunks)], return_exceptions=faithful)
+        parts = []
+        for r, part in enumerate(results):
+            if isinstance(part, BaseException):  # faithful only: the seeds' controller goes on with what it has
+                log.warning("step %d: rollout-%d failed (%s: %s); continuing with the samples of the other servers",
+                            step, r, type(part).__name__, part)
+                continue
+            parts.append(part)
+        if not parts:
+            raise RuntimeError(f"step {step}: every rollout server failed")
         for p in parts:
             p["sample_index"] = [0] * len(p["output_ids"])
         memory = DistributedBatchMemory.concat(parts, cfg.rollout.group_size)
@@ -415,6 +444,7 @@ class Controller:
 
     def evaluate(self) -> float:
         """Greedy accuracy on the eval split, spread over the rollout servers."""
+        self.where.update(step=-1, stage="evaluate")
         with tracing.span("evaluate", new_trace=True) as sp:
             accuracy = self._evaluate()
             sp.set_attribute("rlhf.eval_accuracy", accuracy)
@@ -462,9 +492,9 @@ class Controller:
             try:
                 for result in self.loop.run(stop_all()):
                     if isinstance(result, BaseException):
-                        errors.append(f"stop job: {type(result).__name__}: {result}")
+                        log.error("cleanup: stop job: %s: %s", type(result).__name__, result)  # as it happens
             except (RuntimeError, OSError, TimeoutError) as exc:
-                errors.append(f"cleanup: {type(exc).__name__}: {exc}")
+                log.error("cleanup: %s: %s", type(exc).__name__, exc)
             self.scheduler.close()
         if self.metaserver is not None:
             self.metaserver.stop()
@@ -492,6 +522,19 @@ async def _jobs(scheduler: SchedulerClient) -> list[dict]:
 
 _ROLLOUT_KEYS = ["sample_index", "prompt_ids", "output_ids", "logprobs", "num_tokens", "prompts", "answers",
                  "completions", "weight_version"]
+
+
+class _TrackedClock(StageClock):
+    """A StageClock that also tells the controller which stage is running (for the failure report)."""
+
+    def __init__(self, step: int, where: dict[str, Any]) -> None:
+        super().__init__(step)
+        self.where = where
+        where.update(step=step, stage="step")
+
+    def stage(self, name: str):  # type: ignore[override]
+        self.where["stage"] = name
+        return super().stage(name)
 
 
 def _chunks(items: list[int], n: int) -> list[list[int]]:

@@ -51,18 +51,23 @@ class RemoteError(RuntimeError):
 class HTTPStatusError(RuntimeError):
     """A non-2xx reply without a typed body (faithful mode's bare 500s, proxies, auth)."""
 
-    def __init__(self, status: int, text: str, url: str) -> None:
-        self.status, self.text, self.url = status, text, url
-        super().__init__(f"HTTP {status} from {url}: {text.strip()[:200]}")
+    def __init__(self, status: int, text: str, url: str, peer: str = "") -> None:
+        self.status, self.text, self.url, self.peer = status, text, url, peer
+        body = " ".join(text.split())[:200]
+        super().__init__(f"HTTP {status} from {_who(url, peer)}: {body}")
+
+
+def _who(url: str, peer: str) -> str:
+    return f"{peer} ({url})" if peer else url
 
 
 class RpcTimeout(TimeoutError):
-    def __init__(self, url: str, timeout_s: float) -> None:
-        self.url, self.timeout_s = url, timeout_s
-        super().__init__(f"no reply from {url} within {timeout_s:g} s")
+    def __init__(self, url: str, timeout_s: float, peer: str = "") -> None:
+        self.url, self.timeout_s, self.peer = url, timeout_s, peer
+        super().__init__(f"no reply from {_who(url, peer)} within {timeout_s:g} s")
 
 
 class RpcConnectionError(ConnectionError):
-    def __init__(self, url: str, cause: BaseException) -> None:
-        self.url, self.cause = url, cause
-        super().__init__(f"cannot reach {url}: {type(cause).__name__}: {cause}")
+    def __init__(self, url: str, cause: BaseException, peer: str = "") -> None:
+        self.url, self.cause, self.peer = url, cause, peer
+        super().__init__(f"cannot reach {_who(url, peer)}: {type(cause).__name__}: {cause}")

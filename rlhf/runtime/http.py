@@ -48,6 +48,8 @@ class Service:
         self.app = web.Application(middlewares=[self._trace, self._auth], client_max_size=1 << 34)
         self.stage, self.step = "", -1
         self.untraced_paths: set[str] = set()
+        self.inflight = 0  # handlers running now on the worker thread
+        self._inflight_lock = threading.Lock()
 
     @web.middleware
     async def _trace(self, request: web.Request, handler: Callable) -> web.StreamResponse:
@@ -123,7 +125,15 @@ class Service:
                 elif inline:
                     result = fn(args or {}, tensors)
                 else:
-                    call = lambda: fn(args or {}, tensors)  # noqa: E731
+                    def call() -> Any:
+                        with self._inflight_lock:  # counted on the worker thread: a cancelled request still runs
+                            self.inflight += 1
+                        try:
+                            return fn(args or {}, tensors)
+                        finally:
+                            with self._inflight_lock:
+                                self.inflight -= 1
+
                     ctx = contextvars.copy_context()  # the server span and role follow the work onto the thread
                     result = await asyncio.get_running_loop().run_in_executor(self.executor, ctx.run, call)
             except Exception as exc:  # every handler error becomes a reply; nothing is swallowed
@@ -235,7 +245,7 @@ class Client:
             return await asyncio.wait_for(self._request(url, path, args, tensors, timeout, stage, step, method, points),
                                           timeout)
         except asyncio.TimeoutError:
-            raise RpcTimeout(url, timeout) from None
+            raise RpcTimeout(url, timeout, self.peer) from None
 
     async def _request(self, url: str, path: str, args: Any, tensors: dict | None, timeout: float, stage: str,
                        step: int, method: str, points: tuple[str, ...]) -> tuple[Any, dict]:
@@ -260,13 +270,13 @@ class Client:
                         err = None
                     if isinstance(err, dict) and isinstance(err.get("error"), dict):
                         raise RemoteError(ErrorInfo(**err["error"]), url)
-                raise HTTPStatusError(resp.status, payload.decode(errors="replace"), url)
+                raise HTTPStatusError(resp.status, payload.decode(errors="replace"), url, self.peer)
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:  # reset, refused, cut mid-body
-            raise RpcConnectionError(url, exc) from exc
+            raise RpcConnectionError(url, exc, self.peer) from exc
         except OSError as exc:  # name resolution (socket.gaierror) and other socket errors
             if isinstance(exc, (RpcConnectionError, TimeoutError)):
                 raise
-            raise RpcConnectionError(url, exc) from exc
+            raise RpcConnectionError(url, exc, self.peer) from exc
 
     async def close(self) -> None:
         if self._session is not None:

@@ -13,6 +13,7 @@ import logging
 import os
 import secrets
 import signal
+import sys
 from typing import Any
 
 import torch
@@ -70,6 +71,7 @@ def run(cfg: Config) -> dict[str, Any] | None:
     logging.getLogger("rlhf.train_worker").info("train worker %d/%d serving on %s (pid %d)", rank, world,
                                                 server.url, os.getpid())
     summary = None
+    failed = True
     try:
         if rank == 0:
             from rlhf.runtime.controller import Controller
@@ -83,14 +85,23 @@ def run(cfg: Config) -> dict[str, Any] | None:
             signal.signal(signal.SIGTERM, lambda *_: worker.shutdown.set())
             while not worker.shutdown.wait(0.5):
                 pass
+        failed = False
     finally:
+        busy = worker.service.inflight  # a handler still running: hung in a collective, a fault, a slow call
         server.stop()
         worker.close()
-        shutdown_distributed()
+        if not busy:
+            shutdown_distributed()
         from rlhf import faults
 
         faults.restore_all("run end")
         stop_process_telemetry()
+        if busy:
+            # Python would wait for that handler thread forever at exit; this rank's part is over
+            log.warning("train rank %d: %d request(s) still running at shutdown; exiting without waiting", rank, busy)
+            logging.shutdown()
+            sys.stderr.flush()
+            os._exit(1 if failed else 0)
     return summary
 
 

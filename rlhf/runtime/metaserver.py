@@ -154,7 +154,9 @@ async def pull_weights(client: Any, version: str, wait_s: float, timeout_s: floa
     """Rollout side of a meta-mode update: wait for the manifest, fetch every shard, verify sha256."""
     import torch  # noqa: F401
 
-    manifest, _ = await client.call(f"/weights/{version}/manifest?wait_s={wait_s}", method="GET", timeout_s=timeout_s)
+    # the MetaServer's wait ends first (504 naming the missing shards), not our timeout
+    manifest, _ = await client.call(f"/weights/{version}/manifest?wait_s={wait_s}", method="GET",
+                                    timeout_s=max(timeout_s, wait_s + 5.0))
     tensors: dict = {}
     for shard in sorted(manifest["shards"]):
         _, part = await client.call(f"/weights/{version}/{shard}", method="GET", timeout_s=timeout_s)

@@ -112,10 +112,22 @@ class TrainWorker:
         self._require_device("train_step")
         t0 = time.perf_counter()
         fault_point("train.step")
+        self._check_global_batch(tensors)
         metrics = self._engine().train_step(tensors)
         metrics["train_seconds"] = time.perf_counter() - t0
         metrics["rank"] = self.rank
         return metrics
+
+    def _check_global_batch(self, tensors: dict) -> None:
+        """The global batch must be rollout.prompts_per_step x group_size rows, as the engine is configured."""
+        from rlhf.runtime.batch_memory import BatchSizeMismatch
+
+        rows = int(tensors["input_ids"].shape[0])
+        total = int(self.dp.all_reduce_sum(torch.tensor([float(rows)]))[0].item())
+        expected = self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size
+        if total != expected:
+            raise BatchSizeMismatch({"global_rows": total, "this_rank_rows": rows, "expected_global_batch": expected},
+                                    "train step (rollout.prompts_per_step x rollout.group_size)")
 
     def upload_weights(self, args: dict, tensors: dict) -> dict:
         """PUT this rank's shard of the weights to the MetaServer as version args['version']."""

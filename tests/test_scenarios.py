@@ -1,0 +1,88 @@
+"""The seed plan's scenarios 1–3, run faithfully with 2 train ranks and 2 rollout servers.
+
+Each test runs `torchrun ... --faults examples/faults/scenarioN.yaml` and checks, from the run
+directory only (logs, markers, traces), that the fault in one stage surfaces where the scenario
+says — and that no process of the run is left.
+"""
+
+import datetime as dt
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.test_runtime import assert_none_left, free_port
+
+
+def run_scenario(tmp_path, n, *extra):
+    run_dir = tmp_path / f"scenario{n}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", f"{ROOT}/examples/grpo_trainer.py", "--run-dir", str(run_dir),
+           "--faults", f"{ROOT}/examples/faults/scenario{n}.yaml", *extra]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert_none_left(run_dir)
+    return run_dir, out
+
+
+def log_lines(run_dir, name, level=None):
+    lines = (run_dir / "logs" / f"{name}.log").read_text().splitlines()
+    return [line for line in lines if level is None or f" {level} " in line]
+
+
+def stamp(line):
+    return dt.datetime.strptime(line.split(" ", 1)[0], "%Y-%m-%dT%H:%M:%S.%f").timestamp()
+
+
+def markers(run_dir):
+    with open(run_dir / "faults" / "markers.jsonl") as fh:
+        return [json.loads(line) for line in fh]
+
+
+def test_scenario1_slow_upload_surfaces_as_rollout_update_failures(tmp_path):
+    run_dir, out = run_scenario(tmp_path, 1)
+    assert out.returncode != 0
+    inject = next(m for m in markers(run_dir) if m["fault"] == "slow-path-rank1-to-metaserver" and m["event"] == "inject")
+    assert (inject["role"], inject["rank"], inject["step"]) == ("train", 1, 3)
+    errors = log_lines(run_dir, "controller-0", "ERROR")
+    first = next(line for line in errors if "run failed" in line)
+    assert "stage weights_update" in first and "rollout-" in first and "HTTP 500" in first  # names the rollout side
+    assert "train-1" not in first
+    for r in (0, 1):  # every rollout server's update failed, ~update_timeout_s after the upload began
+        failed = [line for line in log_lines(run_dir, f"rollout-{r}", "ERROR") if "update_weights_from_meta" in line]
+        assert failed, f"rollout-{r} did not fail its update"
+        assert 6.0 <= stamp(failed[0]) - inject["time"] <= 14.0
+        assert "incomplete" in failed[0] or "504" in failed[0]
+
+
+def test_scenario2_rollout_fault_surfaces_in_train_as_batch_size_mismatch(tmp_path):
+    run_dir, out = run_scenario(tmp_path, 2)
+    assert out.returncode != 0
+    marks = markers(run_dir)
+    kill = next(m for m in marks if m["fault"] == "oom-kill-rollout1" and m["event"] == "inject")
+    assert (kill["role"], kill["rank"], kill["point"], kill["step"]) == ("rollout", 1, "rollout.generate", 3)
+    burn = next(m for m in marks if m["fault"] == "cpu-contention-rollout1" and m["event"] == "verify")
+    assert burn["details"]["burner_cpu_percent"] > 50
+    controller = log_lines(run_dir, "controller-0")
+    assert any("WARNING" in line and "rollout-1" in line and "continuing" in line for line in controller)
+    first = next(line for line in log_lines(run_dir, "controller-0", "ERROR") if "run failed" in line)
+    assert "step 3" in first and "stage train" in first  # the fault was in rollout
+    train_errors = [line for r in (0, 1) for line in log_lines(run_dir, f"train-{r}", "ERROR")]
+    assert any("BatchSizeMismatch" in line and "batch size mismatch" in line for line in train_errors)
+
+
+def test_scenario3_oom_is_hidden_behind_the_last_error_a_stop_job_timeout(tmp_path):
+    run_dir, out = run_scenario(tmp_path, 3)
+    assert out.returncode != 0
+    oom = [line for line in log_lines(run_dir, "train-1", "ERROR") if "out of memory" in line]
+    assert oom, "the OOM must be in train rank 1's log"
+    for other in ("controller-0", "train-0", "rollout-0", "rollout-1", "scheduler-0"):
+        assert not any("out of memory" in line for line in log_lines(run_dir, other)), other
+    errors = log_lines(run_dir, "controller-0", "ERROR")
+    assert any("run failed" in line and "HTTP 500" in line and "train-1" in line for line in errors)
+    last = errors[-1]
+    assert re.search(r"stop job.*RpcTimeout|RpcTimeout.*jobs/rollout", last), last
+    gap = stamp(last) - stamp(oom[0])
+    assert 4.0 <= gap <= 12.0, gap  # about cleanup_timeout_s (5 s) after the OOM
