@@ -86,8 +86,8 @@ def test_faithful_mode_yields_a_bare_500(served):
 def test_timeouts_and_refused_connections_are_named(served):
     start, loop = served
     srv = start()
-    with pytest.raises(RpcTimeout, match=r"/slow within 0.3 s"):
-        loop.run(Client(srv.url, "secret").call("/slow", {}, timeout_s=0.3))
+    with pytest.raises(RpcTimeout, match=r"no reply from train-3 \(http://127.0.0.1:\d+/slow\) within 0.3 s"):
+        loop.run(Client(srv.url, "secret", peer="train-3").call("/slow", {}, timeout_s=0.3))
     port = srv.port
     srv.stop()
     with pytest.raises(RpcConnectionError, match=f"127.0.0.1:{port}"):

@@ -86,3 +86,14 @@ def test_scenario3_oom_is_hidden_behind_the_last_error_a_stop_job_timeout(tmp_pa
     assert re.search(r"stop job.*RpcTimeout|RpcTimeout.*jobs/rollout", last), last
     gap = stamp(last) - stamp(oom[0])
     assert 4.0 <= gap <= 12.0, gap  # about cleanup_timeout_s (5 s) after the OOM
+
+
+def test_scenario3_hardened_names_the_oom_first_and_last(tmp_path):
+    run_dir, out = run_scenario(tmp_path, 3, "--resilience", "hardened")
+    assert out.returncode != 0
+    errors = log_lines(run_dir, "controller-0", "ERROR")
+    first, last = errors[0], errors[-1]
+    for line in (first, last):  # typed error: class, who, stage, step — and the ledger repeats it last
+        assert "OutOfMemoryError in train-1" in line and "stage train" in line and "CUDA out of memory" in line
+    assert "first failure of this run" in last
+    assert any("stop job: RpcTimeout" in line for line in errors[1:-1])  # cleanup errors sit in between
