@@ -51,6 +51,7 @@ class _State:
     def __init__(self) -> None:
         self.settings: dict[str, Any] | None = None  # run_dir, config; None = tracing off
         self.providers: dict[tuple[str, int], Any] = {}
+        self.tracers: dict[tuple[str, int], Any] = {}
         self.primary: tuple[str, int] | None = None
         self.lock = threading.Lock()
 
@@ -121,6 +122,7 @@ def shutdown_tracing() -> None:
     with _state.lock:
         providers = list(_state.providers.values())
         _state.providers.clear()
+        _state.tracers.clear()
         _state.settings = None
     for provider in providers:
         try:
@@ -137,11 +139,17 @@ def flush() -> None:
 # ---------------------------------------------------------------------------- API helpers
 
 
+_NOOP = trace.NoOpTracer()
+
+
 def tracer_for(role: str, rank: int) -> trace.Tracer:
     """The tracer of role-rank (its own service in traces); the no-op tracer when tracing is off."""
     if _state.settings is None:
-        return trace.NoOpTracer()
-    return _provider(role, rank).get_tracer("rlhf")
+        return _NOOP
+    tracer = _state.tracers.get((role, rank))
+    if tracer is None:  # SDK get_tracer builds a new scope and tracer each call: make it once per role
+        tracer = _state.tracers[(role, rank)] = _provider(role, rank).get_tracer("rlhf")
+    return tracer
 
 
 def current_tracer() -> trace.Tracer:
