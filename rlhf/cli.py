@@ -91,9 +91,13 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0 if argv else 2
     name = argv[0]
-    if name == "config":
-        return config_main(argv[1:])
-    return COMMANDS[name](argv[1:], prog=f"rlhf {name}")
+    try:
+        if name == "config":
+            return config_main(argv[1:])
+        return COMMANDS[name](argv[1:], prog=f"rlhf {name}")
+    except BrokenPipeError:  # `rlhf trace RUN | head`: the reader left; not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from rlhf.analysis import measure_run
 from tests.conftest import ROOT
 from tests.test_runtime import assert_none_left, free_port
 
@@ -55,6 +56,10 @@ def test_scenario1_slow_upload_surfaces_as_rollout_update_failures(tmp_path):
         assert failed, f"rollout-{r} did not fail its update"
         assert 6.0 <= stamp(failed[0]) - inject["time"] <= 14.0
         assert "incomplete" in failed[0] or "504" in failed[0]
+    row = measure_run(str(run_dir), out.returncode)
+    assert (row["fault_stage"], row["target"], row["error_stage"]) == ("weights_update", "train-1", "weights_update")
+    assert row["processes_with_errors"].split()[0].startswith("rollout-")  # the first error is not at the cause
+    assert 6.0 <= row["surfaced_error_time_s"] <= 14.0
 
 
 def test_scenario2_rollout_fault_surfaces_in_train_as_batch_size_mismatch(tmp_path):
@@ -71,6 +76,8 @@ def test_scenario2_rollout_fault_surfaces_in_train_as_batch_size_mismatch(tmp_pa
     assert "step 3" in first and "stage train" in first  # the fault was in rollout
     train_errors = [line for r in (0, 1) for line in log_lines(run_dir, f"train-{r}", "ERROR")]
     assert any("BatchSizeMismatch" in line and "batch size mismatch" in line for line in train_errors)
+    row = measure_run(str(run_dir), out.returncode)
+    assert (row["fault_stage"], row["error_stage"]) == ("rollout", "train")  # a different stage than the fault
 
 
 def test_scenario3_oom_is_hidden_behind_the_last_error_a_stop_job_timeout(tmp_path):
@@ -86,6 +93,8 @@ def test_scenario3_oom_is_hidden_behind_the_last_error_a_stop_job_timeout(tmp_pa
     assert re.search(r"stop job.*RpcTimeout|RpcTimeout.*jobs/rollout", last), last
     gap = stamp(last) - stamp(oom[0])
     assert 4.0 <= gap <= 12.0, gap  # about cleanup_timeout_s (5 s) after the OOM
+    row = measure_run(str(run_dir), out.returncode)
+    assert row["fault_stage"] == "train" and "stop job: RpcTimeout" in row["last_error_line"]
 
 
 def test_scenario3_hardened_names_the_oom_first_and_last(tmp_path):
