@@ -22,6 +22,7 @@ setup(
         "opentelemetry-api>=1.25",
         "opentelemetry-sdk>=1.25",
         "opentelemetry-exporter-otlp-proto-http>=1.25",  # also brings opentelemetry-proto and protobuf
+        "matplotlib>=3.7",  # rlhf report
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6"],

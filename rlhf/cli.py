@@ -5,6 +5,7 @@
     rlhf config [flags]    print the resolved config as YAML
     rlhf trace RUN_DIR     a run's traces: per-step trees, errors, fault events; Jaeger / Perfetto files
     rlhf faults list       every fault kind and point;  rlhf faults validate FILE  checks a fault file
+    rlhf report RUN_DIR    figures of how a fault propagated (RUN_DIR/report/*.png)
 """
 
 from __future__ import annotations
@@ -79,7 +80,13 @@ def faults_main(argv: list[str] | None = None, prog: str = "rlhf faults") -> int
     return run(argv)
 
 
-COMMANDS = {"grpo": grpo_main, "sft": sft_main, "config": config_main, "trace": trace_main, "faults": faults_main}
+def report_main(argv: list[str] | None = None, prog: str = "rlhf report") -> int:
+    from rlhf.report import report_main as run
+
+    return run(argv)
+
+
+COMMANDS = {"report": report_main, "grpo": grpo_main, "sft": sft_main, "config": config_main, "trace": trace_main, "faults": faults_main}
 
 
 def main(argv: list[str] | None = None) -> int:

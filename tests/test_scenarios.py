@@ -95,6 +95,14 @@ def test_scenario3_oom_is_hidden_behind_the_last_error_a_stop_job_timeout(tmp_pa
     assert 4.0 <= gap <= 12.0, gap  # about cleanup_timeout_s (5 s) after the OOM
     row = measure_run(str(run_dir), out.returncode)
     assert row["fault_stage"] == "train" and "stop job: RpcTimeout" in row["last_error_line"]
+    from matplotlib import image
+
+    from rlhf.report import report_main
+
+    assert report_main([str(run_dir)]) == 0
+    for name in ("propagation.png", "target_metrics.png"):
+        img = image.imread(run_dir / "report" / name)
+        assert img.shape[0] > 200 and img.shape[1] > 800 and img.std() > 0.05  # a real picture, not blank
 
 
 def test_scenario3_hardened_names_the_oom_first_and_last(tmp_path):
