@@ -114,3 +114,24 @@ def test_scenario3_hardened_names_the_oom_first_and_last(tmp_path):
         assert "OutOfMemoryError in train-1" in line and "stage train" in line and "CUDA out of memory" in line
     assert "first failure of this run" in last
     assert any("stop job: RpcTimeout" in line for line in errors[1:-1])  # cleanup errors sit in between
+
+
+def test_scenario5_full_disk_at_a_save_surfaces_one_step_later_in_weights_update(tmp_path):
+    run_dir, out = run_scenario(tmp_path, 5)
+    assert out.returncode != 0
+    marks = markers(run_dir)
+    io = next(m for m in marks if m["fault"] == "heavy-io-on-checkpoint-path" and m["event"] == "verify")
+    assert io["details"]["bytes_written"] > 0 and len(io["details"]["pids"]) == 2  # real writers
+    full = next(m for m in marks if m["fault"] == "disk-full-during-save" and m["event"] == "inject")
+    assert (full["role"], full["rank"], full["point"], full["step"]) == ("train", 0, "checkpoint.write", 3)
+    controller = log_lines(run_dir, "controller-0")
+    assert any(" WARNING " in line and "step 3: latest_recover_save" in line and "continuing" in line
+               for line in controller)  # the save failure is only a warning
+    first = next(line for line in log_lines(run_dir, "controller-0", "ERROR") if "run failed" in line)
+    assert "step 4, stage weights_update" in first and "rollout-" in first  # one step later, another stage
+    corrupt = [line for r in (0, 1) for line in log_lines(run_dir, f"rollout-{r}", "ERROR")]
+    assert any("SafetensorError" in line for line in corrupt)
+    assert any("No space left on device" in line for line in log_lines(run_dir, "train-0", "ERROR"))
+    row = measure_run(str(run_dir), out.returncode)
+    assert (row["fault_stage"], row["error_stage"]) == ("latest_recover_save", "weights_update")
+    assert not list((run_dir / "checkpoints").glob(".rlhf-io-*"))  # the writers' files are gone

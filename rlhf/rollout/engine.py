@@ -125,10 +125,19 @@ class RolloutEngine:
             self.weight_version = str(weight_version)
 
     def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
-        """Load the *.safetensors files of an HF model directory into the model."""
+        """Load an HF model directory's *.safetensors (or, in a checkpoint slot, its model.safetensors)."""
+        import os
+
+        from safetensors.torch import load_file
+
         from rlhf.weights import load_state_dir
 
-        self.update_weights_from_tensors(load_state_dir(model_path), weight_version)
+        single = os.path.join(model_path, "model.safetensors")
+        if os.path.exists(os.path.join(model_path, "meta.json")) or os.path.exists(os.path.join(model_path, "optimizer.json")):
+            tensors = load_file(single)  # a checkpoint slot: the model file only
+        else:
+            tensors = load_state_dir(model_path)
+        self.update_weights_from_tensors(tensors, weight_version)
 
     def weights_checksum(self) -> str:
         from rlhf.weights import checksum, export_state

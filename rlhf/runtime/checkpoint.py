@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import errno
 import json
 import os
 import random
@@ -97,9 +98,15 @@ def write_rank_files(directory: str, rank: int, model: torch.nn.Module | None, o
         path = os.path.join(directory, name)
         if write_hook is not None:
             write_hook(path)
-        fault_point("checkpoint.write", path=path)
+        directives = fault_point("checkpoint.write", path=path)
         with tracing.span("checkpoint.write", file=name):
             save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, path)
+        for d in directives:  # an emulated full disk: the file ends part way and the write fails
+            if d and d.get("truncate_at"):
+                size = os.path.getsize(path)
+                os.truncate(path, int(size * float(d["truncate_at"])))
+                raise OSError(errno.ENOSPC, f"No space left on device (wrote {int(size * d['truncate_at'])} of {size} "
+                                            "bytes) [disk_full, emulated]", path)
         if fsync:
             fault_point("checkpoint.fsync", path=path)
             with tracing.span("checkpoint.fsync", file=name):

@@ -104,6 +104,7 @@ class Controller:
         self.version = "0"
         self.sft_result: dict[str, Any] = {}
         self.start_step = 0
+        self.latest_slot = ""  # faithful disk mode reads weights from here
         self.where = {"step": -1, "stage": "startup"}  # what the controller is doing (for the first failure)
         self.first_failure = ""
 
@@ -271,7 +272,7 @@ class Controller:
             metrics = [m for m, _ in self.workers.call("train_step", {"step": step}, batches, step, "train")]
         if cfg.checkpoint.latest_every and step % cfg.checkpoint.latest_every == 0:
             with clock.stage("latest_recover_save"):
-                self.save(ckpt.slot_for_step(step), step)
+                self._save_step(ckpt.slot_for_step(step), step)
         if cfg.checkpoint.periodic_every and step % cfg.checkpoint.periodic_every == 0:
             with clock.stage("periodic_recover_save"):
                 self.save(os.path.join("periodic", f"step_{step}"), step)
@@ -296,9 +297,13 @@ class Controller:
         cfg = self.cfg
         if cfg.weights.mode == "meta":
             return self.loop.run(self._weights_update_meta(version, step))
-        path = os.path.join(self.run_dir, "weights", "latest")
         t0 = time.perf_counter()
-        self.workers.call("save_weights_dir", {"path": path}, step=step, stage="weights_update")
+        if cfg.runtime.resilience == "faithful" and self.latest_slot:
+            # the seeds' disk mode: rollout servers load the newest parity checkpoint, written in place
+            path = os.path.join(self.run_dir, "checkpoints", self.latest_slot)
+        else:
+            path = os.path.join(self.run_dir, "weights", "latest")
+            self.workers.call("save_weights_dir", {"path": path}, step=step, stage="weights_update")
         upload = time.perf_counter() - t0
         t1 = time.perf_counter()
         self.loop.gather(*[
@@ -420,6 +425,19 @@ class Controller:
         results = [{"output_ids": o, "meta_info": {"output_token_logprobs": [[lp, t, None] for lp, t in zip(l, o)]}}
                    for o, l in zip(shard["output_ids"], shard["logprobs"])]
         return build_rl_batch(shard["prompt_ids"], results, self.tokenizer.pad_token_id)
+
+    def _save_step(self, slot: str, step: int) -> None:
+        """Hardened: a failed save fails the run here. Faithful (the seeds): a warning, and the run goes on."""
+        if self.cfg.runtime.resilience == "hardened":
+            self.save(slot, step)
+            return
+        try:
+            self.save(slot, step)
+            self.latest_slot = slot
+        except (RuntimeError, OSError, TimeoutError) as exc:
+            self.latest_slot = slot  # the slot was being written in place: it is what the next update reads
+            log.warning("step %d: latest_recover_save to %s failed (%s: %s); continuing", step, slot,
+                        type(exc).__name__, exc)
 
     def save(self, slot: str, step: int) -> None:
         """latest_recover_save / periodic_recover_save: every rank writes its files, then meta.json last."""

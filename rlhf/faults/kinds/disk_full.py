@@ -20,12 +20,15 @@ class DiskFull(FaultKind):
         "path": ((str,), "", "directory to fill (default: <run-dir>/checkpoints)"),
         "fill_mb": ((float,), 256.0, "fill file size, MB (fill mode)"),
         "keep_free_mb": ((float,), 2048.0, "never leave less free space than this, MB (fill mode)"),
+        "partial": ((float,), 0.0, "enospc mode: the write stops after this fraction of the file (0 = before it)"),
     }
 
     @classmethod
     def check_param(cls, key: str, value: Any) -> str | None:
         if key == "mode" and value not in ("enospc", "fill"):
             return f"{value!r} is not a mode; choose enospc or fill"
+        if key == "partial" and not 0.0 <= value < 1.0:
+            return f"{value} is outside [0, 1)"
         return super().check_param(key, value)
 
     def __init__(self, spec: Any, run_dir: str) -> None:
@@ -40,6 +43,8 @@ class DiskFull(FaultKind):
     def inject(self, hit: Hit) -> dict[str, Any]:
         where = hit.context.get("path", self._dir())
         if self.params["mode"] == "enospc":
+            if self.params["partial"] > 0:  # the writer writes this much, truncates there and raises ENOSPC
+                return {"truncate_at": self.params["partial"], "path": where}
             raise OSError(errno.ENOSPC, "No space left on device [disk_full, emulated]", where)
         directory = self._dir()
         os.makedirs(directory, exist_ok=True)
