@@ -6,10 +6,11 @@ run (`torchrun --nproc_per_node=2 examples/grpo_trainer.py --faults …`), then 
 directory with rlhf.analysis.measure_run (logs, fault markers, exit status; nothing is taken
 from the YAML). Writes scenarios.csv and scenarios.md into --out and prints the table.
 
-    python benchmarks/scenarios.py                          # scenarios 1 2 3, faithful
+    python benchmarks/scenarios.py                          # scenarios 1 2 3, rl and sft, faithful
     python benchmarks/scenarios.py --scenarios 3 --resilience faithful hardened
 
-The SFT rows of the matrix (the same faults on the SFT baseline) are not measured yet.
+SFT rows run the same fault file on the SFT baseline (examples/sft_trainer.py, same train workers):
+faults at points only RL has (weights_update.*, rollout.*, scheduler.stop_job) are never reached there.
 """
 
 import argparse
@@ -37,15 +38,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_one(n: str, resilience: str, out_dir: str) -> dict:
-    run_dir = os.path.join(out_dir, f"scenario{n}-rl-{resilience}")
+def run_one(n: str, mode: str, resilience: str, out_dir: str) -> dict:
+    run_dir = os.path.join(out_dir, f"scenario{n}-{mode}-{resilience}")
+    script = "grpo_trainer.py" if mode == "rl" else "sft_trainer.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", os.path.join(ROOT, "examples", "grpo_trainer.py"), "--run-dir", run_dir,
+           f"--master_port={free_port()}", os.path.join(ROOT, "examples", script), "--run-dir", run_dir,
            "--faults", os.path.join(ROOT, "examples", "faults", f"scenario{n}.yaml"), "--resilience", resilience]
-    print(f"[scenarios] scenario {n} rl {resilience} → {run_dir}", file=sys.stderr, flush=True)
+    print(f"[scenarios] scenario {n} {mode} {resilience} → {run_dir}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT, timeout=600)
-    row = {"scenario": n, "mode": "rl", "resilience": resilience, **measure_run(run_dir, proc.returncode),
+    row = {"scenario": n, "mode": mode, "resilience": resilience, **measure_run(run_dir, proc.returncode),
            "wall_s": round(time.perf_counter() - t0, 1)}
     print(f"[scenarios]   fault in {row['fault_stage']}, surfaced in {row['error_stage'] or '-'} after "
           f"{row['surfaced_error_time_s']} s ({row['run_outcome']})", file=sys.stderr, flush=True)
@@ -56,11 +58,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scenarios", nargs="+", default=["1", "2", "3"])
     ap.add_argument("--resilience", nargs="+", default=["faithful"], choices=["faithful", "hardened"])
+    ap.add_argument("--modes", nargs="+", default=["rl", "sft"], choices=["rl", "sft"],
+                    help="rl: examples/grpo_trainer.py; sft: the SFT baseline on the same train workers")
     ap.add_argument("--out", default="", help="directory for the runs and the tables (default: a temp dir)")
     args = ap.parse_args()
     out_dir = os.path.abspath(args.out or tempfile.mkdtemp(prefix="rlhf-scenarios-"))
     os.makedirs(out_dir, exist_ok=True)
-    rows = [run_one(n, r, out_dir) for n in args.scenarios for r in args.resilience]
+    rows = [run_one(n, m, r, out_dir) for n in args.scenarios for m in args.modes for r in args.resilience]
     with open(os.path.join(out_dir, "scenarios.csv"), "w", newline="", encoding="utf-8") as fh:
         writer = csv.DictWriter(fh, fieldnames=COLUMNS)
         writer.writeheader()
@@ -70,7 +74,8 @@ def main() -> None:
     lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
     lines += ["| " + " | ".join(str(r[c]) for c in shown) + " |" for r in rows]
     lines += ["", "Last error line of the controller's log:", ""]
-    lines += [f"- scenario {r['scenario']} ({r['resilience']}): `{r['last_error_line']}`" for r in rows]
+    lines += [f"- scenario {r['scenario']} {r['mode']} ({r['resilience']}): `{r['last_error_line'] or '(no error)'}`"
+              for r in rows]
     text = "\n".join(lines)
     with open(os.path.join(out_dir, "scenarios.md"), "w", encoding="utf-8") as fh:
         fh.write(text + "\n")

@@ -24,17 +24,11 @@ accuracy enters sft.band_low..band_high, eval, GRPO steps, eval. Writes <run-dir
 summary.json, config.yaml, logs/<role>-<rank>.log and checkpoints/; prints the summary JSON as
 the last line. Run the same command again to resume from the newest checkpoint."""
 
-SFT_DESCRIPTION = """The SFT baseline: supervised fine-tuning on the same train engine for --steps steps
-(sft.max_steps), then greedy eval. Writes <run-dir>/steps.csv and summary.json; prints the
-summary JSON as the last line."""
-
-
-def _prepare(cfg, role: str) -> str:
-    run_dir = make_run_dir(cfg.run_dir or default_run_dir())
-    with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as fh:
-        fh.write(cfg.to_yaml())
-    setup_logging(run_dir, role=role, rank=0)
-    return run_dir
+SFT_DESCRIPTION = """The SFT baseline on the same runtime as GRPO: SPMD train workers (torchrun for N ranks),
+one controller, parity checkpoints, tracing and fault points, but no rollout servers, MetaServer,
+events or scheduler jobs. --steps SFT steps (sft.max_steps), greedy eval before and after.
+Writes <run-dir>/steps.csv, summary.json and logs/<role>-<rank>.log; prints the summary JSON as
+the last line. The same --faults files as grpo_trainer.py; RL-only points are never reached."""
 
 
 def grpo_main(argv: list[str] | None = None, prog: str = "grpo_trainer.py") -> int:
@@ -53,12 +47,9 @@ def sft_main(argv: list[str] | None = None, prog: str = "sft_trainer.py") -> int
         argv[i : i + 2] = ["--sft.max_steps", argv[i + 1]] if i + 1 < len(argv) else argv[i : i + 1]
     argv = ["--sft.stop_in_band", "false"] + argv
     cfg, _ = parse_config(argv, make_parser(prog, SFT_DESCRIPTION))
-    run_dir = _prepare(cfg, "trainer")
-    from rlhf.trainers.sft_baseline import run_sft_baseline
+    from rlhf.runtime.launch import print_summary, run
 
-    summary = run_sft_baseline(cfg, run_dir)
-    write_json(os.path.join(run_dir, "summary.json"), summary)
-    print(json.dumps(summary), flush=True)
+    print_summary(run(cfg, mode="sft"))
     return 0
 
 

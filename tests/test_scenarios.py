@@ -18,10 +18,10 @@ from tests.conftest import ROOT
 from tests.test_runtime import assert_none_left, free_port
 
 
-def run_scenario(tmp_path, n, *extra):
+def run_scenario(tmp_path, n, *extra, script="grpo_trainer.py"):
     run_dir = tmp_path / f"scenario{n}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", f"{ROOT}/examples/grpo_trainer.py", "--run-dir", str(run_dir),
+           f"--master_port={free_port()}", f"{ROOT}/examples/{script}", "--run-dir", str(run_dir),
            "--faults", f"{ROOT}/examples/faults/scenario{n}.yaml", *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert_none_left(run_dir)
@@ -135,3 +135,16 @@ def test_scenario5_full_disk_at_a_save_surfaces_one_step_later_in_weights_update
     row = measure_run(str(run_dir), out.returncode)
     assert (row["fault_stage"], row["error_stage"]) == ("latest_recover_save", "weights_update")
     assert not list((run_dir / "checkpoints").glob(".rlhf-io-*"))  # the writers' files are gone
+
+
+def test_scenario3_on_the_sft_baseline_surfaces_where_it_happened(tmp_path):
+    """The same fault file on SFT (same train workers): no rollout, MetaServer, events or scheduler to hide it."""
+    run_dir, out = run_scenario(tmp_path, 3, script="sft_trainer.py")
+    assert out.returncode != 0
+    assert sorted(p.name for p in (run_dir / "logs").glob("*.log")) == ["controller-0.log", "train-0.log", "train-1.log"]
+    row = measure_run(str(run_dir), out.returncode)
+    assert (row["fault_stage"], row["error_stage"]) == ("train", "train")
+    errors = log_lines(run_dir, "controller-0", "ERROR")
+    assert "train-1" in errors[-1] and "stage train" in errors[-1]  # the last line still points at the faulty rank
+    assert not any("stop job" in line for line in errors)  # the RL-only cleanup fault never fires
+    assert any("out of memory" in line for line in log_lines(run_dir, "train-1", "ERROR"))

@@ -32,7 +32,8 @@ log = logging.getLogger("rlhf.launch")
 CONTROLLER_LOGGERS = ("rlhf.controller", "rlhf.metaserver", "rlhf.launch")
 
 
-def run(cfg: Config) -> dict[str, Any] | None:
+def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
+    """mode 'grpo': the GRPO controller; 'sft': the SFT baseline controller (no rollout side)."""
     if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:
         set_pdeathsig()  # a rank never outlives its torchrun agent, however the agent ends
     info = init_distributed(cfg.model.device)
@@ -75,12 +76,13 @@ def run(cfg: Config) -> dict[str, Any] | None:
     try:
         if rank == 0:
             from rlhf.runtime.controller import Controller
+            from rlhf.runtime.sft_controller import SFTController
 
             urls = [fetch(f"worker/{r}") for r in range(world)]
             log.info("run %s: %d train ranks (%s), %d rollout servers, weights %s, resilience %s%s", run_dir, world,
                      info.backend, cfg.rollout.servers, cfg.weights.mode, cfg.runtime.resilience,
                      ", colocated" if cfg.runtime.colocate else "")
-            summary = Controller(cfg, run_dir, urls, token).run()
+            summary = (SFTController if mode == "sft" else Controller)(cfg, run_dir, urls, token).run()
         else:
             signal.signal(signal.SIGTERM, lambda *_: worker.shutdown.set())
             while not worker.shutdown.wait(0.5):

@@ -53,7 +53,7 @@ class TrainWorker:
             self.lease.acquire(cfg.runtime.lease_timeout_s)
         self.service = Service("train", rank, token, cfg.runtime.resilience)
         for name in ("sft_warm_start", "begin_grpo", "compute_logprobs", "train_step", "upload_weights",
-                     "save_weights_dir", "save", "load", "events"):
+                     "save_weights_dir", "save", "load", "events", "sft_begin", "sft_step", "sft_eval"):
             self.service.route(f"/{name}", getattr(self, name))
         self.service.route("/health", lambda a, t: {"ok": True, "rank": self.rank, "pid": os.getpid()},
                            method="GET", inline=True)
@@ -117,6 +117,40 @@ class TrainWorker:
         metrics["train_seconds"] = time.perf_counter() - t0
         metrics["rank"] = self.rank
         return metrics
+
+    # ------------------------------------------------------------------ the SFT baseline (SFTController)
+
+    def sft_begin(self, args: dict, tensors: dict) -> dict:
+        from rlhf.data import PromptSampler
+
+        self._require_device("sft")
+        cfg = self.cfg
+        self.engine = TrainEngine(self.model, cfg.train, keep_reference=False, lr=cfg.sft.lr, dp=self.dp)
+        self.task, self.reward = build_task(cfg.task), reward_fn(cfg.task.reward)
+        self.sft_sampler = PromptSampler(self.task.split("train"), seed=cfg.seed)
+        return {"rank": self.rank}
+
+    def sft_step(self, args: dict, tensors: dict) -> dict:
+        """One SFT step: every rank draws the same global batch and trains on its share (as the warm start)."""
+        from rlhf.data import build_sft_batch
+
+        self._require_device("sft_step")
+        fault_point("train.step")
+        examples = self.sft_sampler.next(self.cfg.sft.batch_size)[self.rank::self.world_size]
+        metrics = self._engine().sft_step(build_sft_batch(self.tokenizer, examples))
+        return {**metrics, "rank": self.rank}
+
+    def sft_eval(self, args: dict, tensors: dict) -> dict:
+        if args.get("skip"):
+            return {"accuracy": None}
+        from rlhf.evaluation import evaluate
+        from rlhf.rollout.engine import RolloutEngine
+
+        self.model.eval()
+        engine = RolloutEngine(self.model, self.tokenizer)
+        split = self.task.split(args.get("split", "eval"))
+        return {"accuracy": evaluate(engine.generate, self.tokenizer, split, self.reward,
+                                     self.cfg.rollout.max_new_tokens)["accuracy"]}
 
     def _check_global_batch(self, tensors: dict) -> None:
         """The global batch must be rollout.prompts_per_step x group_size rows, as the engine is configured."""
