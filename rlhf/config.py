@@ -212,12 +212,18 @@ class SFTConfig:
     """... and reports whether it landed inside the band or jumped past band_high."""
     stop_in_band: bool = True
     """True: stop when val accuracy enters the band (GRPO warm start). False: run max_steps (SFT baseline)."""
+    termination: str = "controller"
+    """SFT baseline: 'controller' (the controller decides every step) or 'per_rank_duration' (each rank trains until its own clock says duration_s passed: the seeds' sync stall)."""
+    duration_s: float = 30.0
+    """per_rank_duration: how long each rank trains by its own wall clock (rlhf.clock), seconds."""
 
     def __post_init__(self) -> None:
         _positive("sft.max_steps", self.max_steps, allow_zero=True)
         _positive("sft.batch_size", self.batch_size)
         _positive("sft.lr", self.lr)
         _positive("sft.eval_every", self.eval_every)
+        _choice("sft.termination", self.termination, ["controller", "per_rank_duration"])
+        _positive("sft.duration_s", self.duration_s)
         _in_range("sft.band_low", self.band_low, 0.0, 1.0)
         _in_range("sft.band_high", self.band_high, 0.0, 1.0)
         if self.band_high < self.band_low:
@@ -267,12 +273,15 @@ class RuntimeConfig:
     """The scheduler stops every job it started when the controller has not renewed its lease for this long, seconds."""
     startup_timeout_s: float = 120.0
     """How long to wait for a rollout server or the scheduler to come up, seconds."""
+    watchdog_stall_s: float = 5.0
+    """Stall watchdog: a rank inside one collective this long while another rank has left its loop is reported (and the run stopped); 0 disables."""
 
     def __post_init__(self) -> None:
         _choice("runtime.resilience", self.resilience, ["faithful", "hardened"])
         for name in ("rpc_timeout_s", "rollout_timeout_s", "event_timeout_s", "lease_timeout_s", "cleanup_timeout_s",
                      "scheduler_lease_s", "startup_timeout_s"):
             _positive(f"runtime.{name}", getattr(self, name))
+        _positive("runtime.watchdog_stall_s", self.watchdog_stall_s, allow_zero=True)
 
 
 @dataclass

@@ -148,3 +148,33 @@ def test_scenario3_on_the_sft_baseline_surfaces_where_it_happened(tmp_path):
     assert "train-1" in errors[-1] and "stage train" in errors[-1]  # the last line still points at the faulty rank
     assert not any("stop job" in line for line in errors)  # the RL-only cleanup fault never fires
     assert any("out of memory" in line for line in log_lines(run_dir, "train-1", "ERROR"))
+
+
+def _run_stall(tmp_path, *extra):
+    run_dir = tmp_path / "stall"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", f"{ROOT}/examples/sft_trainer.py", "--run-dir", str(run_dir),
+           "--faults", f"{ROOT}/examples/faults/sync_stall.yaml", *extra]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert_none_left(run_dir)
+    return run_dir, out
+
+
+def test_sync_stall_per_rank_clocks_stall_and_the_watchdog_names_the_stuck_rank(tmp_path):
+    run_dir, out = _run_stall(tmp_path)
+    assert out.returncode != 0
+    skew = next(m for m in markers(run_dir) if m["event"] == "verify")
+    assert skew["rank"] == 1 and skew["details"]["observed_skew_s"] == pytest.approx(4.0, abs=0.1)
+    stall = next(line for line in log_lines(run_dir, "controller-0", "ERROR") if "SyncStall" in line)
+    m = re.search(r"train-0 has been inside all_reduce\(gradients\) for ([\d.]+) s at its step (\d+) \(loop\), "
+                  r"while train-1 is in done at its step (\d+)", stall)
+    assert m, stall
+    assert 5.0 <= float(m.group(1)) < 9.0  # named within seconds of the watchdog's threshold
+    assert int(m.group(2)) == int(m.group(3)) + 1  # rank 0 started one more step than rank 1 finished
+
+
+def test_sync_stall_cannot_happen_when_the_controller_decides_the_steps(tmp_path):
+    run_dir, out = _run_stall(tmp_path, "--sft.termination", "controller", "--steps", "12")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1])["steps"] == 12
+    assert any(m["fault"] == "clock-ahead-on-rank1" and m["event"] == "verify" for m in markers(run_dir))

@@ -66,12 +66,20 @@ class GlooDataParallel:
 
     def __init__(self) -> None:
         self.world_size = dist.get_world_size()
+        self.in_collective: tuple[str, float] | None = None  # (what, since): the heartbeat shows a rank stuck in one
+
+    def _enter(self, what: str) -> None:
+        import time
+
+        self.in_collective = (what, time.monotonic())
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.clone()
         fault_point("collective.all_reduce")
+        self._enter("all_reduce(count)")
         with tracing.span("collective.all_reduce", what="count", numel=out.numel()):
             dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        self.in_collective = None
         return out
 
     def all_reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
@@ -79,8 +87,10 @@ class GlooDataParallel:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         fault_point("collective.all_reduce")
+        self._enter("all_reduce(gradients)")
         with tracing.span("collective.all_reduce", what="gradients", numel=flat.numel()):
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        self.in_collective = None
         offset = 0
         for p, g in zip(params, grads):
             n = g.numel()

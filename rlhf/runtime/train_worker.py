@@ -53,11 +53,14 @@ class TrainWorker:
             self.lease.acquire(cfg.runtime.lease_timeout_s)
         self.service = Service("train", rank, token, cfg.runtime.resilience)
         for name in ("sft_warm_start", "begin_grpo", "compute_logprobs", "train_step", "upload_weights",
-                     "save_weights_dir", "save", "load", "events", "sft_begin", "sft_step", "sft_eval"):
+                     "save_weights_dir", "save", "load", "events", "sft_begin", "sft_step", "sft_eval",
+                     "sft_run_for"):
             self.service.route(f"/{name}", getattr(self, name))
         self.service.route("/health", lambda a, t: {"ok": True, "rank": self.rank, "pid": os.getpid()},
                            method="GET", inline=True)
         self.service.route("/weights_checksum", lambda a, t: {"checksum": checksum(export_state(self.model))})
+        self.loop_phase, self.loop_step = "idle", 0
+        self.service.route("/heartbeat", self.heartbeat, method="GET", inline=True)
         self.service.route("/shutdown", lambda a, t: self.shutdown.set() or {"ok": True}, inline=True)
 
     # ------------------------------------------------------------------ helpers
@@ -139,6 +142,35 @@ class TrainWorker:
         examples = self.sft_sampler.next(self.cfg.sft.batch_size)[self.rank::self.world_size]
         metrics = self._engine().sft_step(build_sft_batch(self.tokenizer, examples))
         return {**metrics, "rank": self.rank}
+
+    def sft_run_for(self, args: dict, tensors: dict) -> dict:
+        """per_rank_duration: train until THIS rank's clock says duration_s passed, then a final all_reduce.
+
+        The seeds' stall: a rank whose clock runs ahead leaves first and waits in the final collective
+        while the others start another step, so their next collective never completes.
+        """
+        from rlhf import clock
+        from rlhf.data import build_sft_batch
+
+        start, step = clock.now(), 0
+        self.loop_phase = "loop"
+        while clock.now() - start < float(args["duration_s"]):
+            step += 1
+            self.loop_step = step
+            with tracing.at_step(step):
+                fault_point("train.step", step=step)
+                examples = self.sft_sampler.next(self.cfg.sft.batch_size)[self.rank::self.world_size]
+                self._engine().sft_step(build_sft_batch(self.tokenizer, examples))
+        self.loop_phase = "final_all_reduce"
+        total = self.dp.all_reduce_sum(torch.tensor([float(step)], dtype=torch.float64))  # a step count, like the loop's
+        self.loop_phase = "done"
+        return {"rank": self.rank, "steps": step, "steps_all_ranks": float(total[0])}
+
+    def heartbeat(self, args: dict, tensors: dict) -> dict:
+        """What this rank is doing now: its loop phase and step, and the collective it is inside, for how long."""
+        inside = self.dp.in_collective
+        return {"rank": self.rank, "phase": self.loop_phase, "step": self.loop_step,
+                "collective": inside[0] if inside else "", "collective_s": time.monotonic() - inside[1] if inside else 0.0}
 
     def sft_eval(self, args: dict, tensors: dict) -> dict:
         if args.get("skip"):
