@@ -61,14 +61,22 @@ def _message(line: str) -> str:
     return line.split(": ", 1)[1] if ": " in line else line
 
 
+def read_markers(run_dir: str) -> list[dict[str, Any]]:
+    """faults/markers.jsonl, oldest first ([] when the run had no faults)."""
+    path = os.path.join(run_dir, "faults", "markers.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as fh:
+        return sorted((json.loads(line) for line in fh if line.strip()), key=lambda m: m["time"])
+
+
+def injections(run_dir: str) -> list[dict[str, Any]]:
+    return [m for m in read_markers(run_dir) if m["event"] == "inject"]
+
+
 def measure_run(run_dir: str, exit_code: int | None = None) -> dict[str, Any]:
     logs = _logs(run_dir)
-    markers = []
-    path = os.path.join(run_dir, "faults", "markers.jsonl")
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as fh:
-            markers = [json.loads(line) for line in fh if line.strip()]
-    injects = sorted((m for m in markers if m["event"] == "inject"), key=lambda m: m["time"])
+    injects = injections(run_dir)
     onset = injects[0]["time"] if injects else None
     row: dict[str, Any] = {
         "fault_stage": stage_of_point(injects[0]["point"]) if injects else "",

@@ -16,12 +16,11 @@ from __future__ import annotations
 import argparse
 import csv
 import glob
-import json
 import os
 import sys
 from typing import Any
 
-from rlhf.analysis import _stamp, measure_run
+from rlhf.analysis import _stamp, injections, measure_run, read_markers
 
 
 def _plt() -> Any:
@@ -37,12 +36,7 @@ def _plt() -> Any:
 
 def _events(run_dir: str) -> tuple[float | None, list[dict], dict[str, list[float]], tuple[float, str] | None,
                                    tuple[float, str] | None]:
-    markers = []
-    path = os.path.join(run_dir, "faults", "markers.jsonl")
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as fh:
-            markers = [json.loads(line) for line in fh if line.strip()]
-    injects = sorted((m for m in markers if m["event"] == "inject"), key=lambda m: m["time"])
+    injects = injections(run_dir)
     errors: dict[str, list[float]] = {}
     surfaced = last = None
     for log in sorted(glob.glob(os.path.join(run_dir, "logs", "*.log"))):
@@ -167,14 +161,8 @@ def metrics_figure(run_dir: str, out: str) -> str | None:
 
 
 def _device_usage(run_dir: str, fault: str) -> list[tuple[float, float]]:
-    path = os.path.join(run_dir, "faults", "markers.jsonl")
-    out = []
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            m = json.loads(line)
-            if m["fault"] == fault and m["event"] == "verify" and "used_mb" in m["details"]:
-                out.append((m["time"], float(m["details"]["used_mb"])))
-    return out
+    return [(m["time"], float(m["details"]["used_mb"])) for m in read_markers(run_dir)
+            if m["fault"] == fault and m["event"] == "verify" and "used_mb" in m["details"]]
 
 
 def matrix_figure(csv_path: str, out: str) -> str:

@@ -19,10 +19,12 @@ from tests.test_runtime import assert_none_left, free_port
 
 
 def run_scenario(tmp_path, n, *extra, script="grpo_trainer.py"):
-    run_dir = tmp_path / f"scenario{n}"
+    """n: the scenario number, or the fault file's name (sync_stall)."""
+    name = f"scenario{n}" if str(n).isdigit() else str(n)
+    run_dir = tmp_path / name
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", f"{ROOT}/examples/{script}", "--run-dir", str(run_dir),
-           "--faults", f"{ROOT}/examples/faults/scenario{n}.yaml", *extra]
+           "--faults", f"{ROOT}/examples/faults/{name}.yaml", *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert_none_left(run_dir)
     return run_dir, out
@@ -151,13 +153,7 @@ def test_scenario3_on_the_sft_baseline_surfaces_where_it_happened(tmp_path):
 
 
 def _run_stall(tmp_path, *extra):
-    run_dir = tmp_path / "stall"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", f"{ROOT}/examples/sft_trainer.py", "--run-dir", str(run_dir),
-           "--faults", f"{ROOT}/examples/faults/sync_stall.yaml", *extra]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
-    assert_none_left(run_dir)
-    return run_dir, out
+    return run_scenario(tmp_path, "sync_stall", *extra, script="sft_trainer.py")
 
 
 def test_sync_stall_per_rank_clocks_stall_and_the_watchdog_names_the_stuck_rank(tmp_path):
