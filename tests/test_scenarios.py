@@ -174,3 +174,20 @@ def test_sync_stall_cannot_happen_when_the_controller_decides_the_steps(tmp_path
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1])["steps"] == 12
     assert any(m["fault"] == "clock-ahead-on-rank1" and m["event"] == "verify" for m in markers(run_dir))
+
+
+def test_scenario10_metaserver_failure_shows_on_both_sides_and_not_in_its_own_log(tmp_path):
+    run_dir, out = run_scenario(tmp_path, 10)
+    assert out.returncode != 0
+    first = next(line for line in log_lines(run_dir, "controller-0", "ERROR") if "run failed" in line)
+    assert "step 3, stage weights_update" in first
+    assert re.search(r"HTTP 500 from (rollout|train)-\d", first)  # names a train rank or rollout server, not the cause
+    upload = [line for r in (0, 1) for line in log_lines(run_dir, f"train-{r}", "ERROR") if "upload_weights" in line]
+    update = [line for r in (0, 1) for line in log_lines(run_dir, f"rollout-{r}", "ERROR")
+              if "update_weights_from_meta" in line]
+    assert upload and update  # both sides of the relay fail ...
+    assert abs(stamp(upload[0]) - stamp(update[0])) < 2.0  # ... at once
+    metaserver_errors = [line for line in log_lines(run_dir, "controller-0", "ERROR") if "rlhf.metaserver" in line]
+    assert metaserver_errors == []  # the MetaServer itself left no error line
+    grow = next(m for m in markers(run_dir) if m["fault"] == "metaserver-memory-growth" and m["event"] == "verify")
+    assert grow["details"]["held_bytes"] >= 64 << 20  # real memory in the MetaServer's process

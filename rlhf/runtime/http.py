@@ -228,9 +228,13 @@ class Client:
     ) -> tuple[Any, dict]:
         """One request within timeout_s. traced=False skips the client span (lease renewals would flood traces).
 
+        `step` defaults to the step of the code running now (it travels on every hop, as the stage does).
+
         `points`: fault points of the caller's stage (events.notify, scheduler.stop_job) checked, like
         rpc.client.send, inside the timeout: a delay there counts against it, as on a real network path.
         """
+        if step < 0:
+            step = tracing.current_step()
         if not traced:
             return await self._call(path, args, tensors, timeout_s, stage, step, method, points)
         with tracing.span(f"{method} {path.split('?', 1)[0]}", stage=stage or None, step=step,

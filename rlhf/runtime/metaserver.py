@@ -32,7 +32,7 @@ from rlhf.weights import tensor_bytes
 
 from rlhf.runtime import wire
 from rlhf.runtime.errors import HTTPStatusError
-from rlhf.runtime.http import STAGE_HEADER, TOKEN_HEADER, Service, ServiceThread
+from rlhf.runtime.http import STAGE_HEADER, STEP_HEADER, TOKEN_HEADER, Service, ServiceThread
 
 log = logging.getLogger("rlhf.metaserver")
 
@@ -144,7 +144,7 @@ async def push_shard(client: Any, version: str, shard: str, body: bytes, timeout
     with tracing.span("PUT /weights/{version}/{shard}", stage="weights_update", kind=tracing.SpanKind.CLIENT,
                       peer=client.peer, bytes=len(body)):
         headers = tracing.inject_headers({TOKEN_HEADER: client.token, "Content-Type": wire.TENSORS_TYPE,
-                                          STAGE_HEADER: "weights_update"})
+                                          STAGE_HEADER: "weights_update", STEP_HEADER: str(tracing.current_step())})
         async with session.put(url, data=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             if resp.status != 200:
                 raise HTTPStatusError(resp.status, f"metaserver refused shard {shard}: {(await resp.text())[:200]}", url)
