@@ -6,8 +6,11 @@ run (`torchrun --nproc_per_node=2 examples/grpo_trainer.py --faults …`), then 
 directory with rlhf.analysis.measure_run (logs, fault markers, exit status; nothing is taken
 from the YAML). Writes scenarios.csv and scenarios.md into --out and prints the table.
 
-    python benchmarks/scenarios.py                          # scenarios 1 2 3, rl and sft, faithful
+    python benchmarks/scenarios.py                          # scenarios 1-10, rl and sft, faithful
     python benchmarks/scenarios.py --scenarios 3 --resilience faithful hardened
+
+Scenario 9 is run twice (a crash, then the same command resumes); its row measures both.
+Beside scenarios 1-5 the table puts the seed plan's expected result (seeds/000, "expected results").
 
 SFT rows run the same fault file on the SFT baseline (examples/sft_trainer.py, same train workers):
 faults at points only RL has (weights_update.*, rollout.*, scheduler.stop_job) are never reached there.
@@ -29,7 +32,21 @@ from rlhf.analysis import measure_run  # noqa: E402
 
 COLUMNS = ["scenario", "mode", "resilience", "fault_stage", "fault_point", "target", "error_stage",
            "first_error_time_s", "surfaced_error_time_s", "gap_s", "hops", "processes_with_errors",
-           "log_files_to_read", "last_error_line", "run_outcome", "wall_s"]
+           "log_files_to_read", "last_error_line", "run_outcome", "wall_s", "seed_expected"]
+
+RESTART = {"9"}  # scenarios whose effect shows only when the same command is run again (resume)
+
+# The seed plan's expected values (seeds/000, its "expected results" table and each scenario's timeline),
+# with the seed's timeouts; the scenario files scale them down (their header comments say how).
+SEED_EXPECTED = {
+    "1": "error in weights_update on the rollout side; 2 hops (train -> MetaServer -> rollout); upload of the slow rank "
+         "runs to its 600 s timeout",
+    "2": "rollout fault -> error in train (batch size mismatch), one stage later",
+    "3": "OOM in train; last controller error a stop-job timeout ~30 s after it; OOM only in the faulty rank's log "
+         "(33 log files to search, MTTD > 10 min)",
+    "4": "events fault -> rollout waits its full timeout (7200 s) with GPU 0 idle: a colocation-only deadlock",
+    "5": "save fault at step N -> corrupted-checkpoint error in weights_update at step N+1 (detection 1 step late)",
+}
 
 
 def free_port() -> int:
@@ -42,13 +59,23 @@ def run_one(n: str, mode: str, resilience: str, out_dir: str) -> dict:
     run_dir = os.path.join(out_dir, f"scenario{n}-{mode}-{resilience}")
     script = "grpo_trainer.py" if mode == "rl" else "sft_trainer.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", os.path.join(ROOT, "examples", script), "--run-dir", run_dir,
+           "--master_port=PORT", os.path.join(ROOT, "examples", script), "--run-dir", run_dir,
            "--faults", os.path.join(ROOT, "examples", "faults", f"scenario{n}.yaml"), "--resilience", resilience]
     print(f"[scenarios] scenario {n} {mode} {resilience} → {run_dir}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT, timeout=600)
-    row = {"scenario": n, "mode": mode, "resilience": resilience, **measure_run(run_dir, proc.returncode),
-           "wall_s": round(time.perf_counter() - t0, 1)}
+    codes = []
+    for _ in range(2 if n in RESTART and mode == "rl" and resilience == "faithful" else 1):
+        if codes and codes[-1] == 0:
+            break  # nothing crashed: no restart to make
+        if codes:
+            time.sleep(15)  # what a crashed run leaves stops when the scheduler's lease lapses
+        run = [f"--master_port={free_port()}" if a == "--master_port=PORT" else a for a in cmd]
+        codes.append(subprocess.run(run, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
+                                    timeout=600).returncode)
+    row = {"scenario": n, "mode": mode, "resilience": resilience, **measure_run(run_dir, codes[-1]),
+           "wall_s": round(time.perf_counter() - t0, 1), "seed_expected": SEED_EXPECTED.get(n, "")}
+    if len(codes) == 2:
+        row["run_outcome"] = f"crashed (exit {codes[0]}); restart {row['run_outcome']}"
     print(f"[scenarios]   fault in {row['fault_stage']}, surfaced in {row['error_stage'] or '-'} after "
           f"{row['surfaced_error_time_s']} s ({row['run_outcome']})", file=sys.stderr, flush=True)
     return row
@@ -56,7 +83,7 @@ def run_one(n: str, mode: str, resilience: str, out_dir: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scenarios", nargs="+", default=["1", "2", "3"])
+    ap.add_argument("--scenarios", nargs="+", default=[str(i) for i in range(1, 11)])
     ap.add_argument("--resilience", nargs="+", default=["faithful"], choices=["faithful", "hardened"])
     ap.add_argument("--modes", nargs="+", default=["rl", "sft"], choices=["rl", "sft"],
                     help="rl: examples/grpo_trainer.py; sft: the SFT baseline on the same train workers")
@@ -73,6 +100,8 @@ def main() -> None:
              "first_error_time_s", "surfaced_error_time_s", "gap_s", "hops", "log_files_to_read", "run_outcome"]
     lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
     lines += ["| " + " | ".join(str(r[c]) for c in shown) + " |" for r in rows]
+    lines += ["", "The seed plan's expected result (seeds/000; its timeouts, not the scaled ones):", ""]
+    lines += [f"- scenario {n}: {SEED_EXPECTED[n]}" for n in args.scenarios if n in SEED_EXPECTED]
     lines += ["", "Last error line of the controller's log:", ""]
     lines += [f"- scenario {r['scenario']} {r['mode']} ({r['resilience']}): `{r['last_error_line'] or '(no error)'}`"
               for r in rows]

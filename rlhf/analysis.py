@@ -35,7 +35,14 @@ POINT_STAGE = [
 _FAILED = re.compile(r"run failed: (?:step (?P<step>\d+), stage (?P<stage>[a-z_]+)|(?P<where>[a-z_]+)): (?P<what>.*)")
 
 
-def stage_of_point(point: str) -> str:
+def stage_of_point(point: str, context: dict[str, Any] | None = None) -> str:
+    """The step stage a fault point belongs to; the marker's context refines it (an RPC's stage, a periodic save)."""
+    context = context or {}
+    if context.get("stage") and point.startswith("rpc."):
+        return str(context["stage"])
+    slot = str(context.get("path", "")).rsplit(f"{os.sep}checkpoints{os.sep}", 1)[-1]  # periodic/…, .staging-periodic-…
+    if point.startswith("checkpoint.") and "periodic" in slot:
+        return "periodic_recover_save"
     for prefix, stage in POINT_STAGE:
         if point.startswith(prefix):
             return stage
@@ -79,7 +86,7 @@ def measure_run(run_dir: str, exit_code: int | None = None) -> dict[str, Any]:
     injects = injections(run_dir)
     onset = injects[0]["time"] if injects else None
     row: dict[str, Any] = {
-        "fault_stage": stage_of_point(injects[0]["point"]) if injects else "",
+        "fault_stage": stage_of_point(injects[0]["point"], injects[0].get("context")) if injects else "",
         "fault_point": injects[0]["point"] if injects else "",
         "target": f"{injects[0]['role']}-{injects[0]['rank']}" if injects else "",
     }

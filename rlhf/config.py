@@ -290,6 +290,8 @@ class CheckpointConfig:
     """latest_recover_save every this many steps into the alternating latest_odd/latest_even slots; 0 disables."""
     periodic_every: int = 0
     """periodic_recover_save every this many steps into periodic/step_<N>; 0 disables."""
+    periodic_async: bool = False
+    """faithful: periodic_recover_save writes its files on each rank's writer thread and the step goes on; meta.json does not wait for them (the seeds' asynchronous save). hardened always waits."""
     resume: bool = True
     """On start, resume from the newest valid checkpoint in <run-dir>/checkpoints."""
 

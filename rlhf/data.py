@@ -50,16 +50,24 @@ def encode_prompts(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
     return [tokenizer.encode(p, add_special_tokens=True) for p in prompts]
 
 
+class InvalidTensorShape(ValueError):
+    """Rollout data that cannot become the train tensors (a response of length 0, tokens without logprobs)."""
+
+
 def build_rl_batch(prompt_ids: list[list[int]], results: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded tensors for the train engine from prompts (one per result) and rollout results."""
     if len(prompt_ids) != len(results):
         raise ValueError(f"build_rl_batch: {len(prompt_ids)} prompts for {len(results)} results")
     rows = []
-    for prompt, res in zip(prompt_ids, results):
+    for i, (prompt, res) in enumerate(zip(prompt_ids, results)):
         out = res["output_ids"]
         lps = [lp for lp, _tok, _ in res["meta_info"]["output_token_logprobs"]]
         if len(lps) != len(out):
-            raise ValueError(f"rollout result has {len(out)} tokens but {len(lps)} logprobs")
+            raise InvalidTensorShape(f"sample {i}: rollout result has {len(out)} tokens but {len(lps)} logprobs")
+        if not out:  # an aborted request: a row with nothing to score, train or normalise by
+            empty = sum(1 for r in results if not r["output_ids"])
+            raise InvalidTensorShape(f"response tensor of sample {i} has shape [0]: {empty} of {len(results)} samples "
+                                     "have no response tokens (aborted or lost rollout requests)")
         rows.append((prompt, out, lps))
     width = max(len(p) + len(o) for p, o, _ in rows)
     B = len(rows)

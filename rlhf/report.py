@@ -68,10 +68,10 @@ def propagation_figure(run_dir: str, out: str) -> str:
         row = f"{m['role']}-{m['rank']}"
         color = colors[names.index(m["fault"]) % len(colors)]
         ax.scatter(m["time"] - t0, y[row], marker="v", s=140, color=color, zorder=3)
-    for name in names:  # label each fault once, at its first injection
+    for i, name in enumerate(names):  # label each fault once, at its first injection; stacked, so none overlap
         m = next(x for x in injects if x["fault"] == name)
         ax.annotate(f"{name} ({m['kind']})", (m["time"] - t0, y[f"{m['role']}-{m['rank']}"]), textcoords="offset points",
-                    xytext=(4, 9), fontsize=8, color=colors[names.index(name) % len(colors)])
+                    xytext=(4, 9 - 11 * i), fontsize=8, color=colors[i % len(colors)])
     first = None
     for proc, ts in errors.items():
         ax.scatter([t - t0 for t in ts], [y[proc]] * len(ts), marker="x", s=60, color="black", zorder=3)

@@ -439,3 +439,35 @@ def test_background_kind_has_a_real_effect_and_leaves_nothing(tmp_path, kind, en
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_device_memory_leak_fails_fresh_allocations_of_every_process_on_that_device(tmp_path):
+    """The leaking process keeps going; the next fresh allocation on its device — by anyone — fails."""
+    import torch
+
+    from rlhf import tracing
+    from rlhf.runtime.colocation import device_name, fresh_allocation
+
+    arm(tmp_path, """
+        faults:
+          - name: leak
+            kind: device_memory_leak
+            point: events.handle
+            target: {role: rollout, rank: 0, peer: rollout_end}
+            params: {leak_mb: 70000, capacity_mb: 81920}
+    """)
+    shared = device_name("train", 0, colocate=True)
+    assert shared == device_name("rollout", 0, colocate=True) == "device-0"
+    with tracing.use_role("rollout", 0, 3):
+        fault_point("events.handle", peer="rollout_start", device=shared)  # another event: nothing
+        fresh_allocation(str(tmp_path), shared, 1 << 20, "a buffer")
+        fault_point("events.handle", peer="rollout_end", device=shared)  # returns: the leak is silent
+    with pytest.raises(torch.OutOfMemoryError, match=r"1.00 MiB for the weights upload buffer \(device-0; 80.00 GiB "
+                                                    r"total capacity; 68.36 GiB reserved by another process"):
+        fresh_allocation(str(tmp_path), shared, 1 << 20, "the weights upload buffer")  # the train side, later
+    fresh_allocation(str(tmp_path), "device-1", 1 << 20, "a buffer")  # another device is unaffected
+    inject = next(m for m in markers(tmp_path) if m["event"] == "inject")
+    assert inject["emulated"] is True and inject["context"] == {"device": "device-0"}
+    faults.restore_all("test")  # the leaking process exits: its memory comes back
+    fresh_allocation(str(tmp_path), shared, 1 << 20, "the weights upload buffer")
+    assert not list((tmp_path / "devices").glob("*.leak.json"))

@@ -92,3 +92,28 @@ def test_timeouts_and_refused_connections_are_named(served):
     srv.stop()
     with pytest.raises(RpcConnectionError, match=f"127.0.0.1:{port}"):
         loop.run(Client(f"http://127.0.0.1:{port}", "secret").call("/echo", {}))
+
+
+@pytest.mark.parametrize("resilience", ["faithful", "hardened"])
+def test_data_cut_in_transit_is_silent_without_checksums_and_caught_with_them(served, tmp_path, resilience):
+    """network_loss truncate_tensor at the server: faithful passes a short tensor on; hardened names the sender."""
+    from rlhf import faults
+
+    start, loop = served
+    srv = start(resilience)
+    faults.arm(str(tmp_path), [{"name": "cut", "kind": "network_loss", "point": "rpc.server.handle",
+                                "target": {"role": "train", "rank": 3, "peer": "/echo"},
+                                "params": {"mode": "truncate_tensor", "cut": 2}}])
+    try:
+        t = {"w": torch.arange(8, dtype=torch.float32).view(2, 4)}
+        client = Client(srv.url, "secret", peer="train-3")
+        if resilience == "faithful":
+            _, out = loop.run(client.call("/echo", {}, t))
+            assert out["w"].shape == (2, 2) and torch.equal(out["w"], (t["w"] * 2)[:, :2])  # short, and nobody knows
+        else:
+            with pytest.raises(wire.CorruptPayload, match=r"reply from train-3 to /echo: tensor 'w' arrived with "
+                                                          r"shape \[2, 2\].*sent with shape \[2, 4\]"):
+                loop.run(client.call("/echo", {}, t))
+    finally:
+        faults.disarm()
+        wire.configure(checksums=False)

@@ -191,3 +191,108 @@ def test_scenario10_metaserver_failure_shows_on_both_sides_and_not_in_its_own_lo
     assert metaserver_errors == []  # the MetaServer itself left no error line
     grow = next(m for m in markers(run_dir) if m["fault"] == "metaserver-memory-growth" and m["event"] == "verify")
     assert grow["details"]["held_bytes"] >= 64 << 20  # real memory in the MetaServer's process
+
+
+def metrics_rows(run_dir, name):
+    import csv
+
+    with open(run_dir / "metrics" / f"{name}.csv") as fh:
+        return list(csv.DictReader(fh))
+
+
+def test_scenario4_lost_colocation_event_leaves_device0_idle_then_fails_three_stages_later(tmp_path):
+    run_dir, out = run_scenario(tmp_path, 4)
+    assert out.returncode != 0
+    controller = log_lines(run_dir, "controller-0")
+    lost = [line for line in controller if " WARNING " in line and "event rollout_start to" in line
+            and "not delivered" in line]
+    assert sorted(re.search(r"to (\w+-0) not", line).group(1) for line in lost) == ["rollout-0", "train-0"]
+    assert all("step 3:" in line for line in lost)
+    timed_out = next(line for line in controller if "rollout-0 timed out" in line)
+    t_lost, t_timeout = stamp(lost[0]), stamp(timed_out)
+    assert 8.0 <= t_timeout - t_lost <= 13.0  # the rollout stage ran its whole (scaled) timeout
+    oom = [line for line in log_lines(run_dir, "rollout-0", "ERROR")
+           if "out of memory" in line and "held by train-0" in line and t_lost <= stamp(line) <= t_timeout]
+    assert len(oom) >= 5  # rollout-0 kept retrying on a device train-0 never released
+    for who in ("train-0", "rollout-0"):  # nobody computes on device 0 meanwhile
+        window = [float(r["cpu_percent"]) for r in metrics_rows(run_dir, who)
+                  if t_lost + 1.5 <= float(r["time"]) <= t_timeout - 0.5]
+        assert len(window) >= 5 and sum(window) / len(window) < 20.0, (who, window)
+    first = next(line for line in log_lines(run_dir, "controller-0", "ERROR") if "run failed" in line)
+    assert "step 3, stage reference: InvalidTensorShape" in first
+    row = measure_run(str(run_dir), out.returncode)
+    assert (row["fault_stage"], row["target"], row["error_stage"]) == ("events", "controller-0", "reference")
+
+
+def test_scenario6_rollout_side_device_leak_fails_the_train_sides_next_upload(tmp_path):
+    run_dir, out = run_scenario(tmp_path, 6)
+    assert out.returncode != 0
+    leak = next(m for m in markers(run_dir) if m["event"] == "inject")
+    assert (leak["role"], leak["rank"], leak["peer"], leak["step"]) == ("rollout", 0, "rollout_end", 3)
+    first = next(line for line in log_lines(run_dir, "controller-0", "ERROR") if "run failed" in line)
+    assert "step 4, stage weights_update" in first and "HTTP 500 from train-0" in first  # names the train side
+    errors = sorted((stamp(line), name, line) for name in ("train-0", "train-1", "rollout-0", "rollout-1")
+                    for line in log_lines(run_dir, name, "ERROR"))
+    t, who, line = errors[0]  # the first error anywhere: train-0's upload, a step after the leak
+    assert who == "train-0" and "upload_weights" in line and "CUDA out of memory" in line
+    assert "reserved by another process" in line
+    assert not [e for e in errors if e[1].startswith("rollout") and e[0] <= t]  # the rollout side noticed nothing
+    row = measure_run(str(run_dir), out.returncode)
+    assert (row["fault_stage"], row["target"], row["error_stage"]) == ("events", "rollout-0", "weights_update")
+    assert not list((run_dir / "devices").glob("*.leak.json"))  # the ledger entry went with the run
+
+
+def test_scenario7_rollout_timeout_keeps_aborted_samples_and_reference_fails_on_their_shape(tmp_path):
+    run_dir, out = run_scenario(tmp_path, 7)
+    assert out.returncode != 0
+    controller = log_lines(run_dir, "controller-0")
+    kept = next(line for line in controller if "rollout-1 timed out" in line)
+    assert "step 3:" in kept and "as aborted (no tokens)" in kept
+    first = next(line for line in log_lines(run_dir, "controller-0", "ERROR") if "run failed" in line)
+    assert "step 3, stage reference: InvalidTensorShape" in first and "has shape [0]" in first
+    assert "rollout-1" not in first  # the error does not name the slow server
+    delayed = next(m for m in markers(run_dir) if m["event"] == "inject")
+    assert (delayed["role"], delayed["rank"], delayed["peer"], delayed["step"]) == ("rollout", 1, "/generate", 3)
+    assert 5.0 <= stamp(first) - delayed["time"] <= 9.0  # about rollout_timeout_s (6 s) after the delay began
+    assert log_lines(run_dir, "rollout-1", "ERROR") == []  # the slow server itself never failed
+    row = measure_run(str(run_dir), out.returncode)
+    assert (row["fault_stage"], row["target"], row["error_stage"]) == ("rollout", "rollout-1", "reference")
+
+
+def test_scenario8_truncated_reference_reply_fails_train_in_the_kl_term(tmp_path):
+    run_dir, out = run_scenario(tmp_path, 8)
+    assert out.returncode != 0
+    first = next(line for line in log_lines(run_dir, "controller-0", "ERROR") if "run failed" in line)
+    assert "step 3, stage train" in first and "HTTP 500 from train-1" in first
+    shape = [line for line in log_lines(run_dir, "train-1", "ERROR") if "must match the size of tensor" in line]
+    assert shape and "/train_step" in shape[0]
+    row = measure_run(str(run_dir), out.returncode)
+    assert (row["fault_stage"], row["target"], row["error_stage"]) == ("reference", "train-1", "train")
+
+
+def test_scenario8_hardened_checksums_reject_the_reply_where_it_arrives(tmp_path):
+    run_dir, out = run_scenario(tmp_path, 8, "--resilience", "hardened")
+    assert out.returncode != 0
+    errors = log_lines(run_dir, "controller-0", "ERROR")
+    first = next(line for line in errors if "run failed" in line)
+    assert "step 3, stage reference: CorruptPayload" in first and "train-1" in first and "checksum" in first
+    assert not any("must match the size" in line for line in log_lines(run_dir, "train-1"))  # train never ran on it
+
+
+def test_scenario9_io_hang_in_a_periodic_save_breaks_the_restart_after_a_crash(tmp_path):
+    run_dir, first_run = run_scenario(tmp_path, 9)
+    assert first_run.returncode != 0
+    assert not any("run failed" in line for line in log_lines(run_dir, "controller-0"))  # a crash, no diagnosis
+    hang = next(m for m in markers(run_dir) if m["fault"] == "io-hang-in-periodic-save" and m["event"] == "inject")
+    assert hang["step"] == 2 and hang["context"]["written"] < hang["context"]["size"]
+    slot = run_dir / "checkpoints" / "periodic" / "step_2"
+    assert json.loads((slot / "meta.json").read_text())["complete"] is True  # it claims to be whole ...
+    assert (slot / "model.safetensors").stat().st_size == hang["context"]["written"]  # ... at half its size
+    _, restart = run_scenario(tmp_path, 9)  # the same command again: resume
+    assert restart.returncode != 0
+    failed = next(line for line in log_lines(run_dir, "controller-0", "ERROR") if "run failed" in line)
+    assert "run failed: resume: " in failed
+    assert any("SafetensorError" in line for line in log_lines(run_dir, "train-0", "ERROR"))
+    assert stamp(failed) - hang["time"] > 10.0  # found a crash and a restart after the cause
+    row = measure_run(str(run_dir), restart.returncode)
+    assert (row["fault_stage"], row["target"], row["error_stage"]) == ("periodic_recover_save", "train-0", "resume")

@@ -164,6 +164,9 @@ def _record(event: str, armed: Armed, hit: Hit, details: dict[str, Any]) -> None
               "spec_point": spec.point, "target": spec.target.describe(), "role": hit.role, "rank": hit.rank,
               "peer": hit.peer, "step": hit.step, "pid": os.getpid(), "emulated": armed.kind.EMULATED,
               "details": details}
+    context = {k: v for k, v in hit.context.items() if isinstance(v, (str, int, float, bool))}
+    if context:
+        marker["context"] = context  # e.g. the file being written, the stage a request belongs to
     if _RUN_DIR:
         path = os.path.join(_RUN_DIR, "faults", "markers.jsonl")
         os.makedirs(os.path.dirname(path), exist_ok=True)

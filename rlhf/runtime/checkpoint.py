@@ -25,7 +25,7 @@ import torch
 
 from rlhf import tracing
 from rlhf.faults import fault_point
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from rlhf.weights import export_state, import_state
 
@@ -88,9 +88,30 @@ def set_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Non
     random.setstate((v, tuple(internal), gauss))
 
 
+def snapshot_rank_files(rank: int, model: torch.nn.Module | None, optimizer: Any) -> list[tuple[str, Any]]:
+    """This rank's checkpoint files as (name, tensors or JSON data), copied off the live model and optimizer."""
+    items: list[tuple[str, Any]] = []
+    if rank == 0 and model is not None:
+        items.append(("model.safetensors", {k: v.detach().contiguous().cpu().clone() for k, v in export_state(model).items()}))
+        opt_tensors, opt_meta = optimizer_tensors(optimizer)
+        items.append(("optimizer.safetensors", {k: v.clone() for k, v in opt_tensors.items()} or {"empty": torch.zeros(0)}))
+        items.append(("optimizer.json", opt_meta))
+    rng_tensors, rng_meta = rng_state()
+    items.append((f"rng-rank{rank}.safetensors", rng_tensors))
+    items.append((f"rng-rank{rank}.json", rng_meta))
+    return items
+
+
 def write_rank_files(directory: str, rank: int, model: torch.nn.Module | None, optimizer: Any, fsync: bool,
                      write_hook: Any = None) -> dict[str, str]:
     """Write this rank's files into `directory`; rank 0 also writes model and optimizer. Returns sha256 by file."""
+    return write_items(directory, snapshot_rank_files(rank, model, optimizer), fsync, write_hook)
+
+
+def write_items(directory: str, items: list[tuple[str, Any]], fsync: bool, write_hook: Any = None) -> dict[str, str]:
+    """Write snapshot items in place. The checkpoint.write point sits half-way through each tensor file."""
+    from safetensors.torch import save as to_bytes
+
     os.makedirs(directory, exist_ok=True)
     written: dict[str, str] = {}
 
@@ -98,9 +119,13 @@ def write_rank_files(directory: str, rank: int, model: torch.nn.Module | None, o
         path = os.path.join(directory, name)
         if write_hook is not None:
             write_hook(path)
-        directives = fault_point("checkpoint.write", path=path)
-        with tracing.span("checkpoint.write", file=name):
-            save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, path)
+        data = to_bytes(tensors)
+        half = len(data) // 2
+        with tracing.span("checkpoint.write", file=name, bytes=len(data)), open(path, "wb") as fh:
+            fh.write(data[:half])
+            fh.flush()  # half of the file is in the file system when the point runs (an IO hang stops here)
+            directives = fault_point("checkpoint.write", path=path, written=half, size=len(data))
+            fh.write(data[half:])
         for d in directives:  # an emulated full disk: the file ends part way and the write fails
             if d and d.get("truncate_at"):
                 size = os.path.getsize(path)
@@ -122,14 +147,8 @@ def write_rank_files(directory: str, rank: int, model: torch.nn.Module | None, o
                 os.fsync(fh.fileno())
         written[name] = _sha256(path)
 
-    if rank == 0 and model is not None:
-        put_tensors("model.safetensors", export_state(model))
-        opt_tensors, opt_meta = optimizer_tensors(optimizer)
-        put_tensors("optimizer.safetensors", opt_tensors or {"empty": torch.zeros(0)})
-        put_json("optimizer.json", opt_meta)
-    rng_tensors, rng_meta = rng_state()
-    put_tensors(f"rng-rank{rank}.safetensors", rng_tensors)
-    put_json(f"rng-rank{rank}.json", rng_meta)
+    for name, data in items:
+        (put_tensors if name.endswith(".safetensors") else put_json)(name, data)
     return written
 
 

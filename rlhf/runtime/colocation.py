@@ -8,6 +8,7 @@ deadlock, not a simulated one. The kernel drops the lock when the holder dies.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import time
 
@@ -41,16 +42,63 @@ class DeviceLease:
                 if time.monotonic() >= deadline:
                     os.close(fd)
                     raise DeviceBusy(
-                        f"device {self.device}: out of memory — held by the colocated peer, {self.holder} waited "
-                        f"{timeout_s:g} s (lease {self.path})"
+                        f"device {self.device}: out of memory — held by {self.current_holder() or 'the colocated peer'}"
+                        f" (lease {self.path}); {self.holder} waited {timeout_s:g} s"
                     ) from None
                 time.sleep(0.01)
         os.ftruncate(fd, 0)
         os.write(fd, f"{self.holder} pid {os.getpid()}\n".encode())
         self._fd = fd
 
+    def current_holder(self) -> str:
+        """Who holds the lease now, as the holder wrote it ('train-0 pid 123'), or ''."""
+        try:
+            with open(self.path, encoding="utf-8") as fh:
+                return fh.read().strip()
+        except OSError:
+            return ""
+
     def release(self) -> None:
         if self._fd is not None:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+
+
+# ---------------------------------------------------------------------------- the emulated device ledger
+#
+# On CPU there is no device memory. The fault kind device_memory_leak records, per device, memory a
+# process kept after it said it released it (<run_dir>/devices/<device>.leak.json). Fresh device
+# allocations (a weights-upload buffer, a KV cache, a weights load) check the ledger and fail the way
+# CUDA's allocator would. Allocations a process reuses from its own cache (train steps) do not.
+
+
+def device_name(role: str, rank: int, colocate: bool) -> str:
+    """The device a process computes on: colocated pair r shares device-r; otherwise each has its own."""
+    return f"device-{rank}" if colocate else f"{role}-{rank}"
+
+
+def leak_path(run_dir: str, device: str) -> str:
+    return os.path.join(run_dir, "devices", f"{device}.leak.json")
+
+
+def read_leak(run_dir: str, device: str) -> dict | None:
+    try:
+        with open(leak_path(run_dir, device), encoding="utf-8") as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def fresh_allocation(run_dir: str, device: str, nbytes: int, what: str) -> None:
+    """A new device allocation of nbytes for `what`; raises torch.OutOfMemoryError when the device is full."""
+    leak = read_leak(run_dir, device)
+    if leak is None:
+        return
+    import torch
+
+    mib = nbytes / (1 << 20)
+    raise torch.OutOfMemoryError(
+        f"CUDA out of memory. Tried to allocate {mib:.2f} MiB for {what} ({device}; {leak['capacity_mb'] / 1024:.2f} GiB "
+        f"total capacity; {leak['leaked_mb'] / 1024:.2f} GiB reserved by another process; 0 bytes free) "
+        "[emulated device ledger]")

@@ -40,6 +40,7 @@ from rlhf.models.tokenizer import CharTokenizer
 from rlhf.run_dir import StepsWriter, write_json
 from rlhf.runtime import checkpoint as ckpt
 from rlhf.runtime.batch_memory import DistributedBatchMemory
+from rlhf.runtime.errors import RpcConnectionError, RpcTimeout
 from rlhf.runtime.http import Client, LoopThread
 from rlhf.runtime.metaserver import MetaServer
 from rlhf.runtime.procs import wait_for_file
@@ -59,6 +60,13 @@ STEP_COLUMNS = [
 
 
 OUTER_MARGIN_S = 10.0  # a call that wraps a server-side wait gets this much longer than the wait
+
+
+EVENT_ATTEMPTS = 3  # hardened: deliveries of one colocation event before the step fails
+
+
+class EventNotDelivered(RuntimeError):
+    """hardened: a colocation event was not acknowledged by its peer."""
 
 
 class WeightsMismatch(RuntimeError):
@@ -214,6 +222,7 @@ class Controller:
             if self.cfg.checkpoint.resume else None
         if found is not None:
             path, meta = found
+            self.where.update(step=-1, stage="resume")
             state = meta["controller"]
             self.workers.call("begin_grpo", {"load_reference": True})
             self.workers.call("load", {"path": path, "optimizer_steps": state["optimizer_steps"]})
@@ -222,6 +231,7 @@ class Controller:
             self.start_step = int(meta["step"])
             self.version = str(self.start_step)
             log.info("resumed from %s at step %d", path, self.start_step)
+            self.where.update(step=-1, stage="startup")
             return True
         (result, _), *_ = self.workers.call("sft_warm_start", stage="sft")
         self.sft_result = result
@@ -254,8 +264,8 @@ class Controller:
             memory["rewards"] = torch.tensor(self.reward(memory["completions"], memory["answers"], memory["prompts"]))
             fault_point("data.split", step=step)
             shards, split = memory.split(len(self.workers), tokens_key="num_tokens")
-            batches = [self.to_batch(s) for s in shards]
         with clock.stage("reference"):
+            batches = [self.to_batch(s) for s in shards]  # tensors are built where they are first needed
             if cfg.algorithm.kl_coef > 0:
                 for batch, (_, out) in zip(batches, self.workers.call("compute_logprobs", {"which": "reference"},
                                                                        batches, step, "reference")):
@@ -275,7 +285,7 @@ class Controller:
                 self._save_step(ckpt.slot_for_step(step), step)
         if cfg.checkpoint.periodic_every and step % cfg.checkpoint.periodic_every == 0:
             with clock.stage("periodic_recover_save"):
-                self.save(os.path.join("periodic", f"step_{step}"), step)
+                self._save_step(os.path.join("periodic", f"step_{step}"), step)
         self.version = str(step)
         tokens = int(sum(memory["num_tokens"]))
         row.update(stats)
@@ -354,21 +364,37 @@ class Controller:
         return 1
 
     def notify(self, event: str, step: int) -> None:
-        """Colocation events to train rank r and rollout server r (only when colocated)."""
+        """Colocation events to train rank r and rollout server r (only when colocated).
+
+        faithful (the seeds): fire and forget — an event that is not delivered in time is a WARNING and the
+        step goes on, so the pair may disagree about who owns the device. hardened: every event must be
+        acknowledged; a lost one is retried (the handlers are idempotent) and then fails the step, naming the peer.
+        """
         if not self.cfg.runtime.colocate:
             return
         timeout = self.cfg.runtime.event_timeout_s
         pairs = min(len(self.workers), len(self.rollout))
+        faithful = self.cfg.runtime.resilience == "faithful"
+        attempts = 1 if faithful else EVENT_ATTEMPTS
+
+        async def one(client: Client) -> Any:
+            for attempt in range(1, attempts + 1):
+                try:
+                    return await client.call("/events", {"event": event, "step": step}, timeout_s=timeout,
+                                             stage="events", step=step, points=("events.notify",))
+                except (RpcTimeout, RpcConnectionError) as exc:
+                    if faithful:
+                        log.warning("step %d: event %s to %s not delivered (%s: %s); continuing (events are not "
+                                    "acknowledged)", step, event, client.peer, type(exc).__name__, exc)
+                        return None
+                    if attempt == attempts:
+                        raise EventNotDelivered(f"{event} to {client.peer} at step {step}: not acknowledged after "
+                                                f"{attempts} attempts of {timeout:g} s ({exc})") from exc
+                    log.warning("step %d: event %s to %s: attempt %d failed (%s); retrying", step, event,
+                                client.peer, attempt, type(exc).__name__)
 
         async def send() -> None:
-            calls = []
-            async def one(client: Client) -> Any:
-                return await client.call("/events", {"event": event, "step": step}, timeout_s=timeout, stage="events",
-                                         step=step, points=("events.notify",))
-
-            for r in range(pairs):
-                calls += [one(self.workers.clients[r]), one(self.rollout[r])]
-            await asyncio.gather(*calls)
+            await asyncio.gather(*[one(c) for r in range(pairs) for c in (self.workers.clients[r], self.rollout[r])])
 
         self.loop.run(send())
 
@@ -405,6 +431,11 @@ class Controller:
         results = self.loop.gather(*[one(c, idx) for c, idx in zip(self.rollout, chunks)], return_exceptions=faithful)
         parts = []
         for r, part in enumerate(results):
+            if isinstance(part, RpcTimeout):  # faithful: in-flight requests are kept, aborted, with no tokens
+                log.warning("step %d: rollout-%d timed out (%s); keeping its %d samples as aborted (no tokens)",
+                            step, r, part, len(chunks[r]) * cfg.rollout.group_size)
+                parts.append(self._aborted(chunks[r], examples, prompt_ids))
+                continue
             if isinstance(part, BaseException):  # faithful only: the seeds' controller goes on with what it has
                 log.warning("step %d: rollout-%d failed (%s: %s); continuing with the samples of the other servers",
                             step, r, type(part).__name__, part)
@@ -416,10 +447,20 @@ class Controller:
             p["sample_index"] = [0] * len(p["output_ids"])
         memory = DistributedBatchMemory.concat(parts, cfg.rollout.group_size)
         memory["sample_index"] = list(range(len(memory)))
-        stale = {v for v in memory["weight_version"] if v != str(step)}
+        stale = {v for v in memory["weight_version"] if v not in (str(step), ABORTED)}
         if stale:
             log.warning("step %d: samples from stale weight versions %s", step, sorted(stale))
         return memory
+
+    def _aborted(self, idx: list[int], examples: list[Any], prompt_ids: list[list[int]]) -> DistributedBatchMemory:
+        """faithful: the samples of a server that timed out, as sglang reports aborted requests (no tokens yet)."""
+        rep = [i for i in idx for _ in range(self.cfg.rollout.group_size)]
+        return DistributedBatchMemory({
+            "sample_index": [0] * len(rep), "prompt_ids": [prompt_ids[i] for i in rep], "output_ids": [[] for _ in rep],
+            "logprobs": [[] for _ in rep], "num_tokens": [len(prompt_ids[i]) for i in rep],
+            "prompts": [examples[i].prompt for i in rep], "answers": [examples[i].answer for i in rep],
+            "completions": ["" for _ in rep], "weight_version": [ABORTED] * len(rep),
+        }, self.cfg.rollout.group_size, strict=False)
 
     def to_batch(self, shard: DistributedBatchMemory) -> dict[str, torch.Tensor]:
         results = [{"output_ids": o, "meta_info": {"output_token_logprobs": [[lp, t, None] for lp, t in zip(l, o)]}}
@@ -428,19 +469,25 @@ class Controller:
 
     def _save_step(self, slot: str, step: int) -> None:
         """Hardened: a failed save fails the run here. Faithful (the seeds): a warning, and the run goes on."""
+        stage = "latest_recover_save" if slot.startswith("latest") else "periodic_recover_save"
         if self.cfg.runtime.resilience == "hardened":
             self.save(slot, step)
             return
         try:
-            self.save(slot, step)
-            self.latest_slot = slot
+            self.save(slot, step, background=stage == "periodic_recover_save" and self.cfg.checkpoint.periodic_async)
+            if stage == "latest_recover_save":
+                self.latest_slot = slot
         except (RuntimeError, OSError, TimeoutError) as exc:
-            self.latest_slot = slot  # the slot was being written in place: it is what the next update reads
-            log.warning("step %d: latest_recover_save to %s failed (%s: %s); continuing", step, slot,
-                        type(exc).__name__, exc)
+            if stage == "latest_recover_save":
+                self.latest_slot = slot  # the slot was being written in place: it is what the next update reads
+            log.warning("step %d: %s to %s failed (%s: %s); continuing", step, stage, slot, type(exc).__name__, exc)
 
-    def save(self, slot: str, step: int) -> None:
-        """latest_recover_save / periodic_recover_save: every rank writes its files, then meta.json last."""
+    def save(self, slot: str, step: int, background: bool = False) -> None:
+        """latest_recover_save / periodic_recover_save: every rank writes its files, then meta.json last.
+
+        background (faithful, checkpoint.periodic_async): the ranks write on a writer thread and reply at once;
+        meta.json is written without waiting for them, as the seeds' asynchronous periodic save did.
+        """
         checkpoints = os.path.join(self.run_dir, "checkpoints")
         atomic = self.cfg.runtime.resilience == "hardened"
         final = os.path.join(checkpoints, slot)
@@ -448,10 +495,10 @@ class Controller:
         if atomic:
             shutil.rmtree(directory, ignore_errors=True)
         os.makedirs(directory, exist_ok=True)
-        replies = self.workers.call("save", {"directory": directory, "fsync": True}, step=step,
+        replies = self.workers.call("save", {"directory": directory, "fsync": True, "background": background},
+                                    step=step,
                                     stage="latest_recover_save" if slot.startswith("latest") else "periodic_recover_save")
         files: dict[str, str] = {}
-        optimizer_steps = 0
         for reply, _ in replies:
             files.update(reply["files"])
         optimizer_steps = step * self.cfg.train.mini_batches
@@ -537,6 +584,8 @@ class Controller:
 async def _jobs(scheduler: SchedulerClient) -> list[dict]:
     return (await scheduler.client.call("/jobs", method="GET", stage="cleanup"))[0]
 
+
+ABORTED = "aborted"  # weight_version of a sample whose request timed out (faithful)
 
 _ROLLOUT_KEYS = ["sample_index", "prompt_ids", "output_ids", "logprobs", "num_tokens", "prompts", "answers",
                  "completions", "weight_version"]

@@ -39,11 +39,15 @@ log = logging.getLogger("rlhf.http")
 Handler = Callable[[dict, dict], Any]
 
 
+_CUT: contextvars.ContextVar[int] = contextvars.ContextVar("rlhf_cut", default=0)  # network_loss truncate_tensor
+
+
 class Service:
     """An aiohttp application with auth, typed errors and handlers run on one worker thread."""
 
     def __init__(self, role: str, rank: int, token: str, resilience: str = "hardened") -> None:
         self.role, self.rank, self.token, self.resilience = role, rank, token, resilience
+        wire.configure(checksums=resilience == "hardened")  # one mode per process: its clients follow it too
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{role}-{rank}")
         self.app = web.Application(middlewares=[self._trace, self._auth], client_max_size=1 << 34)
         self.stage, self.step = "", -1
@@ -83,14 +87,18 @@ class Service:
         if request.headers.get(TOKEN_HEADER) != self.token:
             return web.json_response({"error": "missing or wrong run token"}, status=401)
         try:
-            directives = await afault_point("rpc.server.handle", peer=request.path)
+            directives = await afault_point("rpc.server.handle", peer=request.path,
+                                            stage=request.headers.get(STAGE_HEADER, ""))
         except Exception as exc:  # an injected error looks like the handler's own
             return self._error_reply(exc, request.method, request.path, request.headers.get(STAGE_HEADER, ""),
                                      _int(request.headers.get(STEP_HEADER, "-1")))
+        cut = 0
         for d in directives:
             action = d.get("server_action")
             if action == "respond":
                 return web.Response(status=int(d["status"]), text=str(d["body"]))
+            if action == "truncate_tensor":
+                cut = int(d.get("cut", 1))  # applied to this reply's tensors, after the handler
             if action in ("reset", "truncate") and request.transport is not None:
                 if action == "truncate":  # headers promise more than is sent: the client sees a cut body
                     resp = web.StreamResponse(status=200, headers={"Content-Type": wire.JSON_TYPE})
@@ -101,7 +109,11 @@ class Service:
                     return resp
                 request.transport.abort()
                 return web.Response(status=500, text="connection reset")
-        return await handler(request)
+        token = _CUT.set(cut)  # a keep-alive connection serves its next request in this task: reset after
+        try:
+            return await handler(request)
+        finally:
+            _CUT.reset(token)
 
     def _error_reply(self, exc: BaseException, method: str, path: str, stage: str, step: int) -> web.Response:
         info = ErrorInfo.from_exception(exc, self.role, self.rank, stage, step)
@@ -141,7 +153,13 @@ class Service:
             out_tensors = None
             if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
                 result, out_tensors = result
-            data, content_type = wire.encode(result, out_tensors)
+            sums = None
+            cut = _CUT.get()
+            if out_tensors and cut:  # emulated loss in transit: checksums (if any) were taken before it
+                sums = wire.digests(out_tensors) if wire.CHECKSUMS else None
+                out_tensors = {k: v[..., : max(0, v.shape[-1] - cut)].contiguous() if v.dim() else v
+                               for k, v in out_tensors.items()}
+            data, content_type = wire.encode(result, out_tensors, sums)
             return web.Response(body=data, content_type=content_type.split(";")[0])
 
         self.app.router.add_route(method, path, handle)
@@ -259,14 +277,17 @@ class Client:
         session = await self.session()
         try:
             for point in points + ("rpc.client.send",):
-                await afault_point(point, step=step if step >= 0 else None, peer=self.peer, path=path)
+                await afault_point(point, step=step if step >= 0 else None, peer=self.peer, path=path, stage=stage)
             async with session.request(
                 method, url, data=body if method != "GET" else None, headers=headers,
                 timeout=aiohttp.ClientTimeout(total=timeout),
             ) as resp:
                 payload = await resp.read()
                 if resp.status == 200:
-                    return wire.decode(payload, resp.content_type)
+                    try:
+                        return wire.decode(payload, resp.content_type)
+                    except wire.CorruptPayload as exc:  # name the sender: the data changed after it left there
+                        raise wire.CorruptPayload(f"reply from {self.peer} to {path}: {exc}") from None
                 if resp.content_type == wire.JSON_TYPE:
                     try:
                         err = wire.decode(payload, resp.content_type)[0]

@@ -156,10 +156,11 @@ async def pull_weights(client: Any, version: str, wait_s: float, timeout_s: floa
 
     # the MetaServer's wait ends first (504 naming the missing shards), not our timeout
     manifest, _ = await client.call(f"/weights/{version}/manifest?wait_s={wait_s}", method="GET",
-                                    timeout_s=max(timeout_s, wait_s + 5.0))
+                                    timeout_s=max(timeout_s, wait_s + 5.0), stage="weights_update")
     tensors: dict = {}
     for shard in sorted(manifest["shards"]):
-        _, part = await client.call(f"/weights/{version}/{shard}", method="GET", timeout_s=timeout_s)
+        _, part = await client.call(f"/weights/{version}/{shard}", method="GET", timeout_s=timeout_s,
+                                    stage="weights_update")
         tensors.update(part)
     for name, entry in manifest["tensors"].items():
         if name not in tensors:

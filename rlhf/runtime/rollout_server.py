@@ -17,11 +17,12 @@ import logging
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 from rlhf import tracing
 from rlhf.faults import afault_point, fault_point
-from rlhf.runtime.colocation import DeviceBusy, DeviceLease
+from rlhf.runtime.colocation import DeviceBusy, DeviceLease, device_name, fresh_allocation, read_leak
 from rlhf.runtime.http import DEFAULT_HOST, Client, Service, serve_forever
 from rlhf.runtime.metaserver import pull_weights
 from rlhf.runtime.procs import set_pdeathsig, write_atomic
@@ -30,10 +31,15 @@ from rlhf.tracing.setup import start_process_telemetry, stop_process_telemetry
 log = logging.getLogger("rlhf.rollout_server")
 
 
+class DeviceMemoryNotReleased(RuntimeError):
+    """hardened: a release_memory_occupation left device memory allocated."""
+
+
 class RolloutServer:
     def __init__(self, engine: Any, rank: int, token: str, resilience: str = "hardened",
-                 lease: DeviceLease | None = None, lease_timeout_s: float = 30.0) -> None:
-        self.engine, self.rank, self.token = engine, rank, token
+                 lease: DeviceLease | None = None, lease_timeout_s: float = 30.0, run_dir: str = "") -> None:
+        self.engine, self.rank, self.token, self.run_dir = engine, rank, token, run_dir
+        self.device = device_name("rollout", rank, lease is not None)
         self.lease, self.lease_timeout_s = lease, lease_timeout_s
         self.service = Service("rollout", rank, token, resilience)
         r = self.service.route
@@ -52,8 +58,12 @@ class RolloutServer:
 
     def generate(self, args: dict, tensors: dict) -> Any:
         if self.lease is not None and not self.lease.held:
-            raise DeviceBusy(f"rollout server {self.rank}: generate without the device lease "
-                             f"(device {self.lease.device} belongs to the colocated train rank)")
+            if self.service.resilience == "faithful":
+                self._wait_for_device()
+            else:
+                raise DeviceBusy(f"rollout server {self.rank}: generate without the device lease (device "
+                                 f"{self.lease.device} is held by {self.lease.current_holder() or 'the train side'}; "
+                                 "was rollout_start delivered?)")
         input_ids = args["input_ids"]
         single = bool(input_ids) and isinstance(input_ids[0], int)
         params = args.get("sampling_params") or {}
@@ -64,6 +74,25 @@ class RolloutServer:
                                        bool(args.get("return_logprob", False)))
             sp.set_attribute("rlhf.tokens", self.engine.tokens_generated - before)
         return out[0] if single and len(out) == 1 else out
+
+    def _wait_for_device(self) -> None:
+        """faithful: a generate that finds the device taken retries its allocation, as a CUDA caching allocator
+        retry loop would, each failure an ERROR line, until lease_timeout_s."""
+        assert self.lease is not None
+        start = time.monotonic()
+        deadline, attempt = start + self.lease_timeout_s, 0
+        while True:
+            attempt += 1
+            try:
+                self.lease.acquire(0)
+                log.info("generate: device %d acquired after %d attempts", self.lease.device, attempt)
+                return
+            except DeviceBusy as exc:
+                log.error("generate: allocating the KV cache failed (attempt %d, %.0f s): %s", attempt,
+                          time.monotonic() - start, exc)
+                if time.monotonic() >= deadline:
+                    raise
+            time.sleep(1.0)
 
     def update_weights_from_disk(self, args: dict, tensors: dict) -> dict:
         version = str(args.get("weight_version", self.engine.weight_version))
@@ -80,6 +109,8 @@ class RolloutServer:
             weights = await pull_weights(client, version, float(args.get("wait_s", 60)), float(args.get("timeout_s", 600)))
         finally:
             await client.close()
+        fresh_allocation(self.run_dir, self.device, sum(t.numel() * t.element_size() for t in weights.values()),
+                         "the new weights")
         loop = asyncio.get_running_loop()
         with tracing.span("weights.load", source="metaserver", weight_version=version):
             await loop.run_in_executor(self.service.executor, self.engine.update_weights_from_tensors, weights, version)
@@ -88,15 +119,22 @@ class RolloutServer:
     def release_memory(self, args: dict, tensors: dict) -> dict:
         if self.lease is not None:
             self.lease.release()
+        leak = read_leak(self.run_dir, self.device) if self.run_dir else None
+        if leak and leak.get("pid") == os.getpid() and self.service.resilience == "hardened":
+            # hardened: check that a release really freed the device, here, instead of at the peer's next allocation
+            raise DeviceMemoryNotReleased(f"rollout-{self.rank} still holds {leak['leaked_mb']:g} MB of {self.device} "
+                                          "after releasing it; its colocated train rank cannot allocate")
         return {"success": True}
 
     def resume_memory(self, args: dict, tensors: dict) -> dict:
         if self.lease is not None:
             self.lease.acquire(float(args.get("timeout_s", self.lease_timeout_s)))
+            fresh_allocation(self.run_dir, self.device, 1 << 30, "the KV cache")
         return {"success": True}
 
     def events(self, args: dict, tensors: dict) -> dict:
         event = args.get("event")
+        fault_point("events.handle", peer=str(event), device=self.device)
         if event == "rollout_start":
             self.resume_memory(args, tensors)
         elif event == "rollout_end":
@@ -151,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     seed = (cfg.rollout.seed if cfg.rollout.seed >= 0 else cfg.seed + 17) + 1000 * args.rank
     engine = RolloutEngine(model, tok, seed=seed)
     lease = DeviceLease(args.run_dir, args.rank, f"rollout-{args.rank}") if args.colocate else None
-    server = RolloutServer(engine, args.rank, token, cfg.runtime.resilience, lease, cfg.runtime.lease_timeout_s)
+    server = RolloutServer(engine, args.rank, token, cfg.runtime.resilience, lease, cfg.runtime.lease_timeout_s,
+                           args.run_dir)
 
     def ready(port: int) -> None:
         url = f"http://{args.host}:{port}"

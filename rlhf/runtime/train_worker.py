@@ -11,8 +11,10 @@ contract. Calls are served one at a time, in arrival order, on one worker thread
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import os
+import queue
 import threading
 import time
 from typing import Any
@@ -24,7 +26,7 @@ from rlhf.config import Config
 from rlhf.faults import afault_point, fault_point
 from rlhf.models import build_model_and_tokenizer
 from rlhf.runtime import checkpoint as ckpt
-from rlhf.runtime.colocation import DeviceLease
+from rlhf.runtime.colocation import DeviceLease, device_name, fresh_allocation
 from rlhf.runtime.dist import GlooDataParallel
 from rlhf.runtime.http import Client, Service
 from rlhf.runtime.metaserver import push_shard
@@ -49,6 +51,7 @@ class TrainWorker:
         self.engine: TrainEngine | None = None
         self.shutdown = threading.Event()
         self.lease = DeviceLease(run_dir, rank, f"train-{rank}") if cfg.runtime.colocate else None
+        self.device = device_name("train", rank, cfg.runtime.colocate)
         if self.lease is not None:
             self.lease.acquire(cfg.runtime.lease_timeout_s)
         self.service = Service("train", rank, token, cfg.runtime.resilience)
@@ -60,6 +63,8 @@ class TrainWorker:
                            method="GET", inline=True)
         self.service.route("/weights_checksum", lambda a, t: {"checksum": checksum(export_state(self.model))})
         self.loop_phase, self.loop_step = "idle", 0
+        self._writes: queue.Queue = queue.Queue()
+        self._writer: threading.Thread | None = None
         self.service.route("/heartbeat", self.heartbeat, method="GET", inline=True)
         self.service.route("/shutdown", lambda a, t: self.shutdown.set() or {"ok": True}, inline=True)
 
@@ -200,6 +205,8 @@ class TrainWorker:
         with tracing.span("weights.serialize"):
             state = export_state(self.model)
             names = shard_names(list(state), self.rank, self.world_size)
+            fresh_allocation(self.run_dir, self.device, sum(state[n].numel() * state[n].element_size() for n in names),
+                             "the weights upload buffer")
             body = to_safetensors_bytes({n: state[n] for n in names})
         t0 = time.perf_counter()
 
@@ -229,12 +236,40 @@ class TrainWorker:
         return {"rank": self.rank, "path": args["path"]}
 
     def save(self, args: dict, tensors: dict) -> dict:
-        """Write this rank's checkpoint files into args['directory'] (staging or the slot itself)."""
+        """Write this rank's checkpoint files into args['directory'] (staging or the slot itself).
+
+        background: snapshot now, write on this rank's writer thread, reply at once (files: {}); the writer
+        is a daemon thread, so a write stuck in an IO hang never blocks the next step's calls.
+        """
         engine = self._engine()
         t0 = time.perf_counter()
+        if args.get("background"):
+            items = ckpt.snapshot_rank_files(self.rank, self.model, engine.optimizer)
+            self._writes.put((args["directory"], items, bool(args.get("fsync", True)), tracing.current_step()))
+            self._start_writer()
+            return {"rank": self.rank, "files": {}, "pending": self._writes.qsize(), "seconds": time.perf_counter() - t0}
         files = ckpt.write_rank_files(args["directory"], self.rank, self.model, engine.optimizer,
                                       fsync=bool(args.get("fsync", True)))
         return {"rank": self.rank, "files": files, "seconds": time.perf_counter() - t0}
+
+    def _start_writer(self) -> None:
+        if self._writer is not None:
+            return
+        ctx = contextvars.copy_context()
+
+        def run() -> None:
+            while True:
+                directory, items, fsync, step = self._writes.get()
+                try:
+                    with tracing.at_step(step), tracing.span("checkpoint.background_write", directory=directory):
+                        ckpt.write_items(directory, items, fsync)
+                    log.info("train-%d: background checkpoint write to %s done", self.rank, directory)
+                except Exception as exc:  # nobody waits for this thread: the log is the only trace
+                    log.error("train-%d: background checkpoint write to %s failed: %s: %s", self.rank, directory,
+                              type(exc).__name__, exc)
+
+        self._writer = threading.Thread(target=ctx.run, args=(run,), name=f"ckpt-writer-{self.rank}", daemon=True)
+        self._writer.start()
 
     def load(self, args: dict, tensors: dict) -> dict:
         engine = self._engine()
@@ -245,7 +280,7 @@ class TrainWorker:
 
     def events(self, args: dict, tensors: dict) -> dict:
         event = args.get("event")
-        fault_point("events.handle", peer=str(event))
+        fault_point("events.handle", peer=str(event), device=self.device)
         if self.lease is not None:
             if event == "rollout_start":
                 self.lease.release()  # CPU stand-in for offloading params and optimizer state

@@ -2,10 +2,17 @@
 
 Never pickle. A tensor-carrying body is one safetensors blob whose `__metadata__["json"]`
 holds the call's JSON arguments, so one parser (the safetensors header) reads both.
+
+With checksums on (hardened processes: `configure(checksums=True)`), the sender also puts the
+sha256 and shape of every tensor in `__metadata__["sha256"]`, taken where the tensor was made,
+and the receiver checks them: data that changed between stages fails where it arrives, naming
+the sender, instead of as a shape error stages later. faithful processes, like the seeds'
+system, send no checksums.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from typing import Any
@@ -18,9 +25,38 @@ JSON_TYPE = "application/json"
 TENSORS_TYPE = "application/x-rlhf-safetensors"
 
 
-def encode(obj: Any = None, tensors: dict[str, torch.Tensor] | None = None) -> tuple[bytes, str]:
+CHECKSUMS = False
+
+
+class CorruptPayload(ValueError):
+    """A tensor that does not match the checksum its sender computed."""
+
+
+def configure(checksums: bool) -> None:
+    global CHECKSUMS
+    CHECKSUMS = checksums
+
+
+def digests(tensors: dict[str, torch.Tensor]) -> dict[str, list]:
+    """name -> [sha256 of the bytes, shape] for each tensor."""
+    out = {}
+    for name, t in tensors.items():
+        flat = t.detach().contiguous().reshape(-1).cpu()
+        out[name] = [hashlib.sha256(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"").hexdigest(),
+                     list(t.shape)]
+    return out
+
+
+def encode(obj: Any = None, tensors: dict[str, torch.Tensor] | None = None,
+           sums: dict[str, list] | None = None) -> tuple[bytes, str]:
+    """sums: checksums taken earlier (where the tensors were made); computed here when checksums are on."""
     if tensors:
-        return to_safetensors_bytes(tensors, metadata={"json": json.dumps(obj)}), TENSORS_TYPE
+        metadata = {"json": json.dumps(obj)}
+        if sums is None and CHECKSUMS:
+            sums = digests(tensors)
+        if sums is not None:
+            metadata["sha256"] = json.dumps(sums)
+        return to_safetensors_bytes(tensors, metadata=metadata), TENSORS_TYPE
     return json.dumps(obj).encode(), JSON_TYPE
 
 
@@ -32,8 +68,17 @@ def decode(body: bytes, content_type: str) -> tuple[Any, dict[str, torch.Tensor]
         if header_len > len(body) - 8:
             raise ValueError(f"tensor body truncated: header says {header_len} bytes, body has {len(body) - 8}")
         header = json.loads(body[8 : 8 + header_len])
-        obj = json.loads(header.get("__metadata__", {}).get("json", "null"))
-        return obj, from_safetensors_bytes(body)
+        meta = header.get("__metadata__", {})
+        obj = json.loads(meta.get("json", "null"))
+        tensors = from_safetensors_bytes(body)
+        if "sha256" in meta:
+            expected = json.loads(meta["sha256"])
+            for name, (digest, shape) in digests(tensors).items():
+                want = expected.get(name)
+                if want is None or want[0] != digest:
+                    raise CorruptPayload(f"tensor {name!r} arrived with shape {shape} and does not match its sender's "
+                                         f"checksum (sent with shape {want[1] if want else '?'})")
+        return obj, tensors
     if not body:
         return None, {}
     return json.loads(body), {}

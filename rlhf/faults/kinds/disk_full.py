@@ -20,7 +20,7 @@ class DiskFull(FaultKind):
         "path": ((str,), "", "directory to fill (default: <run-dir>/checkpoints)"),
         "fill_mb": ((float,), 256.0, "fill file size, MB (fill mode)"),
         "keep_free_mb": ((float,), 2048.0, "never leave less free space than this, MB (fill mode)"),
-        "partial": ((float,), 0.0, "enospc mode: the write stops after this fraction of the file (0 = before it)"),
+        "partial": ((float,), 0.0, "enospc mode: the file ends at this fraction of its size (0 = where the point is)"),
     }
 
     @classmethod

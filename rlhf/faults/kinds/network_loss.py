@@ -12,26 +12,36 @@ from rlhf.faults.kinds import FaultKind, Hit, register
 class NetworkLoss(FaultKind):
     NAME = "network_loss"
     DOC = ("requests lost (the fraction is when.probability): at rpc.server.handle the server really resets the "
-           "TCP connection or sends a cut-short body; at rpc.client.send the client gets ECONNRESET before sending")
+           "TCP connection or sends a cut-short body; at rpc.client.send the client gets ECONNRESET before sending; "
+           "mode truncate_tensor (EMULATED, rpc.server.handle): the reply arrives well-formed but each of its tensors "
+           "lost its last `cut` entries along the last dimension, as through a relay that re-frames a partial payload")
     PARAMS = {
-        "mode": ((str,), "reset", "reset (connection reset) or truncate (reply cut mid-body, server side)"),
+        "mode": ((str,), "reset", "reset (connection reset), truncate (reply cut mid-body, server side) or "
+                                   "truncate_tensor (reply tensors cut short, emulated)"),
+        "cut": ((int,), 2, "truncate_tensor: entries dropped from the end of each reply tensor's last dimension"),
     }
+
+    def __init__(self, spec: Any, run_dir: str) -> None:
+        super().__init__(spec, run_dir)
+        self.EMULATED = self.params["mode"] == "truncate_tensor"
 
     @classmethod
     def check_param(cls, key: str, value: Any) -> str | None:
-        if key == "mode" and value not in ("reset", "truncate"):
-            return f"{value!r} is not a mode; modes: reset, truncate"
+        if key == "mode" and value not in ("reset", "truncate", "truncate_tensor"):
+            return f"{value!r} is not a mode; modes: reset, truncate, truncate_tensor"
         return super().check_param(key, value)
 
     @classmethod
     def check_spec(cls, point: str, matched: tuple[str, ...], target: Any, params: dict[str, Any]) -> str | None:
         if not set(matched) <= {"rpc.client.send", "rpc.server.handle"}:
             return "network_loss acts on rpc.client.send or rpc.server.handle; points: " + ", ".join(matched)
+        if params.get("mode") == "truncate_tensor" and set(matched) != {"rpc.server.handle"}:
+            return "network_loss mode truncate_tensor acts on rpc.server.handle (the reply); points: " + ", ".join(matched)
         return None
 
     def inject(self, hit: Hit) -> dict[str, Any]:
         if hit.point == "rpc.server.handle":
-            return {"lost": True, "server_action": self.params["mode"]}  # the Service resets or truncates
+            return {"lost": True, "server_action": self.params["mode"], "cut": self.params["cut"]}  # the Service acts
         import aiohttp
 
         raise aiohttp.ClientOSError(errno.ECONNRESET, f"Connection reset by peer (network_loss to {hit.peer})")
