@@ -11,7 +11,7 @@ step does, with one process per train rank and per rollout server, and a MetaSer
 process as in the controller:
 
   meta   every train rank serialises its shard and PUTs it to the MetaServer while every
-         rollout server already waits on the manifest, fetches all shards, checks sha256 and
+         rollout server already waits on the manifest, fetches all shards, checks each tensor's crc32 and
          loads them into its model; time = from the start signal until the last server loaded.
   disk   rank 0 writes an HF safetensors directory (as `save_weights_dir`), then every rollout
          server reads it and loads it into its model (as `/update_weights_from_disk`).
@@ -105,19 +105,26 @@ def _build(model_name: str, seed: int):
     return build_model_and_tokenizer(ModelConfig(name=model_name), seed=seed)
 
 
-def _uploader(rank: int, world: int, model_name: str, url: str, token: str, repeats: int, barrier, results) -> None:
+def _uploader(rank: int, world: int, model_name: str, url: str, token: str, repeats: int, barrier, results,
+              shm_dir: str = "", checksum: str = "none") -> None:
     from rlhf.runtime.http import Client
     from rlhf.runtime.metaserver import push_shard
     from rlhf.runtime.train_worker import shard_names
-    from rlhf.weights import export_state, to_safetensors_bytes
+    from rlhf.weights import encode_shard, export_state, write_shard
 
     model, _ = _build(model_name, seed=rank)
 
-    async def put(version: str) -> int:
+    async def put(version: str) -> int:  # as TrainWorker.upload_weights does
         client = Client(url, token)
         try:
             state = export_state(model)
-            body = to_safetensors_bytes({n: state[n] for n in shard_names(list(state), rank, world)})
+            part = {n: state[n] for n in shard_names(list(state), rank, world)}
+            if shm_dir:
+                path = os.path.join(shm_dir, f"v{version}-rank{rank}.safetensors")
+                size = write_shard(part, path, checksum)
+                await push_shard(client, version, f"rank{rank}", None, 600, path=path)
+                return size
+            body = encode_shard(part, checksum)
             await push_shard(client, version, f"rank{rank}", body, 600)
             return len(body)
         finally:
@@ -189,8 +196,7 @@ def run_bandwidth(args: argparse.Namespace) -> None:
     mb = nbytes / 1e6
     print(f"[bandwidth] {args.model}: {sum(p.numel() for p in params) / 1e6:.1f} M params, {mb:.1f} MB; "
           f"{args.ranks} train ranks, {args.servers} rollout servers, {args.repeats} repeats", file=sys.stderr, flush=True)
-    rows: dict[str, list[float]] = {"copy": [], "meta": [], "meta upload (max rank)": [], "meta update (max server)": [],
-                                    "disk": [], "disk write (rank 0)": [], "disk read+load (max server)": []}
+    rows: dict[str, list[float]] = {"copy": []}
 
     # copy: the same bytes, in memory
     dst = [torch.empty_like(p) for p in params]
@@ -201,35 +207,43 @@ def run_bandwidth(args: argparse.Namespace) -> None:
                 d.copy_(p)
         rows["copy"].append(time.perf_counter() - t0)
 
-    # meta
+    # meta, over each transport
     token = "bench-token"
-    server = MetaServer(token, max_versions=2, max_bytes=4 * nbytes + (64 << 20))
-    url = server.start()
-    barrier, results = ctx.Barrier(1 + args.ranks + args.servers), ctx.Queue()
-    procs = [ctx.Process(target=_uploader, args=(r, args.ranks, args.model, url, token, args.repeats, barrier, results))
-             for r in range(args.ranks)]
-    procs += [ctx.Process(target=_puller, args=(r, args.model, url, token, args.repeats, barrier, results))
-              for r in range(args.servers)]
-    try:
-        for p in procs:
-            p.start()
-        for i in range(args.repeats):
-            asyncio.run(_open_version(url, token, f"r{i}", args.ranks))
-            barrier.wait(timeout=300)
-            t0 = time.perf_counter()
-            got = _collect(results, args.ranks + args.servers)
-            rows["meta"].append(time.perf_counter() - t0)
-            rows["meta upload (max rank)"].append(max(g[2] for g in got if g[0] == "upload"))
-            rows["meta update (max server)"].append(max(g[2] for g in got if g[0] == "pull"))
-            print(f"[bandwidth] meta repeat {i + 1}/{args.repeats}: {rows['meta'][-1]:.2f} s", file=sys.stderr, flush=True)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-        server.stop()
+    for transport in ("shm", "http"):
+        key = f"meta ({transport})"
+        for k in (key, f"{key} upload (max rank)", f"{key} update (max server)"):
+            rows[k] = []
+        server = MetaServer(token, max_versions=2, max_bytes=4 * nbytes + (64 << 20), transport=transport)
+        url = server.start()
+        barrier, results = ctx.Barrier(1 + args.ranks + args.servers), ctx.Queue()
+        procs = [ctx.Process(target=_uploader, args=(r, args.ranks, args.model, url, token, args.repeats, barrier,
+                                                     results, server.shm_dir, args.checksum))
+                 for r in range(args.ranks)]
+        procs += [ctx.Process(target=_puller, args=(r, args.model, url, token, args.repeats, barrier, results))
+                  for r in range(args.servers)]
+        try:
+            for p in procs:
+                p.start()
+            for i in range(args.repeats):
+                asyncio.run(_open_version(url, token, f"r{i}", args.ranks))
+                barrier.wait(timeout=300)
+                t0 = time.perf_counter()
+                got = _collect(results, args.ranks + args.servers)
+                rows[key].append(time.perf_counter() - t0)
+                rows[f"{key} upload (max rank)"].append(max(g[2] for g in got if g[0] == "upload"))
+                rows[f"{key} update (max server)"].append(max(g[2] for g in got if g[0] == "pull"))
+                print(f"[bandwidth] {key} repeat {i + 1}/{args.repeats}: {rows[key][-1]:.2f} s", file=sys.stderr,
+                      flush=True)
+        finally:
+            for p in procs:
+                p.join(timeout=60)
+                if p.is_alive():
+                    p.kill()
+            server.stop()
 
     # disk
+    for k in ("disk", "disk write (rank 0)", "disk read+load (max server)"):
+        rows[k] = []
     tmp = tempfile.mkdtemp(prefix="rlhf-bench-disk-")
     path = os.path.join(tmp, "latest")
     barrier = ctx.Barrier(1 + args.servers)
@@ -274,6 +288,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--ranks", type=int, default=2, help="train ranks (uploaders)")
     ap.add_argument("--servers", type=int, default=2, help="rollout servers (pullers / readers)")
+    ap.add_argument("--checksum", default="none", choices=["crc32", "sha256", "none"],
+                    help="per-tensor digest the uploader writes and every rollout server checks (weights.checksum)")
     ap.add_argument("--steps", type=int, default=20, help="steps per run for the stages part")
     ap.add_argument("--skip", type=int, default=2, help="first steps left out of the medians")
     ap.add_argument("--modes", default="meta,disk", help="weights modes for the stages part")

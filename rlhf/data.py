@@ -45,9 +45,41 @@ class PromptSampler:
         self._order = self._shuffle(self.epoch)
 
 
-def encode_prompts(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
-    """Token ids of each prompt, with the tokenizer's BOS (as the model saw during SFT)."""
-    return [tokenizer.encode(p, add_special_tokens=True) for p in prompts]
+def encode_prompts(tokenizer: Any, prompts: list[str], chat_template: bool = False) -> list[list[int]]:
+    """Token ids of each prompt, as SFT, rollout and eval all feed them to the model.
+
+    Plain: the tokenizer's own special tokens (its BOS). With `chat_template` (task.chat_template):
+    the prompt as one user turn through the tokenizer's chat template with the generation prompt
+    appended; the template writes its own BOS, so none is added, and a doubled BOS is removed.
+    """
+    if not chat_template:
+        return [tokenizer.encode(p, add_special_tokens=True) for p in prompts]
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("task.chat_template is on but the tokenizer has no chat template "
+                         "(tokenizer_config.json 'chat_template'); turn it off for this model")
+    out = []
+    bos = getattr(tokenizer, "bos_token_id", None)
+    for p in prompts:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                             add_generation_prompt=True)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        while bos is not None and len(ids) > 1 and ids[0] == ids[1] == bos:
+            ids = ids[1:]
+        out.append(ids)
+    return out
+
+
+def completion_text(tokenizer: Any, result: dict[str, Any]) -> str:
+    """The text a reward function scores: the completion without its stop token and special tokens.
+
+    One rule for SFT eval, rollout reward and the controller's eval (an HF tokenizer would otherwise
+    leave '</s>' or '<|im_end|>' in the text and exact-match reward would be 0 forever).
+    """
+    ids = result["output_ids"]
+    finish = result.get("meta_info", {}).get("finish_reason") or {}
+    if finish.get("type") == "stop" and ids:
+        ids = ids[:-1]
+    return tokenizer.decode(ids, skip_special_tokens=True)
 
 
 class InvalidTensorShape(ValueError):
@@ -89,13 +121,21 @@ def build_rl_batch(prompt_ids: list[list[int]], results: list[dict[str, Any]], p
     }
 
 
-def build_sft_batch(tokenizer: Any, examples: list[Example]) -> dict[str, torch.Tensor]:
-    """BOS + prompt + answer + EOS, loss on the answer and EOS."""
-    prompts = encode_prompts(tokenizer, [e.prompt for e in examples])
-    answers = [tokenizer.encode(e.answer, add_special_tokens=False) + [tokenizer.eos_token_id] for e in examples]
+def build_sft_batch(tokenizer: Any, examples: list[Example], chat_template: bool = False,
+                    stop_id: int | None = None) -> dict[str, torch.Tensor]:
+    """Prompt (as encode_prompts) + answer + stop token, loss on the answer and the stop token.
+
+    stop_id: the token that ends an answer (default: the tokenizer's EOS; see rlhf.models.stop_token_ids).
+    """
+    stop = tokenizer.eos_token_id if stop_id is None else stop_id
+    if stop is None:
+        raise ValueError("build_sft_batch: the tokenizer has no EOS token and no stop_id was given")
+    prompts = encode_prompts(tokenizer, [e.prompt for e in examples], chat_template)
+    answers = [tokenizer.encode(e.answer, add_special_tokens=False) + [stop] for e in examples]
     width = max(len(p) + len(a) for p, a in zip(prompts, answers))
     B = len(examples)
-    input_ids = torch.full((B, width), tokenizer.pad_token_id, dtype=torch.long)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop
+    input_ids = torch.full((B, width), pad, dtype=torch.long)
     attention_mask = torch.zeros((B, width), dtype=torch.long)
     response_mask = torch.zeros((B, width), dtype=torch.float32)
     for i, (p, a) in enumerate(zip(prompts, answers)):

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlhf.data import encode_prompts
+from rlhf.data import completion_text, encode_prompts
 from rlhf.tasks import Example, RewardFn
 
 
 def evaluate(
-    generate: Any, tokenizer: Any, examples: list[Example], reward: RewardFn, max_new_tokens: int
+    generate: Any, tokenizer: Any, examples: list[Example], reward: RewardFn, max_new_tokens: int,
+    chat_template: bool = False,
 ) -> dict[str, float]:
     """Accuracy (mean reward) of greedy completions. `generate` has the RolloutEngine signature."""
-    prompt_ids = encode_prompts(tokenizer, [e.prompt for e in examples])
+    prompt_ids = encode_prompts(tokenizer, [e.prompt for e in examples], chat_template)
     results = generate(prompt_ids, {"max_new_tokens": max_new_tokens, "temperature": 0.0}, False)
-    completions = [tokenizer.decode(r["output_ids"], skip_special_tokens=True) for r in results]
+    completions = [completion_text(tokenizer, r) for r in results]
     rewards = reward(completions, [e.answer for e in examples], [e.prompt for e in examples])
     return {"accuracy": sum(rewards) / len(rewards), "n": len(rewards)}

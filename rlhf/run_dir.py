@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import datetime as _dt
 import json
+import math
 import logging
 import os
 import sys
@@ -115,9 +116,20 @@ def _fmt(value: Any) -> Any:
     return f"{value:.6g}" if isinstance(value, float) else value
 
 
+def _finite(value: Any) -> Any:
+    """NaN and infinities become null: JSON has no such numbers (json.dump would write a bare NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def write_json(path: str, data: dict[str, Any]) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=2, sort_keys=False)
+        json.dump(_finite(data), fh, indent=2, sort_keys=False, allow_nan=False)
         fh.write("\n")
     os.replace(tmp, path)

@@ -14,7 +14,7 @@ from rlhf.runtime.errors import HTTPStatusError, RemoteError
 from rlhf.runtime.http import Client, LoopThread
 from rlhf.runtime.metaserver import MetaServer
 from rlhf.runtime.procs import spawn, stop_group, wait_for_file
-from rlhf.weights import checksum, export_state, to_safetensors_bytes
+from rlhf.weights import checksum, encode_shard, export_state
 from tests.conftest import ROOT, diverse_model
 
 TOKEN = "t0k3n"
@@ -53,7 +53,7 @@ def _publish(meta_url, model, version, loop, shards=2):
         for s in range(shards):
             part = {n: state[n] for n in names[s::shards]}
             async with (await client.session()).put(f"{meta_url}/weights/{version}/rank{s}",
-                                                    data=to_safetensors_bytes(part),
+                                                    data=encode_shard(part, "crc32"),
                                                     headers={"X-RLHF-Token": TOKEN}) as resp:
                 assert resp.status == 200, await resp.text()
         await client.close()
@@ -77,7 +77,7 @@ def test_weights_via_metaserver_then_generate_matches_in_process_engine(rollout_
                                             {"metaserver_url": meta_url, "weight_version": version, "wait_s": 10}))
             assert reply["success"] and reply["weight_version"] == version
             got, _ = loop.run(client.call("/weights_checksum", method="GET"))
-            assert got == {"checksum": checksum(export_state(model)), "weight_version": version}
+            assert got == {"checksum": checksum(export_state(model), "crc32"), "weight_version": version}
         prompts = encode_prompts(tok, ["1+2=", "40+41=", "7+7="])
         params = {"max_new_tokens": 5, "temperature": 0.0}
         remote, _ = loop.run(client.call("/generate", {"input_ids": prompts, "sampling_params": params,

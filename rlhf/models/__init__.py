@@ -71,22 +71,68 @@ def build_model_and_tokenizer(model_cfg: Any, seed: int = 0) -> tuple[torch.nn.M
 
 
 def load_model_dir(path: str, dtype: torch.dtype, device: torch.device) -> tuple[torch.nn.Module, Any]:
-    """Load a local HF causal LM directory (never downloads)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Load a local HF causal LM directory and its tokenizer (never downloads)."""
+    from transformers import AutoModelForCausalLM
 
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"model.path: {path!r} is not a directory (expected a local HF model folder)")
+    tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(
         path, local_files_only=True, dtype=dtype, attn_implementation="sdpa"
     )
-    if os.path.exists(os.path.join(path, TOKENIZER_FILE)):
-        tokenizer: Any = CharTokenizer.from_pretrained(path)
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        tokenizer.padding_side = "left"
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
     return model.to(device).eval(), tokenizer
+
+
+def load_tokenizer(path: str) -> Any:
+    """The tokenizer of a local model directory (ours or an HF one), without loading the weights.
+
+    HF tokenizers get left padding (the rollout engine and batch building expect it) and, when
+    they have no pad token, the EOS token as pad (pad positions are always masked).
+    """
+    from transformers import AutoTokenizer
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model.path: {path!r} is not a directory (expected a local HF model folder)")
+    if os.path.exists(os.path.join(path, TOKENIZER_FILE)):
+        return CharTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"{path}: the tokenizer has neither a pad nor an EOS token; add one of them")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def stop_token_ids(model: torch.nn.Module | None, tokenizer: Any) -> list[int]:
+    """The token ids that end a completion, shared by SFT, rollout and eval.
+
+    The union of the model config's `eos_token_id`, its `generation_config.eos_token_id` (Llama-3
+    lists `<|eot_id|>` there) and the tokenizer's EOS. Order: the tokenizer's EOS first (the id
+    SFT appends to an answer), then the rest ascending.
+    """
+    ids: list[int] = []
+    if tokenizer is not None:
+        ids += _ids(getattr(tokenizer, "eos_token_id", None))
+    if model is not None:
+        ids += _ids(getattr(model.config, "eos_token_id", None))
+        gen = getattr(model, "generation_config", None)
+        ids += _ids(getattr(gen, "eos_token_id", None)) if gen is not None else []
+    first = ids[:1]
+    return first + sorted(set(ids) - set(first))
+
+
+def pad_token_id(model: torch.nn.Module | None, tokenizer: Any) -> int:
+    """The id used for padding (always masked): the tokenizer's pad, the config's pad, an EOS, else 0."""
+    for value in (getattr(tokenizer, "pad_token_id", None), getattr(getattr(model, "config", None), "pad_token_id", None)):
+        if value is not None:
+            return int(value)
+    stops = stop_token_ids(model, tokenizer)
+    return stops[0] if stops else 0
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -1,13 +1,10 @@
-"""The native rollout engine: batched sampling with a preallocated KV cache.
+"""The native rollout engine: batched sampling over a static KV cache, groups sharing their prompt.
 
-It runs a Llama-family causal LM (Llama, Mistral, Qwen2: RMSNorm, RoPE, GQA, SwiGLU) with
-its own decode loop over the Hugging Face module weights: the norms, activation and rotary
-tables are the HF modules' own; projections are fused (q/k/v, gate/up) into single matmuls,
-keys and values go into one preallocated cache, the n samples of a prompt share its prefill
-(prefix sharing), and finished sequences leave the batch (compaction). At equal work it is
-as fast as HF generate() (both are bound by the same fp32 matmuls on CPU); on the GRPO
-workload — n samples per prompt, most stopping early at EOS — it does far less work. Its interface is the
-one the rollout server exposes, with sglang's field names (DESIGN.md §3):
+It runs a Llama-family causal LM (Llama, Mistral, Qwen2: RMSNorm, RoPE, GQA, SwiGLU, optional
+q/k/v bias, tied or untied LM head) with its own decode loop over the Hugging Face module
+weights: the norms, activation and rotary tables are the HF modules' own; q/k/v and gate/up are
+fused into single matmuls (cached until a weight changes). Its interface is the one the rollout
+server exposes, with sglang's field names:
 
     engine.generate(input_ids=[[...], ...],
                     sampling_params={"max_new_tokens": 8, "temperature": 1.0, "top_p": 1.0,
@@ -16,14 +13,35 @@ one the rollout server exposes, with sglang's field names (DESIGN.md §3):
     -> [{"text", "output_ids", "meta_info": {"finish_reason", "prompt_tokens",
          "completion_tokens", "output_token_logprobs", "weight_version"}}, ...]
 
-With `n` > 1 each prompt's n samples are adjacent in the output (a GRPO group).
-`output_ids` include the matched stop token (EOS), because the policy must learn to stop.
-`output_token_logprobs` are [logprob, token_id, None] triples of the temperature-scaled
-distribution before top-p/top-k truncation — the same quantity the train engine computes.
+How one call runs, for Bp prompts x n samples (B = Bp*n rows, a GRPO group's rows adjacent):
+
+1. **Prefill once per prompt** (not per sample): one batched causal pass over the Bp left-padded
+   prompts. Their keys/values stay in `prompt_kv`, (Bp, Hkv, P, D) per layer, and are never
+   copied: the n samples of a prompt read the same tensor.
+2. **Decode** into a preallocated cache of the generated tokens only, (Bp, Hkv, n, M, D) per
+   layer. Queries are laid out (Bp, Hkv, n*rep, D) — the rep = H/Hkv query heads of a KV head
+   side by side — so one matmul scores every sample of a group against its shared prompt keys,
+   and grouped-query attention needs no head repetition. Scores over prompt and generated keys
+   go through one softmax.
+3. **Finished rows** stop costing matmuls without any cache copy: when the rows still running
+   fall to half of those computed, the hidden-state path (projections, MLP, LM head, sampling)
+   is cut to the running rows by an index, while the caches keep their layout. On CUDA graphs
+   (`static=True`) every row runs every step, so shapes never change.
+4. **Sampling** normalises once (log-softmax of the temperature-scaled logits: the logprob we
+   return, the same quantity the train engine computes) and draws with the Gumbel-max trick
+   (argmax of logprobs + Gumbel noise from the engine's generator: one uniform draw per entry), top-k/top-p applied as
+   masks. Tokens and logprobs go to (B, M) device buffers; one host transfer at the end.
+
+With `n` > 1 each prompt's n samples are adjacent in the output (a GRPO group). `output_ids`
+include the matched stop token, because the policy must learn to stop; `text` does not (sglang
+trims the stop token from text too). Stop tokens are the request's `stop_token_ids` plus the
+engine's (the model config's and generation config's EOS ids and the tokenizer's EOS: see
+`rlhf.models.stop_token_ids`) unless `ignore_eos`.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +65,7 @@ class SamplingParams:
     ignore_eos: bool = False
 
     @classmethod
-    def from_dict(cls, params: dict[str, Any] | None) -> "SamplingParams":
+    def from_dict(cls, params: dict[str, Any] | None) -> SamplingParams:
         params = dict(params or {})
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(params) - known)
@@ -64,25 +82,27 @@ class SamplingParams:
 def sample_tokens(
     logits: torch.Tensor, sp: SamplingParams, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row. logits: (B, V) float32. Returns (tokens (B,), logprobs (B,))."""
+    """Pick one token per row. logits: (B, V) float32. Returns (tokens (B,), logprobs (B,)).
+
+    One normalisation over the vocabulary (log_softmax); sampling is argmax(logprobs + Gumbel),
+    which draws from softmax(logprobs) without a second softmax or a multinomial.
+    """
     if sp.temperature == 0:
         logprobs = torch.log_softmax(logits, dim=-1)  # (B, V)
         tokens = logits.argmax(dim=-1)  # (B,)
         return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
-    scaled = logits / sp.temperature  # (B, V)
-    logprobs = torch.log_softmax(scaled, dim=-1)  # (B, V)
-    filtered = scaled
-    if sp.top_k > 0 and sp.top_k < logits.shape[-1]:
+    logprobs = torch.log_softmax(logits / sp.temperature, dim=-1)  # (B, V)
+    filtered = logprobs
+    if 0 < sp.top_k < logits.shape[-1]:
         kth = torch.topk(filtered, sp.top_k, dim=-1).values[:, -1:]  # (B, 1)
         filtered = filtered.masked_fill(filtered < kth, float("-inf"))
     if sp.top_p < 1.0:
-        sorted_logits, order = torch.sort(filtered, dim=-1, descending=True)  # (B, V)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        drop_sorted = cumulative - torch.softmax(sorted_logits, dim=-1) > sp.top_p  # keep the top token always
-        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-        filtered = filtered.masked_fill(drop, float("-inf"))
-    probs = torch.softmax(filtered, dim=-1)  # (B, V)
-    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B,)
+        sorted_lp, order = torch.sort(filtered, dim=-1, descending=True)  # (B, V)
+        probs = sorted_lp.exp()
+        drop_sorted = probs.cumsum(dim=-1) - probs > sp.top_p  # the top token always stays
+        filtered = filtered.masked_fill(torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted), float("-inf"))
+    uniform = torch.rand(filtered.shape, generator=generator, device=filtered.device)  # (B, V) in [0, 1)
+    tokens = (filtered - (-uniform.log()).log()).argmax(dim=-1)  # Gumbel-max: -log(-log u) ~ Gumbel(0, 1)
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 
 
@@ -94,7 +114,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class RolloutEngine:
     """Generates completions for token-id prompts; holds the policy weights and their version."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any = None, seed: int = 0) -> None:
+    def __init__(self, model: torch.nn.Module, tokenizer: Any = None, seed: int = 0,
+                 stop_token_ids: list[int] | None = None) -> None:
+        from rlhf.models import pad_token_id, stop_token_ids as model_stop_ids
+
         model_type = getattr(model.config, "model_type", "?")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise NotImplementedError(
@@ -108,11 +131,16 @@ class RolloutEngine:
         self.weight_version = "0"
         self.lock = threading.Lock()  # one generate or weight load at a time
         cfg = model.config
-        self.eos_token_id = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else (cfg.eos_token_id or [None])[0]
-        self.pad_token_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
-        self.num_kv_heads = cfg.num_key_value_heads
+        ids = stop_token_ids if stop_token_ids is not None else model_stop_ids(model, tokenizer)
+        self.stop_ids = list(dict.fromkeys(int(i) for i in ids))  # ordered: the first is what SFT teaches
+        self.eos_token_id = self.stop_ids[0] if self.stop_ids else None
+        self.pad_token_id = pad_token_id(model, tokenizer)
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.tokens_generated = 0
+        self.compact = os.environ.get("RLHF_ROLLOUT_COMPACT", "1") != "0"
+        self._fused: tuple[tuple[int, ...], list[dict[str, Any]]] | None = None
 
     # ------------------------------------------------------------------ weights
 
@@ -126,8 +154,6 @@ class RolloutEngine:
 
     def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
         """Load an HF model directory's *.safetensors (or, in a checkpoint slot, its model.safetensors)."""
-        import os
-
         from safetensors.torch import load_file
 
         from rlhf.weights import load_state_dir
@@ -139,10 +165,10 @@ class RolloutEngine:
             tensors = load_state_dir(model_path)
         self.update_weights_from_tensors(tensors, weight_version)
 
-    def weights_checksum(self) -> str:
+    def weights_checksum(self, algorithm: str = "sha256") -> str:
         from rlhf.weights import checksum, export_state
 
-        return checksum(export_state(self.model))
+        return checksum(export_state(self.model), algorithm)
 
     # ------------------------------------------------------------------ generation
 
@@ -158,7 +184,7 @@ class RolloutEngine:
         with self.lock, torch.inference_mode():
             out_tokens, out_logprobs, finish = self._decode([list(p) for p in input_ids], sp)
             version = self.weight_version
-        prompts = [list(p) for p in input_ids for _ in range(sp.n)]  # groups adjacent
+        prompts = [p for p in input_ids for _ in range(sp.n)]  # groups adjacent
         results = []
         for prompt, toks, lps, fin in zip(prompts, out_tokens, out_logprobs, finish):
             meta: dict[str, Any] = {
@@ -169,7 +195,9 @@ class RolloutEngine:
             }
             if return_logprob:
                 meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, toks)]
-            text = self.tokenizer.decode(toks, skip_special_tokens=True) if self.tokenizer is not None else ""
+            text = ""
+            if self.tokenizer is not None:
+                text = self.tokenizer.decode(toks[:-1] if fin["type"] == "stop" else toks, skip_special_tokens=True)
             results.append({"text": text, "output_ids": toks, "meta_info": meta})
         self.tokens_generated += sum(len(t) for t in out_tokens)
         return results
@@ -177,9 +205,12 @@ class RolloutEngine:
     def _fused_layers(self) -> list[dict[str, Any]]:
         """Per layer: q/k/v and gate/up weights concatenated, so each is one matmul.
 
-        Rebuilt at every generate() call (a copy of ~all weights, negligible next to decoding),
-        so weight updates and a model shared with a trainer are always seen.
+        Cached, and rebuilt when any parameter changed in place (its `_version` counter), so weight
+        updates and a model shared with a trainer (the SFT warm start) are always seen.
         """
+        key = tuple(p._version for p in self.model.parameters())
+        if self._fused is not None and self._fused[0] == key:
+            return self._fused[1]
         fused = []
         for layer in self.model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -192,132 +223,181 @@ class RolloutEngine:
                 "kv_dim": attn.k_proj.out_features,
                 "gate_up_w": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),  # (2*F, C)
                 "ffn": mlp.gate_proj.out_features,
+                "scale": float(getattr(attn, "scaling", self.head_dim ** -0.5)),
             })
+        self._fused = (key, fused)
         return fused
 
-    def _attention(self, attn: Any, fused: dict[str, Any], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, key_mask: torch.Tensor) -> torch.Tensor:
-        """One attention block writing its keys/values at cache[:, :, start:start+T]. x: (B, T, C)."""
-        B, T, _ = x.shape
-        qkv = F.linear(x, fused["qkv_w"], fused["qkv_b"])  # (B, T, Hq*D + 2*Hkv*D)
-        q_dim, kv_dim = fused["q_dim"], fused["kv_dim"]
-        q = qkv[..., :q_dim].view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = qkv[..., q_dim : q_dim + kv_dim].view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = qkv[..., q_dim + kv_dim :].view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        c, s = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D)
-        q = q * c + _rotate_half(q) * s
-        k = k * c + _rotate_half(k) * s
-        k_cache[:, :, start : start + T] = k
-        v_cache[:, :, start : start + T] = v
-        keys, values = k_cache[:, :, : start + T], v_cache[:, :, : start + T]  # (B, Hkv, S, D)
-        if keys.shape[1] != q.shape[1]:  # grouped-query attention: share each KV head
-            rep = q.shape[1] // keys.shape[1]
-            keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)  # (B, H, S, D)
-        # softmax(q k^T * scale) v, written out. For one query token per row (decode), a broadcast
-        # multiply-and-sum beats both batched tiny matmuls and the fused SDPA kernel on CPU.
-        if T == 1:
-            scores = (q * keys).sum(-1, keepdim=True).transpose(-1, -2) * attn.scaling  # (B, H, 1, S)
-        else:
-            scores = torch.matmul(q, keys.transpose(-1, -2)) * attn.scaling  # (B, H, T, S)
-        scores = scores.masked_fill(~key_mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # (B, H, T, S)
-        if T == 1:
-            out = (probs.transpose(-1, -2) * values).sum(-2, keepdim=True)  # (B, H, 1, D)
-        else:
-            out = torch.matmul(probs, values)  # (B, H, T, D)
-        return attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
+    def _rope_table(self, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin (length, D) for positions 0..length-1, from the model's own rotary module."""
+        positions = torch.arange(length, device=self.device)[None]  # (1, L)
+        probe = torch.empty(1, length, 1, device=self.device, dtype=dtype)
+        cos, sin = self.model.model.rotary_emb(probe, positions)
+        return cos[0], sin[0]  # (L, D) each
+
+    def _prefill(self, ids: torch.Tensor, valid: torch.Tensor, fused: list, rope: tuple) -> tuple[torch.Tensor, list]:
+        """Causal pass over left-padded prompts ids (Bp, P). Returns last-position logits (Bp, V), per-layer (k, v)."""
+        body = self.model.model
+        Bp, P = ids.shape
+        positions = (valid.long().cumsum(1) - 1).clamp(min=0)  # (Bp, P)
+        cos, sin = rope[0][positions].unsqueeze(1), rope[1][positions].unsqueeze(1)  # (Bp, 1, P, D)
+        # a query sees earlier real tokens and always itself (a pad row must not softmax over nothing)
+        causal = torch.ones(P, P, dtype=torch.bool, device=ids.device).tril()
+        allowed = (causal[None] & valid[:, None, :]) | torch.eye(P, dtype=torch.bool, device=ids.device)[None]
+        gqa = self.num_heads != self.num_kv_heads
+        h = body.embed_tokens(ids)  # (Bp, P, C)
+        prompt_kv = []
+        for layer, f in zip(body.layers, fused):
+            attn = layer.self_attn
+            qkv = F.linear(layer.input_layernorm(h), f["qkv_w"], f["qkv_b"])  # (Bp, P, (H + 2Hkv) D)
+            q_dim, kv_dim = f["q_dim"], f["kv_dim"]
+            q = qkv[..., :q_dim].view(Bp, P, -1, self.head_dim).transpose(1, 2)  # (Bp, H, P, D)
+            k = qkv[..., q_dim:q_dim + kv_dim].view(Bp, P, -1, self.head_dim).transpose(1, 2)  # (Bp, Hkv, P, D)
+            v = qkv[..., q_dim + kv_dim:].view(Bp, P, -1, self.head_dim).transpose(1, 2).contiguous()
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            prompt_kv.append((k, v))
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=f["scale"],
+                                                 enable_gqa=gqa)  # (Bp, H, P, D)
+            h = h + attn.o_proj(out.transpose(1, 2).reshape(Bp, P, -1))
+            h = h + self._mlp(layer.mlp, f, layer.post_attention_layernorm(h))
+        return self.model.lm_head(body.norm(h[:, -1])).float(), prompt_kv  # (Bp, V)
 
     def _mlp(self, mlp: Any, fused: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, fused["gate_up_w"]).split(fused["ffn"], dim=-1)  # (B, T, F) each
-        return mlp.down_proj(mlp.act_fn(gate) * up)  # (B, T, C)
+        gate, up = F.linear(x, fused["gate_up_w"]).split(fused["ffn"], dim=-1)  # (..., F) each
+        return mlp.down_proj(mlp.act_fn(gate) * up)  # (..., C)
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, caches: list, start: int,
-                 key_mask: torch.Tensor, fused: list, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Run the stack on ids (B, T) at `positions` (B, T); return last-position logits (B, V)."""
-        body = self.model.model
-        h = body.embed_tokens(ids)  # (B, T, C)
-        cos, sin = rope[0][positions], rope[1][positions]  # (B, T, D) each
-        for layer, f, (k_cache, v_cache) in zip(body.layers, fused, caches):
-            h = h + self._attention(layer.self_attn, f, layer.input_layernorm(h), cos, sin, k_cache, v_cache, start,
-                                    key_mask)
+    def _decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, t: int, idx: torch.Tensor | None,
+                     state: dict[str, Any]) -> torch.Tensor:
+        """One token for rows idx (all rows when None): tokens, positions (b,). Writes slot t. Returns (b, V)."""
+        body, fused = self.model.model, state["fused"]
+        Bp, n, B, rep = state["Bp"], state["n"], state["B"], self.num_heads // self.num_kv_heads
+        Hkv, D, b = self.num_kv_heads, self.head_dim, tokens.shape[0]
+        cos, sin = state["rope"][0][positions].unsqueeze(1), state["rope"][1][positions].unsqueeze(1)  # (b, 1, D)
+        S = state["M"] if state["static"] else t + 1  # generated slots attended to (masked beyond t when static)
+        h = body.embed_tokens(tokens)  # (b, C)
+        for layer, f, (kp, vp), (kg, vg) in zip(body.layers, fused, state["prompt_kv"], state["gen_kv"]):
+            attn = layer.self_attn
+            qkv = F.linear(layer.input_layernorm(h), f["qkv_w"], f["qkv_b"])  # (b, (H + 2Hkv) D)
+            q_dim, kv_dim = f["q_dim"], f["kv_dim"]
+            q = qkv[:, :q_dim].view(b, -1, D)  # (b, H, D)
+            k = qkv[:, q_dim:q_dim + kv_dim].view(b, Hkv, D)  # (b, Hkv, D)
+            v = qkv[:, q_dim + kv_dim:].view(b, Hkv, D)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            if idx is None:  # cache layout (Bp, Hkv, n, M, D): row r = g*n + j is [g, :, j]
+                kg[:, :, :, t] = k.view(Bp, n, Hkv, D).transpose(1, 2)
+                vg[:, :, :, t] = v.view(Bp, n, Hkv, D).transpose(1, 2)
+                q_all = q
+            else:
+                g_idx, j_idx = state["g_idx"], state["j_idx"]
+                kg[g_idx, :, j_idx, t] = k
+                vg[g_idx, :, j_idx, t] = v
+                q_all = q.new_zeros(B, self.num_heads, D).index_copy_(0, idx, q)
+            qg = q_all.view(Bp, n, Hkv, rep, D).transpose(1, 2).contiguous()  # (Bp, Hkv, n, rep, D)
+            scores_p = torch.matmul(qg.view(Bp, Hkv, n * rep, D), kp.transpose(-1, -2))  # (Bp, Hkv, n*rep, P)
+            scores_g = torch.matmul(qg, kg[:, :, :, :S].transpose(-1, -2))  # (Bp, Hkv, n, rep, S)
+            P = scores_p.shape[-1]
+            scores = torch.cat([scores_p.view(Bp, Hkv, n, rep, P), scores_g], dim=-1) * f["scale"]
+            scores = scores + state["bias"] if state["static"] else scores + state["bias"][..., :P + S]
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qg.dtype)  # (Bp, Hkv, n, rep, P+S)
+            out = torch.matmul(probs[..., :P].reshape(Bp, Hkv, n * rep, P), vp).view(Bp, Hkv, n, rep, D)
+            out = out + torch.matmul(probs[..., P:], vg[:, :, :, :S])  # (Bp, Hkv, n, rep, D)
+            out = out.transpose(1, 2).reshape(B, -1)  # (B, H*D)
+            if idx is not None:
+                out = out.index_select(0, idx)  # (b, H*D)
+            h = h + attn.o_proj(out)
             h = h + self._mlp(layer.mlp, f, layer.post_attention_layernorm(h))
-        h = body.norm(h[:, -1])  # (B, C)
-        return self.model.lm_head(h).float()  # (B, V)
+        return self.model.lm_head(body.norm(h)).float()  # (b, V)
 
-    def _decode(self, prompts: list[list[int]], sp: SamplingParams):
+    @staticmethod
+    def _relayout(state: dict[str, Any], places: torch.Tensor) -> None:
+        """Keep only the cache rows at `places` (flat layout rows), each its own group (n = 1)."""
+        n = state["n"]
+        g, j = places // n, places % n
+        state["prompt_kv"] = [(k[g], v[g]) for k, v in state["prompt_kv"]]  # (b, Hkv, P, D)
+        state["gen_kv"] = [(k[g, :, j].unsqueeze(2), v[g, :, j].unsqueeze(2)) for k, v in state["gen_kv"]]
+        state["bias"] = state["bias"][g]
+        state["Bp"], state["n"], state["B"] = places.shape[0], 1, places.shape[0]
+
+    def _decode(self, prompts: list[list[int]], sp: SamplingParams, static: bool = False):
         device, dtype = self.device, next(self.model.parameters()).dtype
-        B, P = len(prompts), max(len(p) for p in prompts)
-        L = P + sp.max_new_tokens
-        ids = torch.full((B, P), self.pad_token_id, dtype=torch.long)
-        valid = torch.zeros((B, L), dtype=torch.bool)  # which cache slots hold real tokens
+        Bp, n, M = len(prompts), sp.n, sp.max_new_tokens
+        B, P = Bp * n, max(len(p) for p in prompts)
+        ids = torch.full((Bp, P), self.pad_token_id, dtype=torch.long)
+        valid = torch.zeros((Bp, P), dtype=torch.bool)
         for i, p in enumerate(prompts):  # left padding: every prompt ends at column P-1
-            ids[i, P - len(p) :] = torch.tensor(p)
-            valid[i, P - len(p) : P] = True
+            ids[i, P - len(p):] = torch.tensor(p)
+            valid[i, P - len(p):] = True
         ids, valid = ids.to(device), valid.to(device)
-        positions = (valid[:, :P].long().cumsum(1) - 1).clamp(min=0)  # (B, P)
-        n_layers = len(self.model.model.layers)
         fused = self._fused_layers()
-        # cos/sin for every position this call can reach, from the model's own rotary module
-        table_positions = torch.arange(L, device=device)[None]  # (1, L)
-        probe = torch.empty(1, L, 1, device=device, dtype=dtype)
-        cos_table, sin_table = (t[0] for t in self.model.model.rotary_emb(probe, table_positions))  # (L, D) each
-        rope = (cos_table, sin_table)
-        caches = [
-            (torch.empty(B, self.num_kv_heads, L, self.head_dim, device=device, dtype=dtype),
-             torch.empty(B, self.num_kv_heads, L, self.head_dim, device=device, dtype=dtype))
-            for _ in range(n_layers)
-        ]
-        # Prefill: causal over the prompt, pads masked as keys; each query may always see itself
-        # so a pad row never has an all-masked softmax (NaN would poison the cache).
-        causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
-        prefill_mask = (causal[None] & valid[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=device)[None]
-        logits = self._forward(ids, positions, caches, 0, prefill_mask[:, None], fused, rope)  # (B, V)
-        last_pos = positions[:, -1]  # (B,)
-        if sp.n > 1:
-            # Prefix sharing: each prompt was prefilled once; its n samples start from copies of
-            # its cache (HF generate prefills every copy). Rows i*n .. i*n+n-1 belong to prompt i.
-            B = B * sp.n
-            caches = [(k.repeat_interleave(sp.n, 0), v.repeat_interleave(sp.n, 0)) for k, v in caches]
-            valid = valid.repeat_interleave(sp.n, 0)
-            logits, last_pos = logits.repeat_interleave(sp.n, 0), last_pos.repeat_interleave(sp.n, 0)
-
-        stops = set(sp.stop_token_ids)
-        if self.eos_token_id is not None and not sp.ignore_eos:
-            stops.add(self.eos_token_id)
-        stop_tensor = torch.tensor(sorted(stops) or [-1], device=device)
-        out_tokens: list[list[int]] = [[] for _ in range(B)]
-        out_logprobs: list[list[float]] = [[] for _ in range(B)]
-        finish: list[dict[str, Any]] = [{"type": "length", "length": sp.max_new_tokens} for _ in range(B)]
-        rows = torch.arange(B, device=device)  # output row of each active batch row
-        step_tokens, step_logprobs = [], []  # per step: (active rows, tokens, logprobs), read at the end
-        for t in range(sp.max_new_tokens):
+        rope = self._rope_table(P + M, dtype)
+        logits, prompt_kv = self._prefill(ids, valid, fused, rope)  # (Bp, V)
+        Hkv, D = self.num_kv_heads, self.head_dim
+        gen_kv = [(torch.zeros(Bp, Hkv, n, M, D, device=device, dtype=dtype),
+                   torch.zeros(Bp, Hkv, n, M, D, device=device, dtype=dtype)) for _ in fused]
+        # additive bias over [prompt keys | generated slots]: pads masked; static mode masks slots > t per step
+        bias = torch.zeros(Bp, 1, 1, 1, P + M, device=device, dtype=dtype)
+        bias[..., :P].masked_fill_(~valid[:, None, None, None, :], float("-inf"))
+        state = {"fused": fused, "rope": rope, "prompt_kv": prompt_kv, "gen_kv": gen_kv, "Bp": Bp, "n": n, "B": B,
+                 "M": M, "static": static, "bias": bias}
+        positions = valid.sum(1).repeat_interleave(n)  # (B,) position of each row's first generated token
+        logits = logits.repeat_interleave(n, 0)  # (B, V): the n samples of a prompt start from its logits
+        stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.stop_ids))
+        stop_tensor = torch.tensor(sorted(stops), device=device) if stops else None
+        out_tokens = torch.zeros(B, M, dtype=torch.long, device=device)
+        out_logprobs = torch.zeros(B, M, dtype=torch.float32, device=device)
+        stop_at = torch.full((B,), M + 1, dtype=torch.long, device=device)  # length incl. the stop token; M+1: running
+        rows: torch.Tensor | None = None  # original rows being computed (None: all)
+        idx: torch.Tensor | None = None  # their places in the cache layout (None: all of it)
+        layout_pos = torch.arange(B, device=device)  # place of each original row in the cache layout
+        for t in range(M):
             tokens, logprobs = sample_tokens(logits, sp, self.generator)  # (b,), (b,)
-            step_tokens.append((rows, tokens))
-            step_logprobs.append(logprobs)
-            done = torch.isin(tokens, stop_tensor)  # (b,)
-            if t == sp.max_new_tokens - 1:
+            if rows is None:
+                out_tokens[:, t], out_logprobs[:, t] = tokens, logprobs
+            else:
+                out_tokens[rows, t], out_logprobs[rows, t] = tokens, logprobs
+            if stop_tensor is not None:
+                sub = stop_at if rows is None else stop_at[rows]
+                sub = torch.where(torch.isin(tokens, stop_tensor) & (sub > M), t + 1, sub)
+                if rows is None:
+                    stop_at = sub
+                else:
+                    stop_at[rows] = sub
+            if t == M - 1:
                 break
-            if bool(done.any()):
-                keep = (~done).nonzero().squeeze(1)
-                if keep.numel() == 0:
+            if stop_tensor is not None and not static:
+                running = stop_at > M  # (B,)
+                alive = int(running.sum())
+                if alive == 0:
                     break
-                rows, tokens, last_pos, valid = rows[keep], tokens[keep], last_pos[keep], valid[keep]
-                caches = [(k.index_select(0, keep), v.index_select(0, keep)) for k, v in caches]
-            slot = P + t
-            valid[:, slot] = True
-            last_pos = last_pos + 1
-            key_mask = valid[:, None, None, : slot + 1]  # (b, 1, 1, S)
-            logits = self._forward(tokens[:, None], last_pos[:, None], caches, slot, key_mask, fused, rope)
-
-        # One host transfer at the end instead of one per step.
-        stop_set = stops
-        for (r, tok), lp in zip(step_tokens, step_logprobs):
-            for row, token, logprob in zip(r.tolist(), tok.tolist(), lp.tolist()):
-                if finish[row]["type"] == "stop":
-                    continue
-                out_tokens[row].append(token)
-                out_logprobs[row].append(logprob)
-                if token in stop_set:
-                    finish[row] = {"type": "stop", "matched": token}
-        return out_tokens, out_logprobs, finish
-
+                computed = B if rows is None else rows.shape[0]
+                if self.compact and alive <= computed // 2:
+                    rows = running.nonzero().squeeze(1)  # (b,)
+                    idx = layout_pos[rows]
+                    if alive * 8 <= state["B"]:  # few left: copy just their caches into a dense layout
+                        self._relayout(state, idx)
+                        positions = positions[idx]
+                        layout_pos = torch.full((B,), -1, dtype=torch.long, device=device)
+                        layout_pos[rows] = torch.arange(alive, device=device)
+                        idx = None
+                    else:  # cut only the hidden-state path; the caches keep their layout
+                        state["g_idx"], state["j_idx"] = idx // state["n"], idx % state["n"]
+                    tokens = out_tokens[rows, t]
+            if static:
+                state["bias"][..., P + t] = 0  # slot t now holds a key
+                if t == 0:
+                    state["bias"][..., P + 1:] = float("-inf")
+            pos = (positions if idx is None else positions[idx]) + t
+            logits = self._decode_step(tokens, pos, t, idx, state)
+        lengths = torch.minimum(stop_at, torch.full_like(stop_at, M))
+        tokens_host, logprobs_host = out_tokens.tolist(), out_logprobs.tolist()  # one transfer at the end
+        lengths_host, stopped = lengths.tolist(), (stop_at <= M).tolist()
+        out_t, out_l, finish = [], [], []
+        for r in range(B):
+            L = lengths_host[r]
+            out_t.append(tokens_host[r][:L])
+            out_l.append(logprobs_host[r][:L])
+            finish.append({"type": "stop", "matched": tokens_host[r][L - 1]} if stopped[r]
+                          else {"type": "length", "length": M})
+        return out_t, out_l, finish

@@ -88,13 +88,16 @@ def set_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Non
     random.setstate((v, tuple(internal), gauss))
 
 
-def snapshot_rank_files(rank: int, model: torch.nn.Module | None, optimizer: Any) -> list[tuple[str, Any]]:
-    """This rank's checkpoint files as (name, tensors or JSON data), copied off the live model and optimizer."""
+def snapshot_rank_files(rank: int, model: torch.nn.Module | None, optimizer: Any,
+                        copy: bool = False) -> list[tuple[str, Any]]:
+    """This rank's checkpoint files as (name, tensors or JSON data). copy: detach them from the live model and
+    optimizer (a background write must not see the next step's updates); a synchronous write needs no copy."""
     items: list[tuple[str, Any]] = []
+    own = (lambda t: t.clone()) if copy else (lambda t: t)
     if rank == 0 and model is not None:
-        items.append(("model.safetensors", {k: v.detach().contiguous().cpu().clone() for k, v in export_state(model).items()}))
+        items.append(("model.safetensors", {k: own(v.detach().contiguous().cpu()) for k, v in export_state(model).items()}))
         opt_tensors, opt_meta = optimizer_tensors(optimizer)
-        items.append(("optimizer.safetensors", {k: v.clone() for k, v in opt_tensors.items()} or {"empty": torch.zeros(0)}))
+        items.append(("optimizer.safetensors", {k: own(v) for k, v in opt_tensors.items()} or {"empty": torch.zeros(0)}))
         items.append(("optimizer.json", opt_meta))
     rng_tensors, rng_meta = rng_state()
     items.append((f"rng-rank{rank}.safetensors", rng_tensors))

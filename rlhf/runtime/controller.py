@@ -35,7 +35,8 @@ from rlhf import tracing
 from rlhf.faults import fault_point
 from rlhf.algorithms.grpo import group_advantages
 from rlhf.config import Config
-from rlhf.data import PromptSampler, build_rl_batch, encode_prompts
+from rlhf.data import PromptSampler, build_rl_batch, completion_text, encode_prompts
+from rlhf.models import load_tokenizer, pad_token_id
 from rlhf.models.tokenizer import CharTokenizer
 from rlhf.run_dir import StepsWriter, write_json
 from rlhf.runtime import checkpoint as ckpt
@@ -117,11 +118,8 @@ class Controller:
         self.first_failure = ""
 
     def _tokenizer(self) -> Any:
-        if self.cfg.model.path:
-            from rlhf.models import load_model_dir
-
-            return load_model_dir(self.cfg.model.path, torch.float32, torch.device("cpu"))[1]
-        return CharTokenizer()
+        """The controller needs only the tokenizer (prompts in, completions out), never the weights."""
+        return load_tokenizer(self.cfg.model.path) if self.cfg.model.path else CharTokenizer()
 
     # ------------------------------------------------------------------ the run
 
@@ -193,7 +191,8 @@ class Controller:
 
     def start_services(self) -> None:
         cfg = self.cfg
-        self.metaserver = MetaServer(self.token, cfg.weights.max_versions, cfg.weights.max_bytes, cfg.runtime.resilience)
+        self.metaserver = MetaServer(self.token, cfg.weights.max_versions, cfg.weights.max_bytes, cfg.runtime.resilience,
+                                     cfg.weights.transport)
         self.metaserver_url = self.metaserver.start()
         self.scheduler = SchedulerClient(self.run_dir, self.token, cfg.runtime.scheduler_lease_s,
                                          cfg.runtime.startup_timeout_s, self.loop)
@@ -236,8 +235,9 @@ class Controller:
         (result, _), *_ = self.workers.call("sft_warm_start", stage="sft")
         self.sft_result = result
         self.workers.call("begin_grpo", {"save_reference": True})
-        log.info("warm start: %s at sft step %d, val accuracy %.3f", result["sft_stopped"], result["sft_steps"],
-                 result["sft_val_accuracy"])
+        if result["sft_stopped"] != "skipped":
+            log.info("warm start: %s at sft step %d, val accuracy %.3f", result["sft_stopped"], result["sft_steps"],
+                     result["sft_val_accuracy"])
         return False
 
     # ------------------------------------------------------------------ one step
@@ -336,7 +336,8 @@ class Controller:
             return time.perf_counter() - t
 
         uploads = [timed(c.call("/upload_weights", {"metaserver_url": self.metaserver_url, "version": version,
-                                                    "timeout_s": cfg.weights.upload_timeout_s},
+                                                    "timeout_s": cfg.weights.upload_timeout_s,
+                                                    "shm_dir": self.metaserver.shm_dir if self.metaserver else ""},
                                 timeout_s=cfg.weights.upload_timeout_s, stage="weights_update", step=step))
                    for c in self.workers.clients]
         updates = [timed(c.call("/update_weights_from_meta",
@@ -402,7 +403,7 @@ class Controller:
         """rollout: prompts split across servers (whole groups), results concatenated."""
         cfg = self.cfg
         examples = self.sampler.next(cfg.rollout.prompts_per_step)
-        prompt_ids = encode_prompts(self.tokenizer, [e.prompt for e in examples])
+        prompt_ids = encode_prompts(self.tokenizer, [e.prompt for e in examples], self.cfg.task.chat_template)
         params = {"max_new_tokens": cfg.rollout.max_new_tokens, "temperature": cfg.rollout.temperature,
                   "top_p": cfg.rollout.top_p, "top_k": cfg.rollout.top_k, "n": cfg.rollout.group_size}
         chunks = _chunks(list(range(len(examples))), len(self.rollout))
@@ -423,7 +424,7 @@ class Controller:
                 "num_tokens": [len(prompt_ids[i]) + len(r["output_ids"]) for i, r in zip(rep, results)],
                 "prompts": [examples[i].prompt for i in rep],
                 "answers": [examples[i].answer for i in rep],
-                "completions": [self.tokenizer.decode(r["output_ids"]) for r in results],
+                "completions": [completion_text(self.tokenizer, r) for r in results],
                 "weight_version": [r["meta_info"]["weight_version"] for r in results],
             }, g, strict=False)
 
@@ -465,7 +466,7 @@ class Controller:
     def to_batch(self, shard: DistributedBatchMemory) -> dict[str, torch.Tensor]:
         results = [{"output_ids": o, "meta_info": {"output_token_logprobs": [[lp, t, None] for lp, t in zip(l, o)]}}
                    for o, l in zip(shard["output_ids"], shard["logprobs"])]
-        return build_rl_batch(shard["prompt_ids"], results, self.tokenizer.pad_token_id)
+        return build_rl_batch(shard["prompt_ids"], results, pad_token_id(None, self.tokenizer))
 
     def _save_step(self, slot: str, step: int) -> None:
         """Hardened: a failed save fails the run here. Faithful (the seeds): a warning, and the run goes on."""
@@ -517,7 +518,7 @@ class Controller:
 
     def _evaluate(self) -> float:
         examples = self.task.split("eval")
-        prompt_ids = encode_prompts(self.tokenizer, [e.prompt for e in examples])
+        prompt_ids = encode_prompts(self.tokenizer, [e.prompt for e in examples], self.cfg.task.chat_template)
         chunks = _chunks(list(range(len(examples))), len(self.rollout))
         params = {"max_new_tokens": self.cfg.rollout.max_new_tokens, "temperature": 0.0}
         self.notify("rollout_start", -1)
@@ -534,7 +535,7 @@ class Controller:
             self.notify("rollout_end", -1)
         order = [i for idx in chunks for i in idx]
         results = [r for part in parts for r in part]
-        completions = {i: self.tokenizer.decode(r["output_ids"]) for i, r in zip(order, results)}
+        completions = {i: completion_text(self.tokenizer, r) for i, r in zip(order, results)}
         rewards = self.reward([completions[i] for i in range(len(examples))], [e.answer for e in examples],
                               [e.prompt for e in examples])
         return sum(rewards) / len(rewards)

@@ -243,6 +243,7 @@ class Client:
         method: str = "POST",
         traced: bool = True,
         points: tuple[str, ...] = (),
+        raw: bool = False,
     ) -> tuple[Any, dict]:
         """One request within timeout_s. traced=False skips the client span (lease renewals would flood traces).
 
@@ -250,27 +251,29 @@ class Client:
 
         `points`: fault points of the caller's stage (events.notify, scheduler.stop_job) checked, like
         rpc.client.send, inside the timeout: a delay there counts against it, as on a real network path.
+
+        `raw`: a 200 reply's body comes back as bytes, undecoded (weight shards: the caller verifies them).
         """
         if step < 0:
             step = tracing.current_step()
         if not traced:
-            return await self._call(path, args, tensors, timeout_s, stage, step, method, points)
+            return await self._call(path, args, tensors, timeout_s, stage, step, method, points, raw)
         with tracing.span(f"{method} {path.split('?', 1)[0]}", stage=stage or None, step=step,
                           kind=tracing.SpanKind.CLIENT, peer=self.peer, **{"server.address": self.base_url}):
-            return await self._call(path, args, tensors, timeout_s, stage, step, method, points)
+            return await self._call(path, args, tensors, timeout_s, stage, step, method, points, raw)
 
     async def _call(self, path: str, args: Any, tensors: dict | None, timeout_s: float | None, stage: str, step: int,
-                    method: str, points: tuple[str, ...] = ()) -> tuple[Any, dict]:
+                    method: str, points: tuple[str, ...] = (), raw: bool = False) -> tuple[Any, dict]:
         url = self.base_url + path
         timeout = self.timeout_s if timeout_s is None else timeout_s
         try:
-            return await asyncio.wait_for(self._request(url, path, args, tensors, timeout, stage, step, method, points),
-                                          timeout)
+            return await asyncio.wait_for(self._request(url, path, args, tensors, timeout, stage, step, method, points,
+                                                        raw), timeout)
         except asyncio.TimeoutError:
             raise RpcTimeout(url, timeout, self.peer) from None
 
     async def _request(self, url: str, path: str, args: Any, tensors: dict | None, timeout: float, stage: str,
-                       step: int, method: str, points: tuple[str, ...]) -> tuple[Any, dict]:
+                       step: int, method: str, points: tuple[str, ...], raw: bool = False) -> tuple[Any, dict]:
         body, content_type = wire.encode(args, tensors)
         headers = {TOKEN_HEADER: self.token, "Content-Type": content_type, STAGE_HEADER: stage, STEP_HEADER: str(step)}
         tracing.inject_headers(headers)
@@ -283,6 +286,8 @@ class Client:
                 timeout=aiohttp.ClientTimeout(total=timeout),
             ) as resp:
                 payload = await resp.read()
+                if resp.status == 200 and raw:
+                    return payload, {}
                 if resp.status == 200:
                     try:
                         return wire.decode(payload, resp.content_type)

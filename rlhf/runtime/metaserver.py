@@ -1,10 +1,13 @@
 """MetaServer: a versioned, memory-bounded weight relay in the controller process.
 
     POST /versions            {version, shards}     open a version expecting `shards` shards
-    PUT  /weights/<v>/<shard> safetensors body      a train rank's shard (manifest entries computed here)
-    GET  /weights/<v>/manifest?wait_s=S             names, shapes, dtypes, bytes, sha256 per tensor and
-                                                    shard; waits up to S s for all shards to arrive
-    GET  /weights/<v>/<shard>                       the shard's safetensors bytes
+    PUT  /weights/<v>/<shard> safetensors body      a train rank's shard, over HTTP
+                              or {"path": P} (JSON) the shard as a file in the MetaServer's
+                                                    shared-memory directory (same host)
+    GET  /weights/<v>/manifest?wait_s=S             names, shapes, dtypes, bytes, the uploader's digest per
+                                                    tensor; bytes (and path, when in shared memory) per
+                                                    shard; waits up to S s for all shards
+    GET  /weights/<v>/<shard>                       the shard's safetensors bytes (any host)
     DELETE /weights/<v>                             drop a version
     GET  /health
 
@@ -12,13 +15,25 @@ In `meta` mode train ranks PUT while rollout servers already wait on the manifes
 and update overlap (the seeds' behaviour, and why a slow uploader makes every rollout server's
 update fail after it). Memory is bounded: at most `max_versions` versions are kept (opening a
 new one evicts the oldest) and a PUT that would exceed `max_bytes` is refused with 507.
+
+Transport (`weights.transport`). `http`: shard bytes in the PUT and GET bodies (any host; aiohttp
+moves about 0.5 GB/s per stream here). `shm` (default; every process of our runtime is on one
+host): a train rank writes its shard once into the MetaServer's directory in /dev/shm and PUTs
+only its path; a rollout server maps the file and copies each tensor into its model. The control
+messages (open, PUT, manifest wait) stay HTTP, so every fault point and span of the relay is
+where it was. The MetaServer owns the files: eviction, DELETE and stop() remove them, and a new
+MetaServer removes the directories of MetaServers whose process is gone (a SIGKILLed run).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import json
 import logging
+import mmap
+import os
+import shutil
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,7 +43,7 @@ from aiohttp import web
 
 from rlhf import tracing
 from rlhf.faults import afault_point
-from rlhf.weights import tensor_bytes
+from rlhf.weights import ShardCorrupt, decode_shard, shard_header
 
 from rlhf.runtime import wire
 from rlhf.runtime.errors import HTTPStatusError
@@ -36,22 +51,82 @@ from rlhf.runtime.http import STAGE_HEADER, STEP_HEADER, TOKEN_HEADER, Service, 
 
 log = logging.getLogger("rlhf.metaserver")
 
+SHM_PREFIX = "rlhf-meta-"
+
+
+@dataclass
+class _Shard:
+    size: int
+    data: bytes | None = None  # http transport
+    path: str = ""  # shm transport: a file the MetaServer owns
+
+    def read(self) -> bytes:
+        if self.data is not None:
+            return self.data
+        with open(self.path, "rb") as fh:
+            return fh.read()
+
+    def drop(self) -> None:
+        if self.path:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
 
 @dataclass
 class _Version:
     expected_shards: int
-    shards: dict[str, bytes] = field(default_factory=dict)
+    shards: dict[str, _Shard] = field(default_factory=dict)
     entries: dict[str, dict[str, Any]] = field(default_factory=dict)
     complete: asyncio.Event = field(default_factory=asyncio.Event)
     opened_at: float = field(default_factory=time.time)
 
+    def drop(self) -> None:
+        for shard in self.shards.values():
+            shard.drop()
+
+
+def shm_root() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def sweep_stale_shm(root: str | None = None) -> list[str]:
+    """Remove shared-memory directories left by MetaServers whose process no longer exists."""
+    root = root or shm_root()
+    removed = []
+    for name in os.listdir(root):
+        if not name.startswith(SHM_PREFIX):
+            continue
+        try:
+            pid = int(name[len(SHM_PREFIX):].split("-", 1)[0])
+        except ValueError:
+            continue
+        try:
+            os.kill(pid, 0)
+            continue  # alive (or not ours to judge)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        removed.append(name)
+    return removed
+
 
 class MetaServer:
-    def __init__(self, token: str, max_versions: int = 2, max_bytes: int = 4 << 30, resilience: str = "hardened") -> None:
+    def __init__(self, token: str, max_versions: int = 2, max_bytes: int = 4 << 30, resilience: str = "hardened",
+                 transport: str = "shm") -> None:
         self.service = Service("metaserver", 0, token, resilience)
         self.max_versions, self.max_bytes = max_versions, max_bytes
         self.versions: dict[str, _Version] = {}
         self.lock = threading.Lock()
+        self.shm_dir = ""
+        if transport == "shm":
+            stale = sweep_stale_shm()
+            if stale:
+                log.info("removed %d shared-memory weight folder(s) of dead runs: %s", len(stale), ", ".join(stale))
+            self.shm_dir = tempfile.mkdtemp(prefix=f"{SHM_PREFIX}{os.getpid()}-", dir=shm_root())  # mode 0700
         app = self.service.app
         app.router.add_post("/versions", self._open)
         app.router.add_put("/weights/{version}/{shard}", self._put)
@@ -63,21 +138,27 @@ class MetaServer:
 
     def start(self) -> str:
         self.thread.start()
+        self.started = True
         return self.thread.url
 
     def stop(self) -> None:
-        self.thread.stop()
+        if getattr(self, "started", False):
+            self.thread.stop()
+        for v in self.versions.values():
+            v.drop()
+        if self.shm_dir:
+            shutil.rmtree(self.shm_dir, ignore_errors=True)
 
     def bytes_held(self) -> int:
-        return sum(len(b) for v in self.versions.values() for b in v.shards.values())
+        return sum(s.size for v in self.versions.values() for s in v.shards.values())
 
     async def _open(self, request: web.Request) -> web.Response:
         body = await request.json()
         version, shards = str(body["version"]), int(body["shards"])
         while len(self.versions) >= self.max_versions:
             oldest = min(self.versions, key=lambda k: self.versions[k].opened_at)
-            log.info("evicting weights version %s (keeping at most %d)", oldest, self.max_versions)
-            del self.versions[oldest]
+            log.debug("evicting weights version %s (keeping at most %d)", oldest, self.max_versions)
+            self.versions.pop(oldest).drop()
         self.versions[version] = _Version(expected_shards=shards)
         return web.json_response({"version": version, "shards": shards})
 
@@ -87,23 +168,46 @@ class MetaServer:
             raise web.HTTPNotFound(text=f"weights version {version!r} is not open (open: {sorted(self.versions)})")
         return self.versions[version]
 
+    def _shm_shard(self, path: str) -> tuple[_Shard, bytes]:
+        """A shard a train rank wrote into our directory: only files there are accepted."""
+        real = os.path.realpath(path)
+        if not self.shm_dir or os.path.dirname(real) != os.path.realpath(self.shm_dir):
+            raise web.HTTPBadRequest(text=f"shard path {path!r} is not in this MetaServer's directory {self.shm_dir!r}")
+        with open(real, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else 0
+            head += fh.read(min(n, size))
+        return _Shard(size=size, path=real), head
+
     async def _put(self, request: web.Request) -> web.Response:
         v = self._version(request)
         shard = request.match_info["shard"]
         await afault_point("metaserver.put", peer=shard)
         data = await request.read()
-        if self.bytes_held() + len(data) > self.max_bytes:
-            return web.Response(status=507, text=f"metaserver full: {self.bytes_held()} + {len(data)} > {self.max_bytes} bytes")
-        with tracing.span("metaserver.put", shard=shard, bytes=len(data)):
-            _, tensors = wire.decode(data, wire.TENSORS_TYPE)
-            for name, t in tensors.items():
-                raw = tensor_bytes(t)
-                v.entries[name] = {"shard": shard, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
-                                   "bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
-        v.shards[shard] = data
+        if request.content_type == wire.JSON_TYPE:
+            entry, head = self._shm_shard(json.loads(data)["path"])
+        else:
+            entry, head = _Shard(size=len(data), data=data), data
+        if self.bytes_held() + entry.size > self.max_bytes:
+            entry.drop()
+            return web.Response(status=507, text=f"metaserver full: {self.bytes_held()} + {entry.size} > {self.max_bytes} bytes")
+        with tracing.span("metaserver.put", shard=shard, bytes=entry.size):
+            # the relay reads only the safetensors header: no tensor is decoded or re-hashed here; the
+            # uploader's digests travel inside the shard and every consumer checks them end to end
+            header, metadata, _ = shard_header(head, size=entry.size)
+            digests = json.loads(metadata.get("digests", "{}"))
+            for name, info in header.items():
+                start, end = info["data_offsets"]
+                v.entries[name] = {"shard": shard, "shape": info["shape"], "dtype": info["dtype"],
+                                   "bytes": end - start, "checksum": metadata.get("checksum", "none"),
+                                   "digest": digests.get(name, "")}
+        if shard in v.shards:
+            v.shards[shard].drop()
+        v.shards[shard] = entry
         if len(v.shards) >= v.expected_shards:
             v.complete.set()
-        return web.json_response({"shard": shard, "tensors": len(tensors), "bytes": len(data)})
+        return web.json_response({"shard": shard, "tensors": len(header), "bytes": entry.size})
 
     async def _manifest(self, request: web.Request) -> web.Response:
         v = self._version(request)
@@ -115,9 +219,8 @@ class MetaServer:
         except asyncio.TimeoutError:
             return web.json_response(
                 {"error": "incomplete", "have": sorted(v.shards), "expected": v.expected_shards}, status=504)
-        shard_sums = {s: hashlib.sha256(b).hexdigest() for s, b in v.shards.items()}
-        return web.json_response({"version": request.match_info["version"], "tensors": v.entries,
-                                  "shards": {s: {"bytes": len(v.shards[s]), "sha256": shard_sums[s]} for s in v.shards}})
+        shards = {s: {"bytes": e.size, **({"path": e.path} if e.path else {})} for s, e in v.shards.items()}
+        return web.json_response({"version": request.match_info["version"], "tensors": v.entries, "shards": shards})
 
     async def _get(self, request: web.Request) -> web.Response:
         v = self._version(request)
@@ -125,46 +228,66 @@ class MetaServer:
         await afault_point("metaserver.get", peer=shard)
         if shard not in v.shards:
             raise web.HTTPNotFound(text=f"shard {shard!r} not uploaded (have {sorted(v.shards)})")
-        return web.Response(body=v.shards[shard], content_type=wire.TENSORS_TYPE)
+        return web.Response(body=v.shards[shard].read(), content_type=wire.TENSORS_TYPE)
 
     async def _delete(self, request: web.Request) -> web.Response:
-        self.versions.pop(request.match_info["version"], None)
+        dropped = self.versions.pop(request.match_info["version"], None)
+        if dropped is not None:
+            dropped.drop()
         return web.json_response({"deleted": request.match_info["version"]})
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "versions": sorted(self.versions), "bytes": self.bytes_held()})
 
 
-async def push_shard(client: Any, version: str, shard: str, body: bytes, timeout_s: float) -> None:
-    """Train side of a meta-mode update: PUT one rank's safetensors shard."""
+async def push_shard(client: Any, version: str, shard: str, body: bytes | None, timeout_s: float,
+                     path: str = "") -> None:
+    """Train side of a meta-mode update: PUT one rank's shard (its bytes, or the path of the file it wrote)."""
     import aiohttp
 
     session = await client.session()
     url = f"{client.base_url}/weights/{version}/{shard}"
+    data = body if body is not None else json.dumps({"path": path}).encode()
+    content_type = wire.TENSORS_TYPE if body is not None else wire.JSON_TYPE
     with tracing.span("PUT /weights/{version}/{shard}", stage="weights_update", kind=tracing.SpanKind.CLIENT,
-                      peer=client.peer, bytes=len(body)):
-        headers = tracing.inject_headers({TOKEN_HEADER: client.token, "Content-Type": wire.TENSORS_TYPE,
+                      peer=client.peer, bytes=len(body) if body is not None else os.path.getsize(path)):
+        headers = tracing.inject_headers({TOKEN_HEADER: client.token, "Content-Type": content_type,
                                           STAGE_HEADER: "weights_update", STEP_HEADER: str(tracing.current_step())})
-        async with session.put(url, data=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        async with session.put(url, data=data, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             if resp.status != 200:
                 raise HTTPStatusError(resp.status, f"metaserver refused shard {shard}: {(await resp.text())[:200]}", url)
 
 
 async def pull_weights(client: Any, version: str, wait_s: float, timeout_s: float) -> dict:
-    """Rollout side of a meta-mode update: wait for the manifest, fetch every shard, verify sha256."""
-    import torch  # noqa: F401
+    """Rollout side of a meta-mode update: wait for the manifest, fetch every shard at once, verify.
 
+    Shards arrive as raw bytes and become zero-copy tensor views after each tensor's digest is
+    checked against the one its uploader computed; the model's copy_ is the only copy made here.
+    """
     # the MetaServer's wait ends first (504 naming the missing shards), not our timeout
     manifest, _ = await client.call(f"/weights/{version}/manifest?wait_s={wait_s}", method="GET",
                                     timeout_s=max(timeout_s, wait_s + 5.0), stage="weights_update")
+    shards = sorted(manifest["shards"])
+    local = {s for s in shards if os.path.exists(manifest["shards"][s].get("path", "\0"))}  # same host: map the file
+    remote = [s for s in shards if s not in local]
+    fetched = await asyncio.gather(*[client.call(f"/weights/{version}/{shard}", method="GET", timeout_s=timeout_s,
+                                                 stage="weights_update", raw=True) for shard in remote])
+    bodies: dict[str, Any] = {s: body for s, (body, _) in zip(remote, fetched)}
+    for s in local:
+        with open(manifest["shards"][s]["path"], "rb") as fh:
+            bodies[s] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)  # unmapped when its tensors are freed
     tensors: dict = {}
-    for shard in sorted(manifest["shards"]):
-        _, part = await client.call(f"/weights/{version}/{shard}", method="GET", timeout_s=timeout_s,
-                                    stage="weights_update")
-        tensors.update(part)
-    for name, entry in manifest["tensors"].items():
-        if name not in tensors:
-            raise ValueError(f"weights {version}: tensor {name} in manifest but not in any shard")
-        if hashlib.sha256(tensor_bytes(tensors[name])).hexdigest() != entry["sha256"]:
-            raise ValueError(f"weights {version}: checksum mismatch for {name}")
+    with tracing.span("weights.verify", shards=len(shards), mapped=len(local)):
+        for shard in shards:
+            body = bodies[shard]
+            if len(body) != manifest["shards"][shard]["bytes"]:
+                raise ShardCorrupt(f"weights {version}: shard {shard} arrived with {len(body)} bytes, manifest says "
+                                   f"{manifest['shards'][shard]['bytes']}")
+            try:
+                tensors.update(decode_shard(body))
+            except ShardCorrupt as exc:
+                raise ShardCorrupt(f"weights {version}, shard {shard} from metaserver: {exc}") from None
+    missing = sorted(set(manifest["tensors"]) - set(tensors))
+    if missing:
+        raise ValueError(f"weights {version}: tensor(s) {missing[:3]} in the manifest but not in any shard")
     return tensors

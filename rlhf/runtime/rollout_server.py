@@ -37,8 +37,10 @@ class DeviceMemoryNotReleased(RuntimeError):
 
 class RolloutServer:
     def __init__(self, engine: Any, rank: int, token: str, resilience: str = "hardened",
-                 lease: DeviceLease | None = None, lease_timeout_s: float = 30.0, run_dir: str = "") -> None:
+                 lease: DeviceLease | None = None, lease_timeout_s: float = 30.0, run_dir: str = "",
+                 verify_checksum: str = "sha256") -> None:
         self.engine, self.rank, self.token, self.run_dir = engine, rank, token, run_dir
+        self.verify_checksum = verify_checksum  # algorithm of /weights_checksum (weights.verify)
         self.device = device_name("rollout", rank, lease is not None)
         self.lease, self.lease_timeout_s = lease, lease_timeout_s
         self.service = Service("rollout", rank, token, resilience)
@@ -53,7 +55,7 @@ class RolloutServer:
         r("/health", lambda a, t: {"ok": True, "weight_version": self.engine.weight_version}, method="GET", inline=True)
         r("/health_generate", self.health_generate, method="GET")
         r("/model_info", self.model_info, method="GET", inline=True)
-        r("/weights_checksum", lambda a, t: {"checksum": self.engine.weights_checksum(),
+        r("/weights_checksum", lambda a, t: {"checksum": self.engine.weights_checksum(self.verify_checksum),
                                              "weight_version": self.engine.weight_version}, method="GET")
 
     def generate(self, args: dict, tensors: dict) -> Any:
@@ -190,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = RolloutEngine(model, tok, seed=seed)
     lease = DeviceLease(args.run_dir, args.rank, f"rollout-{args.rank}") if args.colocate else None
     server = RolloutServer(engine, args.rank, token, cfg.runtime.resilience, lease, cfg.runtime.lease_timeout_s,
-                           args.run_dir)
+                           args.run_dir, cfg.weights.verify_checksum)
 
     def ready(port: int) -> None:
         url = f"http://{args.host}:{port}"

@@ -24,7 +24,7 @@ import torch
 from rlhf import tracing
 from rlhf.config import Config
 from rlhf.faults import afault_point, fault_point
-from rlhf.models import build_model_and_tokenizer
+from rlhf.models import build_model_and_tokenizer, stop_token_ids
 from rlhf.runtime import checkpoint as ckpt
 from rlhf.runtime.colocation import DeviceLease, device_name, fresh_allocation
 from rlhf.runtime.dist import GlooDataParallel
@@ -33,7 +33,7 @@ from rlhf.runtime.metaserver import push_shard
 from rlhf.tasks import build_task, reward_fn
 from rlhf.train.engine import TrainEngine
 from rlhf.trainers.sft import run_sft
-from rlhf.weights import checksum, export_state, import_state, save_state_dir, to_safetensors_bytes
+from rlhf.weights import checksum, encode_shard, export_state, import_state, save_state_dir, write_shard
 
 log = logging.getLogger("rlhf.train_worker")
 
@@ -48,6 +48,7 @@ class TrainWorker:
         self.cfg, self.run_dir, self.rank, self.world_size, self.token = cfg, run_dir, rank, world_size, token
         self.dp = GlooDataParallel()
         self.model, self.tokenizer = build_model_and_tokenizer(cfg.model, seed=cfg.seed)
+        self.stop_id = stop_token_ids(self.model, self.tokenizer)[0]  # what SFT appends to an answer
         self.engine: TrainEngine | None = None
         self.shutdown = threading.Event()
         self.lease = DeviceLease(run_dir, rank, f"train-{rank}") if cfg.runtime.colocate else None
@@ -61,7 +62,8 @@ class TrainWorker:
             self.service.route(f"/{name}", getattr(self, name))
         self.service.route("/health", lambda a, t: {"ok": True, "rank": self.rank, "pid": os.getpid()},
                            method="GET", inline=True)
-        self.service.route("/weights_checksum", lambda a, t: {"checksum": checksum(export_state(self.model))})
+        self.service.route("/weights_checksum", lambda a, t: {"checksum": checksum(export_state(self.model),
+                                                                                    cfg.weights.verify_checksum)})
         self.loop_phase, self.loop_step = "idle", 0
         self._writes: queue.Queue = queue.Queue()
         self._writer: threading.Thread | None = None
@@ -145,7 +147,7 @@ class TrainWorker:
         self._require_device("sft_step")
         fault_point("train.step")
         examples = self.sft_sampler.next(self.cfg.sft.batch_size)[self.rank::self.world_size]
-        metrics = self._engine().sft_step(build_sft_batch(self.tokenizer, examples))
+        metrics = self._engine().sft_step(build_sft_batch(self.tokenizer, examples, self.cfg.task.chat_template, self.stop_id))
         return {**metrics, "rank": self.rank}
 
     def sft_run_for(self, args: dict, tensors: dict) -> dict:
@@ -165,7 +167,7 @@ class TrainWorker:
             with tracing.at_step(step):
                 fault_point("train.step", step=step)
                 examples = self.sft_sampler.next(self.cfg.sft.batch_size)[self.rank::self.world_size]
-                self._engine().sft_step(build_sft_batch(self.tokenizer, examples))
+                self._engine().sft_step(build_sft_batch(self.tokenizer, examples, self.cfg.task.chat_template, self.stop_id))
         self.loop_phase = "final_all_reduce"
         total = self.dp.all_reduce_sum(torch.tensor([float(step)], dtype=torch.float64))  # a step count, like the loop's
         self.loop_phase = "done"
@@ -187,7 +189,7 @@ class TrainWorker:
         engine = RolloutEngine(self.model, self.tokenizer)
         split = self.task.split(args.get("split", "eval"))
         return {"accuracy": evaluate(engine.generate, self.tokenizer, split, self.reward,
-                                     self.cfg.rollout.max_new_tokens)["accuracy"]}
+                                     self.cfg.rollout.max_new_tokens, self.cfg.task.chat_template)["accuracy"]}
 
     def _check_global_batch(self, tensors: dict) -> None:
         """The global batch must be rollout.prompts_per_step x group_size rows, as the engine is configured."""
@@ -201,25 +203,41 @@ class TrainWorker:
                                     "train step (rollout.prompts_per_step x rollout.group_size)")
 
     def upload_weights(self, args: dict, tensors: dict) -> dict:
-        """PUT this rank's shard of the weights to the MetaServer as version args['version']."""
+        """Send this rank's shard of the weights to the MetaServer as version args['version'].
+
+        args['shm_dir'] set (same host): write the shard as a file there and PUT its path; else PUT the bytes.
+        """
+        version, shard = str(args["version"]), f"rank{self.rank}"
         with tracing.span("weights.serialize"):
             state = export_state(self.model)
             names = shard_names(list(state), self.rank, self.world_size)
             fresh_allocation(self.run_dir, self.device, sum(state[n].numel() * state[n].element_size() for n in names),
                              "the weights upload buffer")
-            body = to_safetensors_bytes({n: state[n] for n in names})
+            part = {n: state[n] for n in names}
+            path, body = "", None
+            if args.get("shm_dir"):
+                path = os.path.join(args["shm_dir"], f"v{version}-{shard}.safetensors")
+                size = write_shard(part, path, self.cfg.weights.checksum)
+            else:
+                body = encode_shard(part, self.cfg.weights.checksum)
+                size = len(body)
         t0 = time.perf_counter()
 
         async def put() -> None:
             client = Client(args["metaserver_url"], self.token, peer="metaserver-0")
             try:
                 await afault_point("weights_update.upload", peer="metaserver-0")
-                await push_shard(client, str(args["version"]), f"rank{self.rank}", body, float(args.get("timeout_s", 600)))
+                await push_shard(client, version, shard, body, float(args.get("timeout_s", 600)), path=path)
             finally:
                 await client.close()
 
-        asyncio.run(put())
-        return {"rank": self.rank, "tensors": len(names), "bytes": len(body), "seconds": time.perf_counter() - t0}
+        try:
+            asyncio.run(put())
+        except BaseException:
+            if path and os.path.exists(path):
+                os.unlink(path)  # never handed over: the MetaServer does not own it
+            raise
+        return {"rank": self.rank, "tensors": len(names), "bytes": size, "seconds": time.perf_counter() - t0}
 
     def save_weights_dir(self, args: dict, tensors: dict) -> dict:
         """Disk mode: rank 0 writes an HF safetensors directory the rollout servers load."""
@@ -244,7 +262,7 @@ class TrainWorker:
         engine = self._engine()
         t0 = time.perf_counter()
         if args.get("background"):
-            items = ckpt.snapshot_rank_files(self.rank, self.model, engine.optimizer)
+            items = ckpt.snapshot_rank_files(self.rank, self.model, engine.optimizer, copy=True)
             self._writes.put((args["directory"], items, bool(args.get("fsync", True)), tracing.current_step()))
             self._start_writer()
             return {"rank": self.rank, "files": {}, "pending": self._writes.qsize(), "seconds": time.perf_counter() - t0}

@@ -20,8 +20,9 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from rlhf import tracing
 import torch.nn.functional as F
+
+from rlhf import tracing
 
 from rlhf.algorithms import LOSSES
 from rlhf.algorithms.sft import nll_loss
@@ -43,23 +44,46 @@ def token_logprobs(
     attention_mask: torch.Tensor,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    loss_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probability of every token under `model`, aligned to the token. Returns (B, L) [, (B, L)].
 
     Position 0 gets 0 (nothing predicts it). `temperature` scales the logits as the rollout
-    engine did when it sampled (0 = greedy, treated as 1).
+    engine did when it sampled (0 = greedy, treated as 1). With `loss_mask` (B, L) (1 on the
+    tokens the loss reads: the response), the LM head runs only on the positions that predict
+    those tokens and every other entry is 0 — a real model's vocabulary is 32 k–150 k wide, and
+    the prompt positions would otherwise cost most of the logits' memory and time.
     """
     positions = (attention_mask.long().cumsum(1) - 1).clamp(min=0)  # (B, L)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits  # (B, L, V)
-    logits = logits[:, :-1].float()  # (B, L-1, V): position t predicts token t+1
+    targets = input_ids[:, 1:]  # (B, L-1): position t predicts token t+1
+    head = model.get_output_embeddings() if loss_mask is not None else None
+    if head is None:  # all positions (or a model without a separate output head)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits  # (B, L, V)
+        logits = logits[:, :-1].float()  # (B, L-1, V)
+        if temperature and temperature != 1.0:
+            logits = logits / temperature
+        logp_all = torch.log_softmax(logits, dim=-1)  # (B, L-1, V)
+        logprobs = logp_all.gather(-1, targets[..., None]).squeeze(-1)  # (B, L-1)
+        entropy = None
+        if with_entropy:
+            with torch.no_grad():
+                entropy = F.pad(-(logp_all.exp() * logp_all).sum(-1), (1, 0))  # (B, L)
+        return F.pad(logprobs, (1, 0)), entropy  # (B, L)
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                 position_ids=positions).last_hidden_state  # (B, L, C)
+    where = loss_mask[:, 1:] > 0  # (B, L-1)
+    logits = head(hidden[:, :-1][where]).float()  # (N, V): only the N positions the loss reads
     if temperature and temperature != 1.0:
         logits = logits / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)  # (B, L-1, V)
-    logprobs = logp_all.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # (B, L-1)
+    logp_all = torch.log_softmax(logits, dim=-1)  # (N, V)
+    picked = logp_all.gather(-1, targets[where][:, None]).squeeze(-1)  # (N,)
+    logprobs = torch.zeros(where.shape, dtype=picked.dtype, device=picked.device).masked_scatter(where, picked)
     entropy = None
     if with_entropy:
         with torch.no_grad():
-            entropy = F.pad(-(logp_all.exp() * logp_all).sum(-1), (1, 0))  # (B, L)
+            ent = -(logp_all.exp() * logp_all).sum(-1)  # (N,)
+            entropy = F.pad(torch.zeros(where.shape, dtype=ent.dtype, device=ent.device).masked_scatter(where, ent),
+                            (1, 0))  # (B, L)
     return F.pad(logprobs, (1, 0)), entropy  # (B, L)
 
 
@@ -125,7 +149,8 @@ class TrainEngine:
         B = batch["input_ids"].shape[0]
         for start in range(0, B, self.cfg.micro_batch_size):
             part = _trim(batch, slice(start, start + self.cfg.micro_batch_size))
-            lp, _ = token_logprobs(model, part["input_ids"], part["attention_mask"], self.temperature)
+            lp, _ = token_logprobs(model, part["input_ids"], part["attention_mask"], self.temperature,
+                                   loss_mask=part.get("response_mask"))
             out[start : start + lp.shape[0], : lp.shape[1]] = lp
         model.train(was_training)
         return out
@@ -158,7 +183,8 @@ class TrainEngine:
         for start in range(0, B, self.cfg.micro_batch_size):
             part = _trim(batch, slice(start, start + self.cfg.micro_batch_size))
             logprobs, entropy = token_logprobs(
-                self.model, part["input_ids"], part["attention_mask"], self.temperature, with_entropy
+                self.model, part["input_ids"], part["attention_mask"], self.temperature, with_entropy,
+                loss_mask=part["response_mask"],
             )
             loss, m = loss_of(part, logprobs, entropy)
             loss.backward()

@@ -38,8 +38,13 @@ def run_sft(
 ) -> dict[str, Any]:
     """Train `model` in place with SFT. Returns where it stopped and the last val accuracy."""
     sft = cfg.sft
+    if sft.max_steps == 0:  # a pretrained model that already answers: GRPO starts from it as it is
+        log.info("warm start skipped (sft.max_steps=0)")
+        return {"sft_steps": 0, "sft_val_accuracy": None, "sft_stopped": "skipped",
+                "sft_band": [sft.band_low, sft.band_high], "sft_seconds": 0.0}
     engine = TrainEngine(model, cfg.train, keep_reference=False, lr=sft.lr, dp=dp)
     evaluator = RolloutEngine(model, tokenizer)  # shares the weights: greedy eval only
+    stop_id = evaluator.stop_ids[0]  # the same stop set the rollout uses; SFT teaches its first id
     sampler = PromptSampler(task.split("train"), seed=cfg.seed)
     max_new = cfg.rollout.max_new_tokens
     start = time.perf_counter()
@@ -51,12 +56,13 @@ def run_sft(
         examples = sampler.next(sft.batch_size)
         if examples_per_rank is not None:
             examples = examples[examples_per_rank]
-        metrics = engine.sft_step(build_sft_batch(tokenizer, examples))
+        metrics = engine.sft_step(build_sft_batch(tokenizer, examples, cfg.task.chat_template, stop_id))
         row: dict[str, Any] = {"step": step, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
                                "tokens": metrics["tokens"], "seconds": time.perf_counter() - t_step}
         if step % sft.eval_every == 0 or step == sft.max_steps:
             model.eval()
-            val_accuracy = evaluate(evaluator.generate, tokenizer, task.split("val"), reward, max_new)["accuracy"]
+            val_accuracy = evaluate(evaluator.generate, tokenizer, task.split("val"), reward, max_new,
+                                    cfg.task.chat_template)["accuracy"]
             history.append((step, val_accuracy))
             row["val_accuracy"] = val_accuracy
             log.info("sft step %d loss %.4f val_accuracy %.3f (%.1fs)", step, metrics["loss"], val_accuracy,

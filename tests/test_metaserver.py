@@ -1,0 +1,131 @@
+"""MetaServer: shards over HTTP and through shared memory, digests checked end to end, files owned and removed."""
+
+import asyncio
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rlhf.runtime.http import Client
+from rlhf.runtime.metaserver import SHM_PREFIX, MetaServer, pull_weights, push_shard, shm_root
+from rlhf.weights import ShardCorrupt, encode_shard, write_shard
+
+TOKEN = "meta-test-token"
+
+
+def _tensors(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {"a.weight": torch.randn(64, 32, generator=g), "b.bias": torch.randn(7, generator=g).to(torch.bfloat16)}
+
+
+async def _publish_and_pull(url, meta, version, parts, transport, checksum="crc32"):
+    client = Client(url, TOKEN, peer="metaserver-0")
+    try:
+        await client.call("/versions", {"version": version, "shards": len(parts)})
+        for i, part in enumerate(parts):
+            if transport == "shm":
+                path = os.path.join(meta.shm_dir, f"v{version}-rank{i}.safetensors")
+                write_shard(part, path, checksum)
+                await push_shard(client, version, f"rank{i}", None, 10, path=path)
+            else:
+                await push_shard(client, version, f"rank{i}", encode_shard(part, checksum), 10)
+        manifest, _ = await client.call(f"/weights/{version}/manifest?wait_s=5", method="GET")
+        return manifest, await pull_weights(client, version, 5, 10)
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "http"])
+def test_shards_arrive_bit_exact_with_digests_in_the_manifest(transport):
+    meta = MetaServer(TOKEN, transport=transport)
+    url = meta.start()
+    try:
+        parts = [_tensors(1), {"c.weight": torch.arange(12.0).view(3, 4)}]
+        manifest, got = asyncio.run(_publish_and_pull(url, meta, "3", parts, transport))
+        for part in parts:
+            for name, t in part.items():
+                assert got[name].dtype == t.dtype and torch.equal(got[name], t)
+        assert manifest["tensors"]["a.weight"]["checksum"] == "crc32" and len(manifest["tensors"]["a.weight"]["digest"]) == 8
+        assert ("path" in manifest["shards"]["rank0"]) == (transport == "shm")
+        if transport == "shm":
+            assert sorted(os.listdir(meta.shm_dir)) == ["v3-rank0.safetensors", "v3-rank1.safetensors"]
+    finally:
+        meta.stop()
+    assert not meta.shm_dir or not os.path.exists(meta.shm_dir)  # stop() removes every file it owned
+
+
+def test_eviction_and_delete_remove_shared_memory_files():
+    meta = MetaServer(TOKEN, max_versions=1, transport="shm")
+    url = meta.start()
+    try:
+        asyncio.run(_publish_and_pull(url, meta, "1", [_tensors(1)], "shm"))
+        asyncio.run(_publish_and_pull(url, meta, "2", [_tensors(2)], "shm"))  # opening 2 evicts 1
+        assert os.listdir(meta.shm_dir) == ["v2-rank0.safetensors"]
+        asyncio.run(Client(url, TOKEN).call("/weights/2", method="DELETE"))
+        assert os.listdir(meta.shm_dir) == []
+    finally:
+        meta.stop()
+
+
+def test_a_corrupted_tensor_is_named_by_the_puller():
+    meta = MetaServer(TOKEN, transport="shm")
+    url = meta.start()
+    try:
+        async def go():
+            client = Client(url, TOKEN)
+            await client.call("/versions", {"version": "9", "shards": 1})
+            path = os.path.join(meta.shm_dir, "v9-rank0.safetensors")
+            write_shard(_tensors(3), path, "crc32")
+            with open(path, "r+b") as fh:  # flip one byte of the last tensor's data, in place
+                fh.seek(-1, os.SEEK_END)
+                last = fh.read(1)
+                fh.seek(-1, os.SEEK_END)
+                fh.write(bytes([last[0] ^ 0xFF]))
+            await push_shard(client, "9", "rank0", None, 10, path=path)
+            try:
+                await pull_weights(client, "9", 5, 10)
+            finally:
+                await client.close()
+
+        with pytest.raises(ShardCorrupt, match="shard rank0.*'b.bias'.*crc32"):
+            asyncio.run(go())
+    finally:
+        meta.stop()
+
+
+def test_shm_put_refuses_a_path_outside_its_folder(tmp_path):
+    meta = MetaServer(TOKEN, transport="shm")
+    url = meta.start()
+    try:
+        outside = str(tmp_path / "x.safetensors")
+        write_shard(_tensors(1), outside)
+
+        async def go():
+            client = Client(url, TOKEN)
+            try:
+                await client.call("/versions", {"version": "1", "shards": 1})
+                await push_shard(client, "1", "rank0", None, 10, path=outside)
+            finally:
+                await client.close()
+
+        with pytest.raises(Exception, match="400.*not in this MetaServer's directory"):
+            asyncio.run(go())
+        assert os.path.exists(outside)  # not ours: never deleted
+    finally:
+        meta.stop()
+
+
+def test_a_new_metaserver_removes_folders_of_dead_ones():
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = os.path.join(shm_root(), f"{SHM_PREFIX}{int(dead.stdout)}-test")
+    os.makedirs(stale)
+    with open(os.path.join(stale, "v1-rank0.safetensors"), "wb") as fh:
+        fh.write(b"left by a SIGKILLed run")
+    meta = MetaServer(TOKEN, transport="shm")
+    try:
+        assert not os.path.exists(stale)
+        assert os.path.exists(meta.shm_dir)  # its own folder (a live pid) is kept
+    finally:
+        meta.stop()
