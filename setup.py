@@ -25,7 +25,7 @@ setup(
         "matplotlib>=3.7",  # rlhf report
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6"],
+        "test": ["pytest>=8", "hypothesis>=6", "ruff>=0.5"],
         # Never installed by the default commands: GPU-only and multi-GB.
         "gpu": ["sglang", "megatron-core", "nvidia-ml-py"],
     },

@@ -32,19 +32,25 @@ from rlhf.rollout.engine import RolloutEngine  # noqa: E402
 from rlhf.tasks import build_task  # noqa: E402
 
 
+def _device(model):
+    return next(model.parameters()).device
+
+
 def hf_generate(model, prompt_ids, new_tokens, pad_id):
     width = max(len(p) for p in prompt_ids)
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompt_ids])
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompt_ids], device=_device(model))
     mask = (ids != pad_id).long()
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                              do_sample=False, pad_token_id=pad_id, eos_token_id=None)
+    if out.is_cuda:
+        torch.cuda.synchronize()
     return (out.shape[1] - width) * out.shape[0]
 
 
 def hf_rollout(model, prompt_ids, n, max_new, pad_id, eos_id):
     width = max(len(p) for p in prompt_ids)
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompt_ids])
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompt_ids], device=_device(model))
     mask = (ids != pad_id).long()
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=True,
@@ -102,14 +108,21 @@ def main() -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 256, 512])
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--model", default="tiny-llama")
+    parser.add_argument("--model", default="tiny-llama", help="model preset (llama-110m: the ~110 M-param one)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", default="float32", help="the native engine's dtype (float32, bfloat16)")
+    parser.add_argument("--hf-dtype", default="float32", help="HF generate's dtype (the peer)")
     parser.add_argument("--warm-steps", type=int, default=600,
                         help="max SFT steps for the grpo workload's warm model (band stop as in the default run); 0 skips it")
     args = parser.parse_args()
-    model, tok = build_model_and_tokenizer(ModelConfig(name=args.model), seed=0)
-    engine = RolloutEngine(model, tok, seed=0)
+    model, tok = build_model_and_tokenizer(ModelConfig(name=args.model, device=args.device, dtype=args.hf_dtype), seed=0)
+    ours = model if args.dtype == args.hf_dtype else \
+        build_model_and_tokenizer(ModelConfig(name=args.model, device=args.device, dtype=args.dtype), seed=0)[0]
+    engine = RolloutEngine(ours, tok, seed=0)
     problems = build_task(TaskConfig()).split("train")
-    print(f"model {args.model}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
+    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"cpu, {torch.get_num_threads()} threads"
+    print(f"model {args.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f} M params), native "
+          f"{args.dtype} vs HF generate {args.hf_dtype}, torch {torch.__version__}, {where}, "
           f"median of {args.repeats} interleaved runs; speedup = median of per-pair ratios\n")
     print("| workload | batch | native tokens/s | HF generate tokens/s | speedup |")
     print("|---|---:|---:|---:|---:|")
@@ -122,6 +135,8 @@ def main() -> int:
               flush=True)
     if args.warm_steps:
         warm = warm_model(model, tok, args.warm_steps)
+        if ours is not model:
+            ours.load_state_dict(model.state_dict())
         for batch in args.batches:
             n = 8
             prompt_ids = encode_prompts(tok, [p.prompt for p in problems[: batch // n]])

@@ -10,12 +10,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 from rlhf.cli_args import make_parser, parse_config
-from rlhf.run_dir import default_run_dir, make_run_dir, setup_logging, write_json
 
 GRPO_DESCRIPTION = """GRPO on the embedded default: tiny Llama (~0.8M params, random init), 2-operand addition,
 CPU, no downloads. Under torchrun every rank is an SPMD train worker and rank 0 also runs the

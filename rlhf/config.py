@@ -127,6 +127,8 @@ class RolloutConfig:
     """Sampling seed; -1 derives it from the run seed."""
     servers: int = 1
     """Rollout server processes (jobs of the scheduler) when run under the distributed runtime."""
+    ignore_eos: bool = False
+    """Generate max_new_tokens for every sample, past EOS (benchmarks: fixed work per step)."""
 
     def __post_init__(self) -> None:
         _positive("rollout.servers", self.servers)

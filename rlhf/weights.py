@@ -22,9 +22,11 @@ from safetensors.torch import load_file, save_file
 from safetensors.torch import save as st_save
 
 
-def export_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Detached parameters by name (shared parameters once)."""
-    return {name: p.detach() for name, p in model.named_parameters()}
+def export_state(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Detached parameters by name (shared parameters once), cast to `dtype` when given (fp32 master -> bf16)."""
+    if dtype is None:
+        return {name: p.detach() for name, p in model.named_parameters()}
+    return {name: p.detach().to(dtype) for name, p in model.named_parameters()}
 
 
 @torch.no_grad()

@@ -5,9 +5,7 @@ import copy
 import pytest
 import torch
 
-from rlhf.config import ModelConfig
 from rlhf.data import build_rl_batch, encode_prompts
-from rlhf.models import build_model_and_tokenizer
 from rlhf.rollout.engine import RolloutEngine, SamplingParams
 from rlhf.train.engine import token_logprobs
 from tests.conftest import diverse_model

@@ -1,6 +1,5 @@
 """Rollout server as a real process over HTTP, with the MetaServer relaying weights."""
 
-import asyncio
 import os
 import sys
 

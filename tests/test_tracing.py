@@ -3,7 +3,6 @@
 import base64
 import json
 import random
-import threading
 
 import pytest
 

@@ -18,12 +18,13 @@ from rlhf.models.tokenizer import TOKENIZER_FILE, CharTokenizer
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _llama(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, max_pos: int = 128) -> Callable[[int], Any]:
+def _llama(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, max_pos: int = 128,
+           vocab: int | None = None) -> Callable[[int], Any]:
     def make(vocab_size: int) -> Any:
         from transformers import LlamaConfig
 
         return LlamaConfig(
-            vocab_size=vocab_size,
+            vocab_size=vocab or vocab_size,
             hidden_size=hidden,
             intermediate_size=ffn,
             num_hidden_layers=layers,
@@ -46,13 +47,17 @@ MODEL_PRESETS: dict[str, Callable[[int], Any]] = {
     "tiny-llama": _llama(hidden=128, layers=4, heads=4, kv_heads=4, ffn=384),  # ~0.8 M params
     "tiny-llama-gqa": _llama(hidden=128, layers=2, heads=4, kv_heads=2, ffn=256),  # GQA path for tests
     "llama-25m": _llama(hidden=512, layers=8, heads=8, kv_heads=8, ffn=1536, max_pos=512),  # ~100 MB fp32
+    # ~110 M params: a GPT-2-small-sized Llama with a 32 k vocabulary (ids past the char set are never
+    # encoded; the model may still sample them, as a real tokenizer's model would) — the GPU benchmark's model
+    "llama-110m": _llama(hidden=768, layers=12, heads=12, kv_heads=12, ffn=2048, max_pos=1024, vocab=32000),
 }
 
 
-def build_model_and_tokenizer(model_cfg: Any, seed: int = 0) -> tuple[torch.nn.Module, Any]:
-    """Return (model in eval mode on model_cfg.device, tokenizer)."""
-    dtype = DTYPES[model_cfg.dtype]
-    device = torch.device(model_cfg.device)
+def build_model_and_tokenizer(model_cfg: Any, seed: int = 0, device: str | torch.device | None = None,
+                              dtype: str | None = None) -> tuple[torch.nn.Module, Any]:
+    """Return (model in eval mode, tokenizer) on `device` / in `dtype` (default: model_cfg's)."""
+    dtype = DTYPES[dtype or model_cfg.dtype]
+    device = torch.device(device if device is not None else model_cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(
             f"model.device={model_cfg.device!r} but this torch build has no CUDA device "

@@ -267,14 +267,15 @@ class RolloutEngine:
         gate, up = F.linear(x, fused["gate_up_w"]).split(fused["ffn"], dim=-1)  # (..., F) each
         return mlp.down_proj(mlp.act_fn(gate) * up)  # (..., C)
 
-    def _decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, t: int, idx: torch.Tensor | None,
+    def _decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, t: int | torch.Tensor,
+                     idx: torch.Tensor | None,
                      state: dict[str, Any]) -> torch.Tensor:
         """One token for rows idx (all rows when None): tokens, positions (b,). Writes slot t. Returns (b, V)."""
         body, fused = self.model.model, state["fused"]
         Bp, n, B, rep = state["Bp"], state["n"], state["B"], self.num_heads // self.num_kv_heads
         Hkv, D, b = self.num_kv_heads, self.head_dim, tokens.shape[0]
         cos, sin = state["rope"][0][positions].unsqueeze(1), state["rope"][1][positions].unsqueeze(1)  # (b, 1, D)
-        S = state["M"] if state["static"] else t + 1  # generated slots attended to (masked beyond t when static)
+        S = state["M"] if state["static"] else int(t) + 1  # generated slots attended to (masked beyond t if static)
         h = body.embed_tokens(tokens)  # (b, C)
         for layer, f, (kp, vp), (kg, vg) in zip(body.layers, fused, state["prompt_kv"], state["gen_kv"]):
             attn = layer.self_attn
@@ -285,7 +286,11 @@ class RolloutEngine:
             v = qkv[:, q_dim + kv_dim:].view(b, Hkv, D)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            if idx is None:  # cache layout (Bp, Hkv, n, M, D): row r = g*n + j is [g, :, j]
+            if isinstance(t, torch.Tensor):  # CUDA graph: the slot is a device scalar, so one graph serves every t
+                kg.index_copy_(3, t, k.view(Bp, n, Hkv, 1, D).transpose(1, 2))
+                vg.index_copy_(3, t, v.view(Bp, n, Hkv, 1, D).transpose(1, 2))
+                q_all = q
+            elif idx is None:  # cache layout (Bp, Hkv, n, M, D): row r = g*n + j is [g, :, j]
                 kg[:, :, :, t] = k.view(Bp, n, Hkv, D).transpose(1, 2)
                 vg[:, :, :, t] = v.view(Bp, n, Hkv, D).transpose(1, 2)
                 q_all = q
@@ -320,8 +325,40 @@ class RolloutEngine:
         state["bias"] = state["bias"][g]
         state["Bp"], state["n"], state["B"] = places.shape[0], 1, places.shape[0]
 
-    def _decode(self, prompts: list[list[int]], sp: SamplingParams, static: bool = False):
+    def _capture(self, state: dict[str, Any]) -> Any:
+        """Capture one decode step of this call's shapes as a CUDA graph; returns a replay function.
+
+        Inputs live in static buffers (tokens, positions, the slot index); the cache write uses the slot
+        as a device tensor and the attention covers every slot with future ones masked by `bias`, so one
+        graph serves every step. Sampling stays outside (the engine's generator).
+        """
+        B = state["B"]
+        buf_tokens = torch.zeros(B, dtype=torch.long, device=self.device)
+        buf_pos = torch.zeros(B, dtype=torch.long, device=self.device)
+        buf_t = torch.zeros(1, dtype=torch.long, device=self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up outside capture (allocator, lazy init); slot 0 is rewritten at t=0
+            for _ in range(2):
+                self._decode_step(buf_tokens, buf_pos, buf_t, None, state)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self._decode_step(buf_tokens, buf_pos, buf_t, None, state)
+
+        def replay(tokens: torch.Tensor, positions: torch.Tensor, t: int) -> torch.Tensor:
+            buf_tokens.copy_(tokens)
+            buf_pos.copy_(positions)
+            buf_t.fill_(t)
+            graph.replay()
+            return out
+
+        return replay
+
+    def _decode(self, prompts: list[list[int]], sp: SamplingParams, static: bool | None = None):
         device, dtype = self.device, next(self.model.parameters()).dtype
+        if static is None:  # CUDA: static shapes and a captured decode step (RLHF_CUDA_GRAPHS=0 turns it off)
+            static = device.type == "cuda" and os.environ.get("RLHF_CUDA_GRAPHS", "1") != "0"
         Bp, n, M = len(prompts), sp.n, sp.max_new_tokens
         B, P = Bp * n, max(len(p) for p in prompts)
         ids = torch.full((Bp, P), self.pad_token_id, dtype=torch.long)
@@ -341,6 +378,9 @@ class RolloutEngine:
         bias[..., :P].masked_fill_(~valid[:, None, None, None, :], float("-inf"))
         state = {"fused": fused, "rope": rope, "prompt_kv": prompt_kv, "gen_kv": gen_kv, "Bp": Bp, "n": n, "B": B,
                  "M": M, "static": static, "bias": bias}
+        if static:
+            bias[..., P:] = float("-inf")  # generated slots open one per step
+        replay = self._capture(state) if static and device.type == "cuda" and M > 1 else None
         positions = valid.sum(1).repeat_interleave(n)  # (B,) position of each row's first generated token
         logits = logits.repeat_interleave(n, 0)  # (B, V): the n samples of a prompt start from its logits
         stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.stop_ids))
@@ -366,6 +406,8 @@ class RolloutEngine:
                     stop_at[rows] = sub
             if t == M - 1:
                 break
+            if stop_tensor is not None and static and t % 16 == 15 and not bool((stop_at > M).any()):
+                break  # static shapes: every row computes every step; look for the end only now and then
             if stop_tensor is not None and not static:
                 running = stop_at > M  # (B,)
                 alive = int(running.sum())
@@ -385,11 +427,12 @@ class RolloutEngine:
                         state["g_idx"], state["j_idx"] = idx // state["n"], idx % state["n"]
                     tokens = out_tokens[rows, t]
             if static:
-                state["bias"][..., P + t] = 0  # slot t now holds a key
-                if t == 0:
-                    state["bias"][..., P + 1:] = float("-inf")
+                state["bias"][..., P + t] = 0  # slot t holds a key from this step on
             pos = (positions if idx is None else positions[idx]) + t
-            logits = self._decode_step(tokens, pos, t, idx, state)
+            if replay is not None:
+                logits = replay(tokens, pos, t)
+            else:
+                logits = self._decode_step(tokens, pos, t, idx, state)
         lengths = torch.minimum(stop_at, torch.full_like(stop_at, M))
         tokens_host, logprobs_host = out_tokens.tolist(), out_logprobs.tolist()  # one transfer at the end
         lengths_host, stopped = lengths.tolist(), (stop_at <= M).tolist()

@@ -32,8 +32,9 @@ from typing import Any
 import torch
 
 from rlhf import tracing
-from rlhf.faults import fault_point
 from rlhf.algorithms.grpo import group_advantages
+from rlhf.devices import rollout_device
+from rlhf.faults import fault_point
 from rlhf.config import Config
 from rlhf.data import PromptSampler, build_rl_batch, completion_text, encode_prompts
 from rlhf.models import load_tokenizer, pad_token_id
@@ -206,6 +207,7 @@ class Controller:
                    "--config", os.path.join(self.run_dir, "config.yaml"), "--ready-file", ready]
             if cfg.runtime.colocate:
                 cmd.append("--colocate")
+            cmd += ["--device", str(rollout_device(cfg.model.device, r, len(self.workers), cfg.runtime.colocate))]
             env = {"RLHF_TOKEN": self.token, "RLHF_ROLLOUT_THREADS": threads, "PYTHONPATH": _pythonpath()}
             self.scheduler.submit(f"rollout-{r}", "rollout", cmd, env, colocate_with=f"train-{r}" if cfg.runtime.colocate else "")
             ready_files.append(ready)
@@ -405,7 +407,8 @@ class Controller:
         examples = self.sampler.next(cfg.rollout.prompts_per_step)
         prompt_ids = encode_prompts(self.tokenizer, [e.prompt for e in examples], self.cfg.task.chat_template)
         params = {"max_new_tokens": cfg.rollout.max_new_tokens, "temperature": cfg.rollout.temperature,
-                  "top_p": cfg.rollout.top_p, "top_k": cfg.rollout.top_k, "n": cfg.rollout.group_size}
+                  "top_p": cfg.rollout.top_p, "top_k": cfg.rollout.top_k, "n": cfg.rollout.group_size,
+                  "ignore_eos": cfg.rollout.ignore_eos}
         chunks = _chunks(list(range(len(examples))), len(self.rollout))
 
         async def one(client: Client, idx: list[int]) -> DistributedBatchMemory:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf import tracing
+from rlhf.devices import train_backend, train_device
 from rlhf.faults import fault_point
 
 
@@ -31,21 +32,24 @@ class DistInfo:
     world_size: int
     local_rank: int
     backend: str
+    device: str = "cpu"
+    why: str = ""
 
 
 def init_distributed(device: str = "cpu", timeout_s: float = 1800.0) -> DistInfo:
-    """Join the torchrun world (or make a world of one). gloo on CPU, nccl when device is cuda."""
+    """Join the torchrun world (or make a world of one) on this rank's device (rlhf.devices)."""
     if "RANK" not in os.environ:
-        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                           "MASTER_PORT": str(_free_port())})
-    backend = "nccl" if device.startswith("cuda") else "gloo"
-    if backend == "nccl":
-        if not torch.cuda.is_available():
-            raise RuntimeError("model.device is cuda but torch sees no CUDA device; use --model.device cpu")
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = train_device(device, local_rank)
+    backend, why = train_backend(dev)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
-    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), backend)
+        kwargs = {"device_id": dev} if backend == "nccl" else {}
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, backend, str(dev), why)
 
 
 def store() -> dist.Store:
@@ -64,8 +68,10 @@ def fetch(key: str) -> str:
 class GlooDataParallel:
     """The train engine's DataParallel hooks over the default process group."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str = "cpu") -> None:
         self.world_size = dist.get_world_size()
+        # nccl reduces only CUDA tensors: counts made on the host go to the rank's device for the collective
+        self.device = torch.device(device) if dist.get_backend() == "nccl" else torch.device("cpu")
         self.in_collective: tuple[str, float] | None = None  # (what, since): the heartbeat shows a rank stuck in one
 
     def _enter(self, what: str) -> None:
@@ -74,13 +80,13 @@ class GlooDataParallel:
         self.in_collective = (what, time.monotonic())
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        out = tensor.clone()
+        out = tensor.to(self.device, copy=True)
         fault_point("collective.all_reduce")
         self._enter("all_reduce(count)")
         with tracing.span("collective.all_reduce", what="count", numel=out.numel()):
             dist.all_reduce(out, op=dist.ReduceOp.SUM)
         self.in_collective = None
-        return out
+        return out.to(tensor.device)
 
     def all_reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """Sum gradients over ranks in one flat buffer (the loss is already globally normalised)."""

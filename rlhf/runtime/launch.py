@@ -65,7 +65,8 @@ def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
 
     from rlhf.runtime.train_worker import TrainWorker
 
-    worker = TrainWorker(cfg, run_dir, rank, world, token)
+    log.info("train-%d on %s, %s collectives (%s)", rank, info.device, info.backend, info.why)
+    worker = TrainWorker(cfg, run_dir, rank, world, token, device=info.device)
     server = ServiceThread(worker.service)
     server.start()
     publish(f"worker/{rank}", server.url)

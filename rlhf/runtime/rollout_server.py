@@ -166,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default=DEFAULT_HOST)
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--colocate", action="store_true", help="generate only while holding device <rank>'s lease")
+    parser.add_argument("--device", default="", help="torch device of this server (default: from model.device)")
     args = parser.parse_args(argv)
     set_pdeathsig()
     token = os.environ.get("RLHF_TOKEN")
@@ -187,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         from rlhf import faults
 
         faults.arm(args.run_dir, cfg.faults)
-    model, tok = build_model_and_tokenizer(cfg.model, seed=cfg.seed)
+    model, tok = build_model_and_tokenizer(cfg.model, seed=cfg.seed, device=args.device or None)
+    log.info("rollout server %d: %s on %s", args.rank, cfg.model.dtype, next(model.parameters()).device)
     seed = (cfg.rollout.seed if cfg.rollout.seed >= 0 else cfg.seed + 17) + 1000 * args.rank
     engine = RolloutEngine(model, tok, seed=seed)
     lease = DeviceLease(args.run_dir, args.rank, f"rollout-{args.rank}") if args.colocate else None

@@ -17,14 +17,13 @@ import os
 import queue
 import threading
 import time
-from typing import Any
 
 import torch
 
 from rlhf import tracing
 from rlhf.config import Config
 from rlhf.faults import afault_point, fault_point
-from rlhf.models import build_model_and_tokenizer, stop_token_ids
+from rlhf.models import DTYPES, build_model_and_tokenizer, stop_token_ids
 from rlhf.runtime import checkpoint as ckpt
 from rlhf.runtime.colocation import DeviceLease, device_name, fresh_allocation
 from rlhf.runtime.dist import GlooDataParallel
@@ -44,10 +43,15 @@ def shard_names(names: list[str], rank: int, world_size: int) -> list[str]:
 
 
 class TrainWorker:
-    def __init__(self, cfg: Config, run_dir: str, rank: int, world_size: int, token: str) -> None:
+    def __init__(self, cfg: Config, run_dir: str, rank: int, world_size: int, token: str,
+                 device: str = "cpu") -> None:
         self.cfg, self.run_dir, self.rank, self.world_size, self.token = cfg, run_dir, rank, world_size, token
-        self.dp = GlooDataParallel()
-        self.model, self.tokenizer = build_model_and_tokenizer(cfg.model, seed=cfg.seed)
+        self.dp = GlooDataParallel(device)
+        # bf16/fp16 runs keep fp32 master weights and optimizer state here and compute in the low dtype
+        # (autocast); what leaves for the rollout servers is cast to model.dtype
+        self.model, self.tokenizer = build_model_and_tokenizer(cfg.model, seed=cfg.seed, device=device,
+                                                               dtype="float32")
+        self.wire_dtype = DTYPES[cfg.model.dtype]
         self.stop_id = stop_token_ids(self.model, self.tokenizer)[0]  # what SFT appends to an answer
         self.engine: TrainEngine | None = None
         self.shutdown = threading.Event()
@@ -62,7 +66,7 @@ class TrainWorker:
             self.service.route(f"/{name}", getattr(self, name))
         self.service.route("/health", lambda a, t: {"ok": True, "rank": self.rank, "pid": os.getpid()},
                            method="GET", inline=True)
-        self.service.route("/weights_checksum", lambda a, t: {"checksum": checksum(export_state(self.model),
+        self.service.route("/weights_checksum", lambda a, t: {"checksum": checksum(export_state(self.model, self.wire_dtype),
                                                                                     cfg.weights.verify_checksum)})
         self.loop_phase, self.loop_step = "idle", 0
         self._writes: queue.Queue = queue.Queue()
@@ -96,7 +100,7 @@ class TrainWorker:
         """GRPO engine with the current weights as KL reference; `reference` tensors override it (resume)."""
         cfg = self.cfg
         self.engine = TrainEngine(self.model, cfg.train, cfg.algorithm, temperature=cfg.rollout.temperature or 1.0,
-                                  keep_reference=cfg.algorithm.kl_coef > 0, dp=self.dp)
+                                  keep_reference=cfg.algorithm.kl_coef > 0, dp=self.dp, compute_dtype=self.wire_dtype)
         ref_path = os.path.join(self.run_dir, "checkpoints", "reference", "model.safetensors")
         if args.get("load_reference") and self.engine.reference is not None:
             from safetensors.torch import load_file
@@ -135,7 +139,8 @@ class TrainWorker:
 
         self._require_device("sft")
         cfg = self.cfg
-        self.engine = TrainEngine(self.model, cfg.train, keep_reference=False, lr=cfg.sft.lr, dp=self.dp)
+        self.engine = TrainEngine(self.model, cfg.train, keep_reference=False, lr=cfg.sft.lr, dp=self.dp,
+                                  compute_dtype=self.wire_dtype)
         self.task, self.reward = build_task(cfg.task), reward_fn(cfg.task.reward)
         self.sft_sampler = PromptSampler(self.task.split("train"), seed=cfg.seed)
         return {"rank": self.rank}
@@ -209,7 +214,7 @@ class TrainWorker:
         """
         version, shard = str(args["version"]), f"rank{self.rank}"
         with tracing.span("weights.serialize"):
-            state = export_state(self.model)
+            state = export_state(self.model, self.wire_dtype)
             names = shard_names(list(state), self.rank, self.world_size)
             fresh_allocation(self.run_dir, self.device, sum(state[n].numel() * state[n].element_size() for n in names),
                              "the weights upload buffer")

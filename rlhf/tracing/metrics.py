@@ -21,7 +21,8 @@ import psutil
 log = logging.getLogger("rlhf.metrics")
 
 COLUMNS = ["time", "role", "rank", "pid", "cpu_percent", "children_cpu_percent", "system_cpu_percent", "rss_bytes",
-           "threads", "open_fds", "io_read_bytes", "io_write_bytes", "activity", "activity_step", "activity_age_s", "gpu_util_percent", "gpu_mem_used_bytes"]
+           "threads", "open_fds", "io_read_bytes", "io_write_bytes", "activity", "activity_step", "activity_age_s", "gpu_util_percent", "gpu_mem_used_bytes",
+           "gpu_power_w", "gpu_temp_c"]
 
 
 class Activity:
@@ -53,12 +54,15 @@ class _Gpu:
             log.debug("no GPU metrics: %s: %s", type(exc).__name__, exc)
             self.handle = None
 
-    def sample(self) -> tuple[Any, Any]:
+    def sample(self) -> dict[str, Any]:
+        """Utilisation %, device memory used (all processes), power (W) and temperature (C) of this GPU."""
         if self.handle is None:
-            return "", ""
-        util = self.nvml.nvmlDeviceGetUtilizationRates(self.handle)
-        mem = self.nvml.nvmlDeviceGetMemoryInfo(self.handle)
-        return util.gpu, mem.used
+            return {}
+        nvml = self.nvml
+        return {"gpu_util_percent": nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu,
+                "gpu_mem_used_bytes": nvml.nvmlDeviceGetMemoryInfo(self.handle).used,
+                "gpu_power_w": round(nvml.nvmlDeviceGetPowerUsage(self.handle) / 1000.0, 1),
+                "gpu_temp_c": nvml.nvmlDeviceGetTemperature(self.handle, nvml.NVML_TEMPERATURE_GPU)}
 
 
 class ResourceSampler:
@@ -124,7 +128,7 @@ class ResourceSampler:
             while not self._stop.wait(self.interval_s):
                 try:
                     row = self.sample()
-                    row["gpu_util_percent"], row["gpu_mem_used_bytes"] = gpu.sample()
+                    row.update(gpu.sample())
                 except psutil.Error as exc:
                     log.warning("metrics sample failed: %s", exc)
                     continue

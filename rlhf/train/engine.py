@@ -104,8 +104,12 @@ class TrainEngine:
         keep_reference: bool = True,
         dp: DataParallel | None = None,
         lr: float | None = None,
+        compute_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.model = model
+        # bf16/fp16: parameters and AdamW state stay fp32 (master weights); forward/backward run under
+        # autocast in compute_dtype; logits, logprobs and the loss are fp32 (token_logprobs upcasts)
+        self.compute_dtype = compute_dtype
         self.cfg = optim_cfg
         self.algorithm = algorithm_cfg
         self.temperature = temperature
@@ -130,6 +134,14 @@ class TrainEngine:
         for p in self.reference.parameters():
             p.requires_grad_(False)
 
+    def _autocast(self):
+        return torch.autocast(self.device.type, dtype=self.compute_dtype,
+                              enabled=self.compute_dtype != torch.float32)
+
+    def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Batches arrive on the host (from the wire); the model may live on a GPU."""
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
     def current_lr(self) -> float:
         """Linear warmup over train.warmup_steps optimizer steps, then constant."""
         warmup = self.cfg.warmup_steps
@@ -145,12 +157,14 @@ class TrainEngine:
             raise ValueError(f"compute_logprobs: no {which!r} model (valid: policy, reference when kept)")
         was_training = model.training
         model.eval()
+        batch = self._to_device(batch)
         out = torch.zeros_like(batch["attention_mask"], dtype=torch.float32)
         B = batch["input_ids"].shape[0]
         for start in range(0, B, self.cfg.micro_batch_size):
             part = _trim(batch, slice(start, start + self.cfg.micro_batch_size))
-            lp, _ = token_logprobs(model, part["input_ids"], part["attention_mask"], self.temperature,
-                                   loss_mask=part.get("response_mask"))
+            with self._autocast():
+                lp, _ = token_logprobs(model, part["input_ids"], part["attention_mask"], self.temperature,
+                                       loss_mask=part.get("response_mask"))
             out[start : start + lp.shape[0], : lp.shape[1]] = lp
         model.train(was_training)
         return out
@@ -160,7 +174,7 @@ class TrainEngine:
     def _global(self, value: float) -> float:
         if self.dp is None or self.dp.world_size == 1:
             return value
-        return float(self.dp.all_reduce_sum(torch.tensor([value], dtype=torch.float64)).item())
+        return float(self.dp.all_reduce_sum(torch.tensor([value], dtype=torch.float64)).item())  # dp moves it
 
     def _optimizer_step(self) -> float:
         if self.dp is not None and self.dp.world_size > 1:
@@ -182,10 +196,11 @@ class TrainEngine:
         B = batch["input_ids"].shape[0]
         for start in range(0, B, self.cfg.micro_batch_size):
             part = _trim(batch, slice(start, start + self.cfg.micro_batch_size))
-            logprobs, entropy = token_logprobs(
-                self.model, part["input_ids"], part["attention_mask"], self.temperature, with_entropy,
-                loss_mask=part["response_mask"],
-            )
+            with self._autocast():
+                logprobs, entropy = token_logprobs(
+                    self.model, part["input_ids"], part["attention_mask"], self.temperature, with_entropy,
+                    loss_mask=part["response_mask"],
+                )
             loss, m = loss_of(part, logprobs, entropy)
             loss.backward()
             m["loss"] = loss.item()
@@ -195,6 +210,7 @@ class TrainEngine:
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """One GRPO step: `mini_batches` optimizer steps over the batch. Returns averaged metrics."""
         self.model.train()
+        batch = self._to_device(batch)
         loss_fn = LOSSES[self.algorithm.loss]
         B = batch["input_ids"].shape[0]
         n_mini = min(self.cfg.mini_batches, B)
@@ -224,6 +240,7 @@ class TrainEngine:
     def sft_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """One supervised step: NLL on response tokens (the answer and EOS)."""
         self.model.train()
+        batch = self._to_device(batch)
         num_tokens = self._global(float(batch["response_mask"].sum()))
 
         def loss_of(part, logprobs, entropy):

@@ -42,7 +42,10 @@ def run_sft(
         log.info("warm start skipped (sft.max_steps=0)")
         return {"sft_steps": 0, "sft_val_accuracy": None, "sft_stopped": "skipped",
                 "sft_band": [sft.band_low, sft.band_high], "sft_seconds": 0.0}
-    engine = TrainEngine(model, cfg.train, keep_reference=False, lr=sft.lr, dp=dp)
+    from rlhf.models import DTYPES
+
+    engine = TrainEngine(model, cfg.train, keep_reference=False, lr=sft.lr, dp=dp,
+                         compute_dtype=DTYPES[cfg.model.dtype] if next(model.parameters()).is_cuda else torch.float32)
     evaluator = RolloutEngine(model, tokenizer)  # shares the weights: greedy eval only
     stop_id = evaluator.stop_ids[0]  # the same stop set the rollout uses; SFT teaches its first id
     sampler = PromptSampler(task.split("train"), seed=cfg.seed)
