@@ -37,7 +37,7 @@ def run_ours(args, run_dir: str) -> list[dict]:
     if not args.tiny:
         cmd += ["--model.name", "llama-110m", "--rollout.prompts_per_step", "64", "--rollout.group_size", "8",
                 "--rollout.max_new_tokens", "128", "--rollout.ignore_eos", "true", "--train.mini_batches", "1",
-                "--train.micro_batch_size", "64"]
+                "--train.micro_batch_size", str(args.micro_batch)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if out.returncode != 0:
         raise SystemExit(f"run failed ({out.returncode}):\n{out.stderr[-4000:]}")
@@ -77,15 +77,17 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2, help="leading steps left out of the medians")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--micro-batch", type=int, default=128, help="train.micro_batch_size of the 110 M workload")
     ap.add_argument("--tiny", action="store_true", help="the default tiny workload instead of the 110 M one")
     ap.add_argument("--peer", choices=["trl"], default=None)
     ap.add_argument("--timeout", type=int, default=540)
+    ap.add_argument("--run-dir", default="", help="keep the run here (default: a temporary folder)")
     args = ap.parse_args()
     import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gpu_grpo.py needs a CUDA device")
-    run_dir = tempfile.mkdtemp(prefix="rlhf-gpu-grpo-")
+    run_dir = args.run_dir or tempfile.mkdtemp(prefix="rlhf-gpu-grpo-")
     steps = run_ours(args, run_dir)
     step_s = statistics.median(float(r["seconds"]) for r in steps)
     what = "tiny default workload" if args.tiny else "llama-110m, 64 prompts x 8 samples, 128 new tokens (EOS ignored)"

@@ -111,6 +111,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _rms_norm(module: Any, x: torch.Tensor) -> torch.Tensor:
+    """The model's RMSNorm as one fused op (HF's module is 7 kernels); other norms run as they are."""
+    eps = getattr(module, "variance_epsilon", None)
+    if eps is None or getattr(module, "weight", None) is None:
+        return module(x)
+    return F.rms_norm(x, (x.shape[-1],), module.weight, eps)
+
+
 class RolloutEngine:
     """Generates completions for token-id prompts; holds the policy weights and their version."""
 
@@ -274,18 +282,21 @@ class RolloutEngine:
         body, fused = self.model.model, state["fused"]
         Bp, n, B, rep = state["Bp"], state["n"], state["B"], self.num_heads // self.num_kv_heads
         Hkv, D, b = self.num_kv_heads, self.head_dim, tokens.shape[0]
-        cos, sin = state["rope"][0][positions].unsqueeze(1), state["rope"][1][positions].unsqueeze(1)  # (b, 1, D)
+        # rotary as x*cos + roll(x, D/2)*sin_signed (rotate_half folded into the sign of sin); q's tables carry
+        # the attention scale, so the scores need no multiply
+        cos_k, sin_k, cos_q, sin_q = (table[positions].unsqueeze(1) for table in state["rope_decode"])  # (b, 1, D)
+        half = self.head_dim // 2
         S = state["M"] if state["static"] else int(t) + 1  # generated slots attended to (masked beyond t if static)
         h = body.embed_tokens(tokens)  # (b, C)
         for layer, f, (kp, vp), (kg, vg) in zip(body.layers, fused, state["prompt_kv"], state["gen_kv"]):
             attn = layer.self_attn
-            qkv = F.linear(layer.input_layernorm(h), f["qkv_w"], f["qkv_b"])  # (b, (H + 2Hkv) D)
+            qkv = F.linear(_rms_norm(layer.input_layernorm, h), f["qkv_w"], f["qkv_b"])  # (b, (H + 2Hkv) D)
             q_dim, kv_dim = f["q_dim"], f["kv_dim"]
             q = qkv[:, :q_dim].view(b, -1, D)  # (b, H, D)
             k = qkv[:, q_dim:q_dim + kv_dim].view(b, Hkv, D)  # (b, Hkv, D)
             v = qkv[:, q_dim + kv_dim:].view(b, Hkv, D)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q = q * cos_q + q.roll(half, dims=-1) * sin_q  # (b, H, D), scaled
+            k = k * cos_k + k.roll(half, dims=-1) * sin_k
             if isinstance(t, torch.Tensor):  # CUDA graph: the slot is a device scalar, so one graph serves every t
                 kg.index_copy_(3, t, k.view(Bp, n, Hkv, 1, D).transpose(1, 2))
                 vg.index_copy_(3, t, v.view(Bp, n, Hkv, 1, D).transpose(1, 2))
@@ -303,7 +314,7 @@ class RolloutEngine:
             scores_p = torch.matmul(qg.view(Bp, Hkv, n * rep, D), kp.transpose(-1, -2))  # (Bp, Hkv, n*rep, P)
             scores_g = torch.matmul(qg, kg[:, :, :, :S].transpose(-1, -2))  # (Bp, Hkv, n, rep, S)
             P = scores_p.shape[-1]
-            scores = torch.cat([scores_p.view(Bp, Hkv, n, rep, P), scores_g], dim=-1) * f["scale"]
+            scores = torch.cat([scores_p.view(Bp, Hkv, n, rep, P), scores_g], dim=-1)  # q carries the scale
             scores = scores + state["bias"] if state["static"] else scores + state["bias"][..., :P + S]
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qg.dtype)  # (Bp, Hkv, n, rep, P+S)
             out = torch.matmul(probs[..., :P].reshape(Bp, Hkv, n * rep, P), vp).view(Bp, Hkv, n, rep, D)
@@ -312,8 +323,8 @@ class RolloutEngine:
             if idx is not None:
                 out = out.index_select(0, idx)  # (b, H*D)
             h = h + attn.o_proj(out)
-            h = h + self._mlp(layer.mlp, f, layer.post_attention_layernorm(h))
-        return self.model.lm_head(body.norm(h)).float()  # (b, V)
+            h = h + self._mlp(layer.mlp, f, _rms_norm(layer.post_attention_layernorm, h))
+        return self.model.lm_head(_rms_norm(body.norm, h)).float()  # (b, V)
 
     @staticmethod
     def _relayout(state: dict[str, Any], places: torch.Tensor) -> None:
@@ -376,8 +387,15 @@ class RolloutEngine:
         # additive bias over [prompt keys | generated slots]: pads masked; static mode masks slots > t per step
         bias = torch.zeros(Bp, 1, 1, 1, P + M, device=device, dtype=dtype)
         bias[..., :P].masked_fill_(~valid[:, None, None, None, :], float("-inf"))
-        state = {"fused": fused, "rope": rope, "prompt_kv": prompt_kv, "gen_kv": gen_kv, "Bp": Bp, "n": n, "B": B,
-                 "M": M, "static": static, "bias": bias}
+        scales = {f["scale"] for f in fused}
+        if len(scales) != 1:
+            raise NotImplementedError(f"native rollout engine: attention scale differs between layers ({sorted(scales)})")
+        scale = scales.pop()
+        sign = torch.ones(self.head_dim, device=device, dtype=dtype)
+        sign[: self.head_dim // 2] = -1
+        rope_decode = (rope[0], rope[1] * sign, rope[0] * scale, rope[1] * sign * scale)  # cos_k, sin_k, cos_q, sin_q
+        state = {"fused": fused, "rope": rope, "rope_decode": rope_decode, "prompt_kv": prompt_kv, "gen_kv": gen_kv,
+                 "Bp": Bp, "n": n, "B": B, "M": M, "static": static, "bias": bias}
         if static:
             bias[..., P:] = float("-inf")  # generated slots open one per step
         replay = self._capture(state) if static and device.type == "cuda" and M > 1 else None
