@@ -32,11 +32,12 @@ class DeviceMemoryPressure(FaultKind):
         "rate_mb_s": ((float,), 1024.0, "growth, MB per second"),
         "probe_mb": ((float,), 1536.0, "GPU: the allocation each trigger makes, MB (the step's next allocation)"),
     }
-    EMULATED = True  # the kind as listed; an armed instance says per process (below)
+    @property
+    def EMULATED(self) -> bool:  # type: ignore[override]  # read at every marker: real once the model is on a GPU
+        return not self._gpu()
 
     def __init__(self, spec: Any, run_dir: str) -> None:
         super().__init__(spec, run_dir)
-        self.EMULATED = not self._gpu()  # re-read at the first trigger, when the model is on its device
         self.started: float | None = None
         self.blocks: list[Any] = []
         self.stop = threading.Event()
@@ -82,7 +83,6 @@ class DeviceMemoryPressure(FaultKind):
         return self.params["start_mb"] + self.params["rate_mb_s"] * (time.monotonic() - self.started)
 
     def inject(self, hit: Hit) -> dict[str, Any]:
-        self.EMULATED = not self._gpu()  # the verify and restore markers say which it was
         if not self.EMULATED:
             return self._inject_gpu()
         if self.started is None:
