@@ -58,3 +58,35 @@ def train_backend(device: torch.device, local_world_size: int | None = None) -> 
     if local <= n:
         return "nccl", f"{local} local rank(s) on {n} GPU(s), one GPU each"
     return "gloo", f"{local} local ranks share {n} GPU(s): NCCL refuses two ranks of one communicator on one GPU"
+
+
+def _move(t: torch.Tensor, target: torch.device) -> torch.Tensor:
+    if target.type == "cpu":  # pinned, so the way back is a fast DMA copy
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return out.copy_(t, non_blocking=True)
+    return t.to(target, non_blocking=True)
+
+
+def relocate(models: list[torch.nn.Module], optimizer: torch.optim.Optimizer | None, target: torch.device,
+             gpu: torch.device) -> dict[str, float]:
+    """Move parameters, gradients and optimizer state to `target` (pinned host memory or back to `gpu`).
+
+    Colocation on a GPU: `rollout_start` moves the train side out so the rollout server can use the
+    card, `rollout_end` moves it back. Returns this process's allocated device memory before and after
+    (MB). AdamW's scalar `step` stays where torch keeps it (the host).
+    """
+    before = torch.cuda.memory_allocated(gpu)
+    for model in models:
+        for p in model.parameters():
+            p.data = _move(p.data, target)
+            if p.grad is not None:
+                p.grad = _move(p.grad, target)
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and key != "step":
+                    state[key] = _move(value, target)
+    torch.cuda.synchronize(gpu)
+    if target.type == "cpu":
+        torch.cuda.empty_cache()
+    return {"device_mb_before": before / 2**20, "device_mb_after": torch.cuda.memory_allocated(gpu) / 2**20}

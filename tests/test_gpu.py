@@ -30,6 +30,9 @@ def test_two_ranks_share_one_gpu_with_colocation_and_meta_weights(tmp_path):
     assert summary["world_size"] == 2 and summary["colocate"] and summary["steps"] == 3
     rows = list(csv.DictReader((run / "steps.csv").open()))
     assert [r["weights_verified"] for r in rows] == ["1", "1", "1"]
+    # colocation frees memory for real: the train side's params + AdamW state leave the GPU at rollout_start,
+    # the rollout servers' weights at rollout_end
+    assert all(float(r["train_offload_mb"]) > 1.0 and float(r["rollout_release_mb"]) > 0.5 for r in rows), rows
     logs = (run / "logs" / "controller-0.log").read_text()
     assert "train-0 on cuda:0, gloo collectives" in logs  # NCCL refuses two ranks on one GPU: gloo carries CUDA tensors
     assert "on cuda:0" in (run / "logs" / "rollout-1.log").read_text()

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+RELAYOUT = 4  # copy the running rows' caches into a dense layout once they are at most 1/RELAYOUT of the layout
 
 
 @dataclass
@@ -435,7 +436,7 @@ class RolloutEngine:
                 if self.compact and alive <= computed // 2:
                     rows = running.nonzero().squeeze(1)  # (b,)
                     idx = layout_pos[rows]
-                    if alive * 8 <= state["B"]:  # few left: copy just their caches into a dense layout
+                    if alive * RELAYOUT <= state["B"]:  # few left: copy just their caches into a dense layout
                         self._relayout(state, idx)
                         positions = positions[idx]
                         layout_pos = torch.full((B,), -1, dtype=torch.long, device=device)

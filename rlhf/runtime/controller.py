@@ -57,7 +57,7 @@ STEP_COLUMNS = [
     "response_length", "loss", "grad_norm", "ratio_mean", "rollout_tokens", "rollout_tokens_per_s", "batch_size",
     "dp_imbalance", "weights_update_s", "events_s", "rollout_s", "reward_s", "reference_s", "advantage_s", "train_s",
     "latest_recover_save_s", "periodic_recover_save_s", "upload_s_max", "update_s_max", "weights_verified",
-    "eval_accuracy",
+    "train_offload_mb", "rollout_release_mb", "eval_accuracy",
 ]
 
 
@@ -257,11 +257,11 @@ class Controller:
             if cfg.weights.verify:
                 row["weights_verified"] = self.verify_weights(str(step), step)
         with clock.stage("events"):
-            self.notify("rollout_start", step)
+            row["train_offload_mb"] = _freed_mb(self.notify("rollout_start", step), "train")
         with clock.stage("rollout"):
             memory = self.generate(step)
         with clock.stage("events"):
-            self.notify("rollout_end", step)
+            row["rollout_release_mb"] = _freed_mb(self.notify("rollout_end", step), "rollout")
         with clock.stage("reward"):
             memory["rewards"] = torch.tensor(self.reward(memory["completions"], memory["answers"], memory["prompts"]))
             fault_point("data.split", step=step)
@@ -366,7 +366,7 @@ class Controller:
                                   + "; ".join(wrong))
         return 1
 
-    def notify(self, event: str, step: int) -> None:
+    def notify(self, event: str, step: int) -> list[tuple[str, Any]]:
         """Colocation events to train rank r and rollout server r (only when colocated).
 
         faithful (the seeds): fire and forget — an event that is not delivered in time is a WARNING and the
@@ -374,7 +374,7 @@ class Controller:
         acknowledged; a lost one is retried (the handlers are idempotent) and then fails the step, naming the peer.
         """
         if not self.cfg.runtime.colocate:
-            return
+            return []
         timeout = self.cfg.runtime.event_timeout_s
         pairs = min(len(self.workers), len(self.rollout))
         faithful = self.cfg.runtime.resilience == "faithful"
@@ -396,10 +396,12 @@ class Controller:
                     log.warning("step %d: event %s to %s: attempt %d failed (%s); retrying", step, event,
                                 client.peer, attempt, type(exc).__name__)
 
-        async def send() -> None:
-            await asyncio.gather(*[one(c) for r in range(pairs) for c in (self.workers.clients[r], self.rollout[r])])
+        clients = [c for r in range(pairs) for c in (self.workers.clients[r], self.rollout[r])]
 
-        self.loop.run(send())
+        async def send() -> list[Any]:
+            return list(await asyncio.gather(*[one(c) for c in clients]))
+
+        return [(c.peer, reply) for c, reply in zip(clients, self.loop.run(send()))]
 
     def generate(self, step: int) -> DistributedBatchMemory:
         """rollout: prompts split across servers (whole groups), results concatenated."""
@@ -606,6 +608,13 @@ class _TrackedClock(StageClock):
     def stage(self, name: str):  # type: ignore[override]
         self.where["stage"] = name
         return super().stage(name)
+
+
+def _freed_mb(replies: list[tuple[str, Any]], role: str) -> float | str:
+    """Device memory (MB) the colocation event freed on the `role` side, summed over pairs ('' on CPU)."""
+    freed = [r[0]["device_mb_before"] - r[0]["device_mb_after"] for peer, r in replies
+             if peer.startswith(role) and r and isinstance(r[0], dict) and "device_mb_before" in r[0]]
+    return round(sum(freed), 1) if freed else ""
 
 
 def _chunks(items: list[int], n: int) -> list[list[int]]:

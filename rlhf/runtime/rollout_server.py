@@ -20,8 +20,11 @@ import sys
 import time
 from typing import Any
 
+import torch
+
 from rlhf import tracing
 from rlhf.faults import afault_point, fault_point
+from rlhf.devices import relocate
 from rlhf.runtime.colocation import DeviceBusy, DeviceLease, device_name, fresh_allocation, read_leak
 from rlhf.runtime.http import DEFAULT_HOST, Client, Service, serve_forever
 from rlhf.runtime.metaserver import pull_weights
@@ -119,6 +122,14 @@ class RolloutServer:
         return {"success": True, "weight_version": version, "tensors": len(weights)}
 
     def release_memory(self, args: dict, tensors: dict) -> dict:
+        """sglang's release: on a GPU the weights move to pinned host memory and the cache is emptied
+        (the KV cache is per call here, so nothing else stays); the lease goes to the colocated train rank."""
+        reply: dict[str, Any] = {"success": True}
+        engine = self.engine
+        if engine.device.type == "cuda" and next(engine.model.parameters()).device.type == "cuda":
+            with engine.lock:
+                engine._fused = None  # the fused copies hold device memory too
+                reply.update(relocate([engine.model], None, torch.device("cpu"), engine.device))
         if self.lease is not None:
             self.lease.release()
         leak = read_leak(self.run_dir, self.device) if self.run_dir else None
@@ -126,24 +137,31 @@ class RolloutServer:
             # hardened: check that a release really freed the device, here, instead of at the peer's next allocation
             raise DeviceMemoryNotReleased(f"rollout-{self.rank} still holds {leak['leaked_mb']:g} MB of {self.device} "
                                           "after releasing it; its colocated train rank cannot allocate")
-        return {"success": True}
+        return reply
 
     def resume_memory(self, args: dict, tensors: dict) -> dict:
+        reply: dict[str, Any] = {"success": True}
         if self.lease is not None:
             self.lease.acquire(float(args.get("timeout_s", self.lease_timeout_s)))
             fresh_allocation(self.run_dir, self.device, 1 << 30, "the KV cache")
-        return {"success": True}
+        engine = self.engine
+        if engine.device.type == "cuda" and next(engine.model.parameters()).device.type == "cpu":
+            with engine.lock:
+                reply.update(relocate([engine.model], None, engine.device, engine.device))
+        return reply
 
     def events(self, args: dict, tensors: dict) -> dict:
         event = args.get("event")
         fault_point("events.handle", peer=str(event), device=self.device)
+        reply: dict[str, Any] = {}
         if event == "rollout_start":
-            self.resume_memory(args, tensors)
+            reply = self.resume_memory(args, tensors)
         elif event == "rollout_end":
-            self.release_memory(args, tensors)
+            reply = self.release_memory(args, tensors)
         elif event not in ("train_start", "train_end"):
             raise ValueError(f"unknown event {event!r}; valid: rollout_start, rollout_end, train_start, train_end")
-        return {"event": event, "ack": True, "step": args.get("step")}
+        memory = {k: v for k, v in reply.items() if k.startswith("device_mb")}  # what the event freed or took
+        return {**memory, "event": event, "ack": True, "step": args.get("step")}
 
     def health_generate(self, args: dict, tensors: dict) -> dict:
         if self.lease is not None and not self.lease.held:

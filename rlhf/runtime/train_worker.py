@@ -17,6 +17,7 @@ import os
 import queue
 import threading
 import time
+from typing import Any
 
 import torch
 
@@ -25,6 +26,7 @@ from rlhf.config import Config
 from rlhf.faults import afault_point, fault_point
 from rlhf.models import DTYPES, build_model_and_tokenizer, stop_token_ids
 from rlhf.runtime import checkpoint as ckpt
+from rlhf.devices import relocate
 from rlhf.runtime.colocation import DeviceLease, device_name, fresh_allocation
 from rlhf.runtime.dist import GlooDataParallel
 from rlhf.runtime.http import Client, Service
@@ -52,6 +54,7 @@ class TrainWorker:
         self.model, self.tokenizer = build_model_and_tokenizer(cfg.model, seed=cfg.seed, device=device,
                                                                dtype="float32")
         self.wire_dtype = DTYPES[cfg.model.dtype]
+        self.gpu: torch.device | None = None  # set while the model is offloaded for a colocated rollout
         self.stop_id = stop_token_ids(self.model, self.tokenizer)[0]  # what SFT appends to an answer
         self.engine: TrainEngine | None = None
         self.shutdown = threading.Event()
@@ -80,6 +83,8 @@ class TrainWorker:
         if self.lease is not None and not self.lease.held:
             self.lease.acquire(self.cfg.runtime.lease_timeout_s)  # waits for rollout_end's release
             log.info("train-%d: device lease reacquired for %s", self.rank, what)
+            if self.gpu is not None and next(self.model.parameters()).device.type == "cpu":  # rollout_end was lost
+                relocate(self._resident(), self.engine.optimizer if self.engine else None, self.gpu, self.gpu)
 
     def _engine(self) -> TrainEngine:
         if self.engine is None:
@@ -302,14 +307,32 @@ class TrainWorker:
         return {"rank": self.rank, "loaded": args["path"]}
 
     def events(self, args: dict, tensors: dict) -> dict:
+        """Colocation: rollout_start hands the device to the rollout server, rollout_end takes it back.
+
+        On a GPU the train side's params, grads and optimizer state (and the reference model) move to
+        pinned host memory and the cache is emptied; on CPU the lease alone stands for that.
+        """
         event = args.get("event")
         fault_point("events.handle", peer=str(event), device=self.device)
+        reply: dict[str, Any] = {"event": event, "ack": True, "rank": self.rank}
         if self.lease is not None:
+            gpu = next(self.model.parameters()).device if event == "rollout_start" else self.gpu
             if event == "rollout_start":
-                self.lease.release()  # CPU stand-in for offloading params and optimizer state
+                if gpu.type == "cuda":
+                    self.gpu = gpu
+                    reply.update(relocate(self._resident(), self.engine.optimizer if self.engine else None,
+                                          torch.device("cpu"), gpu))
+                self.lease.release()
             elif event == "rollout_end":
                 self.lease.acquire(self.cfg.runtime.lease_timeout_s)
-        return {"event": event, "ack": True, "rank": self.rank}
+                if gpu is not None and next(self.model.parameters()).device.type == "cpu":
+                    reply.update(relocate(self._resident(), self.engine.optimizer if self.engine else None, gpu, gpu))
+        return reply
+
+    def _resident(self) -> list[torch.nn.Module]:
+        """The models this rank keeps on its device: the policy and, when kept, the reference."""
+        ref = self.engine.reference if self.engine is not None else None
+        return [self.model] + ([ref] if ref is not None else [])
 
     def close(self) -> None:
         if self.lease is not None:
