@@ -15,6 +15,8 @@ import time
 import psutil
 import pytest
 
+from rlhf.runtime.metaserver import SHM_PREFIX, shm_root
+
 from tests.conftest import ROOT
 
 SMOKE = ["--preset", "smoke", "--rollout.servers", "2"]
@@ -121,14 +123,16 @@ def test_interrupted_or_killed_run_leaves_no_process(tmp_path, how):
                             cwd=ROOT, start_new_session=True)
     try:
         wait_for_rows(run_dir, 2, proc)
+        pid = int(re.search(r"train worker 0/2 serving on \S+ \(pid (\d+)\)",
+                            (run_dir / "logs" / "train-0.log").read_text()).group(1))  # rank 0: controller, MetaServer
         if how == "sigint_group":  # Ctrl-C in a terminal signals the whole foreground group
             os.killpg(proc.pid, signal.SIGINT)
         else:
-            pid = int(re.search(r"train worker 0/2 serving on \S+ \(pid (\d+)\)",
-                                (run_dir / "logs" / "train-0.log").read_text()).group(1))
             os.kill(pid, signal.SIGKILL)
         proc.wait(timeout=60)
         assert_none_left(run_dir)
+        # nor the MetaServer's shared-memory shards: stop() removes them, or the scheduler when the lease lapses
+        assert not [d for d in os.listdir(shm_root()) if d.startswith(f"{SHM_PREFIX}{pid}-")]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -125,10 +125,20 @@ class Scheduler:
             if time.monotonic() - self.last_renewal > self.lease_s:
                 log.error("controller lease lapsed (%.1f s without renewal): stopping every job", self.lease_s)
                 self.stop_all("lease lapsed")
+                _sweep_shm()
                 from rlhf.tracing.setup import stop_process_telemetry
 
                 stop_process_telemetry()
                 os._exit(3)
+
+
+def _sweep_shm() -> None:
+    """A controller that died (SIGKILL) left its MetaServer's shared-memory shards: remove those of dead pids."""
+    from rlhf.runtime.metaserver import sweep_stale_shm
+
+    removed = sweep_stale_shm()
+    if removed:
+        log.warning("removed shared-memory weight folder(s) of dead MetaServers: %s", ", ".join(removed))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lease-s", type=float, default=10.0)
     parser.add_argument("--host", default=DEFAULT_HOST)
     args = parser.parse_args(argv)
-    set_pdeathsig()
+    set_pdeathsig(signal.SIGTERM)  # the controller died: stop the jobs and clean up (on_term), then exit
     token = os.environ.get("RLHF_TOKEN")
     if not token:
         parser.error("RLHF_TOKEN is not set")
@@ -153,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def on_term(signum: int, frame: Any) -> None:
         scheduler.stop_all(f"scheduler got signal {signum}")
+        _sweep_shm()
         stop_process_telemetry()
         os._exit(0)
 
