@@ -21,8 +21,9 @@ moves about 0.5 GB/s per stream here). `shm` (default; every process of our runt
 host): a train rank writes its shard once into the MetaServer's directory in /dev/shm and PUTs
 only its path; a rollout server maps the file and copies each tensor into its model. The control
 messages (open, PUT, manifest wait) stay HTTP, so every fault point and span of the relay is
-where it was. The MetaServer owns the files: eviction, DELETE and stop() remove them, and a new
-MetaServer removes the directories of MetaServers whose process is gone (a SIGKILLed run).
+where it was. The MetaServer owns the files: eviction, DELETE and stop() remove them; when the
+controller is SIGKILLed the scheduler sweeps the directories of dead MetaServers as it stops its
+jobs, and a new MetaServer does the same at start.
 """
 
 from __future__ import annotations
