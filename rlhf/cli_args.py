@@ -27,7 +27,8 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
                         help="train rank r and rollout server r share device r (= --runtime.colocate)")
     parser.add_argument("--resilience", choices=["faithful", "hardened"], help="= --runtime.resilience")
     parser.add_argument("--faults", action="append", metavar="FILE", default=[],
-                        help="fault spec YAML (repeatable); validated before anything starts (rlhf faults list)")
+                        help="fault spec YAML (repeatable), or the name of a bundled one (scenario2.yaml); validated before "
+                             "anything starts (rlhf faults list)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     return parser
 
@@ -42,9 +43,10 @@ def parse_config(argv: list[str] | None, parser: argparse.ArgumentParser) -> tup
     args = parser.parse_args(rest)
     scenario: list[tuple[str, Any]] = []
     if args.faults:
-        from rlhf.faults.spec import FaultSpecError, load_fault_config, load_fault_file
+        from rlhf.faults.spec import FaultSpecError, load_fault_config, load_fault_file, resolve_fault_file
 
         try:
+            args.faults = [resolve_fault_file(path) for path in args.faults]  # a bare name finds a bundled file
             for path in args.faults:
                 load_fault_file(path)  # validate first: a bad file fails before its config is read
                 scenario += _flatten(load_fault_config(path))

@@ -471,3 +471,18 @@ def test_device_memory_leak_fails_fresh_allocations_of_every_process_on_that_dev
     faults.restore_all("test")  # the leaking process exits: its memory comes back
     fresh_allocation(str(tmp_path), shared, 1 << 20, "the weights upload buffer")
     assert not list((tmp_path / "devices").glob("*.leak.json"))
+
+
+def test_a_bare_fault_file_name_finds_the_bundled_scenario(tmp_path, monkeypatch, capsys):
+    """`--faults scenario2.yaml` from any directory, as the project's own example command is written."""
+    from rlhf.cli_args import make_parser, parse_config
+    from rlhf.faults.cli import list_text
+
+    monkeypatch.chdir(tmp_path)  # no scenario2.yaml here
+    for name in ("scenario2.yaml", "scenario2"):
+        cfg, _ = parse_config(["--faults", name], make_parser("grpo", "test"))
+        assert [f["name"] for f in cfg.faults] == ["cpu-contention-rollout1", "oom-kill-rollout1"]
+        assert cfg.rollout.servers == 2  # the file's config section applied too
+    with pytest.raises(SystemExit):
+        parse_config(["--faults", "scenario99.yaml"], make_parser("grpo", "test"))
+    assert "no bundled fault file of that name" in capsys.readouterr().err and "scenario2.yaml" in list_text()

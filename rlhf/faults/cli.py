@@ -11,7 +11,7 @@ import textwrap
 
 from rlhf.faults.kinds import KINDS
 from rlhf.faults.points import POINTS
-from rlhf.faults.spec import REQUIRED, FaultSpecError, load_fault_file
+from rlhf.faults.spec import REQUIRED, FaultSpecError, bundled_fault_files, load_fault_file, resolve_fault_file
 
 
 def list_text() -> str:
@@ -29,6 +29,11 @@ def list_text() -> str:
     out += [f"  {name:<{width}}  {doc}" for name, doc in POINTS.items()]
     out += ["", "A fault: name, kind, point (glob), target {role, rank|ranks, peer}, "
             "when {step|steps, after_s, probability, seed, max_hits}, duration_s, params."]
+    bundled = bundled_fault_files()
+    if bundled:
+        out += ["", "Bundled fault files (examples/faults; --faults NAME finds them):", ""]
+        width = max(map(len, bundled))
+        out += [f"  {name:<{width}}  {first}" for name, first in bundled.items()]
     return "\n".join(out)
 
 
@@ -47,6 +52,7 @@ def faults_main(argv: list[str] | None = None) -> int:
         bad = 0
         for path in argv[1:]:
             try:
+                path = resolve_fault_file(path)
                 specs = load_fault_file(path)
             except FaultSpecError as err:
                 print(f"invalid: {err}", file=sys.stderr)

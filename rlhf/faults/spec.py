@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -278,6 +279,36 @@ class _Required:
 
 
 REQUIRED: Any = _Required()
+
+
+BUNDLED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                           "examples", "faults")
+
+
+def bundled_fault_files() -> dict[str, str]:
+    """The scenario files shipped in examples/faults: name -> its first comment line."""
+    if not os.path.isdir(BUNDLED_DIR):
+        return {}
+    out = {}
+    for name in sorted(os.listdir(BUNDLED_DIR)):
+        if name.endswith(".yaml"):
+            with open(os.path.join(BUNDLED_DIR, name), encoding="utf-8") as fh:
+                first = fh.readline().strip()
+            out[name] = first.lstrip("# ") if first.startswith("#") else ""
+    return out
+
+
+def resolve_fault_file(path: str) -> str:
+    """`path` if it exists; a bare name (scenario2, scenario2.yaml) finds the bundled file in examples/faults."""
+    if os.path.exists(path) or os.sep in path:
+        return path
+    for name in (path, path + ".yaml"):
+        candidate = os.path.join(BUNDLED_DIR, name)
+        if os.path.isfile(candidate):
+            return candidate
+    bundled = ", ".join(bundled_fault_files()) or "none found"
+    raise FaultSpecError(f"{path}: no such file here, and no bundled fault file of that name "
+                         f"(bundled in examples/faults: {bundled})")
 
 
 def load_fault_config(path: str) -> dict[str, Any]:
