@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from rlhf.config import PRESETS, Config, ConfigError, build_config, format_help, parse_overrides
+from rlhf.runtime.resilience import PRESET_NAMES
 
 
 def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -25,7 +26,9 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, help="run seed (model init, data order, sampling)")
     parser.add_argument("--colocate", action="store_true", default=None,
                         help="train rank r and rollout server r share device r (= --runtime.colocate)")
-    parser.add_argument("--resilience", choices=["faithful", "hardened"], help="= --runtime.resilience")
+    parser.add_argument("--resilience", choices=list(PRESET_NAMES),
+                        help="resilience preset (= --resilience.preset); switch one behaviour with "
+                             "--resilience.<behaviour> true|false (listed below)")
     parser.add_argument("--faults", action="append", metavar="FILE", default=[],
                         help="fault spec YAML (repeatable), or the name of a bundled one (scenario2.yaml); validated before "
                              "anything starts (rlhf faults list)")
@@ -57,7 +60,7 @@ def parse_config(argv: list[str] | None, parser: argparse.ArgumentParser) -> tup
             preset=args.preset,
             config_file=args.config,
             dotted=[("runtime.colocate", "true")] * bool(args.colocate)
-            + [("runtime.resilience", args.resilience)] * bool(args.resilience) + dotted,
+            + [("resilience.preset", args.resilience)] * bool(args.resilience) + dotted,
             scenario=scenario,
             top_level={"seed": args.seed, "steps": args.steps, "run_dir": args.run_dir},
         )

@@ -22,9 +22,17 @@ from typing import Any, Callable
 
 import yaml
 
+from rlhf.algorithms import AGGREGATIONS, LOSSES
+from rlhf.models import MODEL_PRESETS
+from rlhf.runtime.resilience import Policy
+from rlhf.tasks import REWARDS, TASKS
+
 
 class ConfigError(ValueError):
     """A configuration value or key is invalid; the message says which and what is allowed."""
+
+
+MOVED_KEYS = {"runtime.resilience": "resilience.preset (or --resilience faithful|hardened)"}
 
 
 def _choice(key: str, value: Any, choices: typing.Iterable[Any]) -> None:
@@ -64,7 +72,6 @@ class ModelConfig:
     """Torch device: cpu, cuda, or cuda:N (GPU paths need the `gpu` extra and a CUDA build of torch)."""
 
     def __post_init__(self) -> None:
-        from rlhf.models import MODEL_PRESETS
 
         if not self.path:
             _choice("model.name", self.name, MODEL_PRESETS)
@@ -95,7 +102,6 @@ class TaskConfig:
     """Render each prompt as one user turn through the tokenizer's chat template (instruct models); the template's BOS only."""
 
     def __post_init__(self) -> None:
-        from rlhf.tasks import REWARDS, TASKS
 
         _choice("task.name", self.name, TASKS)
         _choice("task.reward", self.reward, REWARDS)
@@ -190,7 +196,6 @@ class AlgorithmConfig:
     """Ratio denominator: 'rollout' uses the rollout engine's logprobs, 'recompute' runs the train engine."""
 
     def __post_init__(self) -> None:
-        from rlhf.algorithms import AGGREGATIONS, LOSSES
 
         _choice("algorithm.loss", self.loss, LOSSES)
         _choice("algorithm.aggregation", self.aggregation, AGGREGATIONS)
@@ -268,8 +273,6 @@ class WeightsConfig:
 
 @dataclass
 class RuntimeConfig:
-    resilience: str = "hardened"
-    """'faithful' reproduces the seeds' system (bare 500s, unacknowledged events, long waits); 'hardened' is what we recommend."""
     colocate: bool = False
     """Train rank r and rollout server r share device r, guarded by a cross-process lease."""
     rpc_timeout_s: float = 600.0
@@ -290,7 +293,6 @@ class RuntimeConfig:
     """Stall watchdog: a rank inside one collective this long while another rank has left its loop is reported (and the run stopped); 0 disables."""
 
     def __post_init__(self) -> None:
-        _choice("runtime.resilience", self.resilience, ["faithful", "hardened"])
         for name in ("rpc_timeout_s", "rollout_timeout_s", "event_timeout_s", "lease_timeout_s", "cleanup_timeout_s",
                      "scheduler_lease_s", "startup_timeout_s"):
             _positive(f"runtime.{name}", getattr(self, name))
@@ -304,7 +306,7 @@ class CheckpointConfig:
     periodic_every: int = 0
     """periodic_recover_save every this many steps into periodic/step_<N>; 0 disables."""
     periodic_async: bool = False
-    """faithful: periodic_recover_save writes its files on each rank's writer thread and the step goes on; meta.json does not wait for them (the seeds' asynchronous save). hardened always waits."""
+    """With resilience.fatal_save_errors off: periodic_recover_save writes its files on each rank's writer thread and the step goes on; meta.json does not wait for them (the seeds' asynchronous save). Otherwise the save always waits."""
     resume: bool = True
     """On start, resume from the newest valid checkpoint in <run-dir>/checkpoints."""
 
@@ -355,6 +357,7 @@ class Config:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    resilience: Policy = field(default_factory=Policy)
     faults: list = field(default_factory=list)
     """Armed faults (DESIGN.md §4), normally from --faults FILE; every process arms those that target it."""
 
@@ -492,10 +495,14 @@ def _merge(cls: type, base: Any, updates: dict[str, Any], prefix: str = "") -> A
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {updates!r}")
     types = _resolved_types(cls)
     kwargs: dict[str, Any] = {}
+    if "preset" in updates and hasattr(cls, "from_preset"):  # a preset resets the section; its other keys follow
+        base = cls.from_preset(_convert(prefix + "preset", updates["preset"], str))
     for f in dataclasses.fields(cls):
         kwargs[f.name] = getattr(base, f.name)
     for key, value in updates.items():
         full = prefix + str(key)
+        if full in MOVED_KEYS:
+            raise ConfigError(f"config key {full!r} has moved: use {MOVED_KEYS[full]}")
         if key not in types:
             valid = [f.name for f in dataclasses.fields(cls)]
             hint = difflib.get_close_matches(str(key), valid, n=1)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import csv
 import datetime as _dt
 import json
-import math
 import logging
+import math
 import os
 import sys
 from typing import Any

@@ -129,3 +129,34 @@ def test_a_new_metaserver_removes_folders_of_dead_ones():
         assert os.path.exists(meta.shm_dir)  # its own folder (a live pid) is kept
     finally:
         meta.stop()
+
+
+@pytest.mark.parametrize("typed", [True, False])
+def test_an_exception_inside_the_metaserver_is_logged_there_and_reaches_the_caller(caplog, typed):
+    """A handler bug (here: a /versions call without `shards`) is logged by the MetaServer with its step and
+    comes back by class and message; with typed_errors off it is the seeds' bare 500 (and still logged)."""
+    import dataclasses
+
+    from rlhf.runtime.errors import HTTPStatusError, RemoteError
+    from rlhf.runtime.resilience import HARDENED
+
+    meta = MetaServer(TOKEN, transport="http", policy=dataclasses.replace(HARDENED, typed_errors=typed))
+    url = meta.start()
+    try:
+        call = Client(url, TOKEN, peer="metaserver-0").call("/versions", {"version": "3"}, stage="weights_update",
+                                                            step=3)
+        with caplog.at_level("ERROR", logger="rlhf.http"):
+            if typed:
+                with pytest.raises(RemoteError) as err:
+                    asyncio.run(call)
+                info = err.value.info
+                assert (info.error_class, info.message, info.role, info.stage, info.step) == \
+                    ("KeyError", "'shards'", "metaserver", "weights_update", 3)
+            else:
+                with pytest.raises(HTTPStatusError) as err:
+                    asyncio.run(call)
+                assert err.value.status == 500 and "KeyError" not in err.value.text
+        logged = [r.getMessage() for r in caplog.records if r.name == "rlhf.http"]
+        assert any("metaserver-0: POST /versions failed at step 3: KeyError: 'shards'" in m for m in logged), logged
+    finally:
+        meta.stop()

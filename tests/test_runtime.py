@@ -16,7 +16,6 @@ import psutil
 import pytest
 
 from rlhf.runtime.metaserver import SHM_PREFIX, shm_root
-
 from tests.conftest import ROOT
 
 SMOKE = ["--preset", "smoke", "--rollout.servers", "2"]

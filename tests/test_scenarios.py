@@ -118,6 +118,20 @@ def test_scenario3_hardened_names_the_oom_first_and_last(tmp_path):
     assert any("stop job: RpcTimeout" in line for line in errors[1:-1])  # cleanup errors sit in between
 
 
+def test_scenario3_hardened_without_the_ledger_ends_on_the_cleanup_timeout_again(tmp_path):
+    """One behaviour switched off alone: typed errors still name the OOM first, but without the
+    first-failure ledger the last error line is cleanup's again — what the ledger buys, measured."""
+    run_dir, out = run_scenario(tmp_path, 3, "--resilience", "hardened", "--resilience.first_failure_ledger", "false")
+    assert out.returncode != 0
+    config = (run_dir / "config.yaml").read_text()
+    assert "first_failure_ledger: false" in config and "typed_errors: true" in config  # the resolved policy
+    errors = log_lines(run_dir, "controller-0", "ERROR")
+    assert "OutOfMemoryError in train-1" in errors[0] and "stage train" in errors[0]
+    assert not any("first failure of this run" in line for line in errors)
+    assert re.search(r"stop job.*RpcTimeout", errors[-1]), errors[-1]
+    assert "resilience hardened with first_failure_ledger off" in (run_dir / "logs" / "controller-0.log").read_text()
+
+
 def test_scenario5_full_disk_at_a_save_surfaces_one_step_later_in_weights_update(tmp_path):
     run_dir, out = run_scenario(tmp_path, 5)
     assert out.returncode != 0

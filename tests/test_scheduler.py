@@ -18,7 +18,10 @@ SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
 def _gone(pid, timeout_s=10.0):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:  # gone between two looks, or before the first
             return True
         time.sleep(0.05)
     return False
@@ -76,4 +79,18 @@ def test_scheduler_rejects_requests_without_the_token(scheduler):
         with pytest.raises(HTTPStatusError) as err:
             loop.run(Client(s.url, "wrong").call(path, {"name": "x", "command": SLEEPER}, method=method))
         assert err.value.status == 401, path
+    assert s.jobs() == []
+
+
+def test_an_exception_inside_the_scheduler_is_in_its_log_and_the_callers_error(scheduler, tmp_path):
+    from rlhf.runtime.errors import RemoteError
+
+    make, loop = scheduler
+    s = make()
+    with pytest.raises(RemoteError) as err:  # a job without a command: the handler's own KeyError
+        loop.run(s.client.call("/jobs", {"name": "broken"}, stage="startup", step=0))
+    info = err.value.info
+    assert (info.error_class, info.message, info.role) == ("KeyError", "'command'", "scheduler")
+    log = (tmp_path / "logs" / "scheduler-0.log").read_text()
+    assert "scheduler-0: POST /jobs failed at step 0: KeyError: 'command'" in log
     assert s.jobs() == []

@@ -35,7 +35,7 @@ from rlhf.faults.spec import FaultSpec, FaultSpecError, load_fault_file, parse_f
 
 log = logging.getLogger("rlhf.faults")
 
-__all__ = ["FaultSpec", "FaultSpecError", "KINDS", "POINTS", "afault_point", "arm", "audit", "disarm",
+__all__ = ["FaultSpec", "FaultSpecError", "KINDS", "POINTS", "afault_effects", "afault_point", "arm", "audit", "disarm",
            "fault_point", "load_fault_file", "parse_fault_dicts", "parse_faults_text", "restore_all"]
 
 
@@ -82,6 +82,22 @@ async def afault_point(point: str, step: int | None = None, peer: str = "", **co
     if not faults:
         return _NONE
     return [await _afire(armed, hit) for armed, hit in _due(point, faults, step, peer, context)]
+
+
+async def afault_effects(point: str, step: int | None = None, peer: str = "", **context: Any) -> list:
+    """afault_point for the transport: fire, then return the TransportEffects of the faults that fired."""
+    if _ARMED is None:
+        return []
+    faults = _ARMED.get(point)
+    if not faults:
+        return []
+    effects = []
+    for armed, hit in _due(point, faults, step, peer, context):
+        await _afire(armed, hit)
+        effect = armed.kind.transport_effect(hit)
+        if effect is not None:
+            effects.append(effect)
+    return effects
 
 
 def _peer_matches(pattern: str, peer: str) -> bool:

@@ -125,7 +125,8 @@ class RolloutEngine:
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, seed: int = 0,
                  stop_token_ids: list[int] | None = None) -> None:
-        from rlhf.models import pad_token_id, stop_token_ids as model_stop_ids
+        from rlhf.models import pad_token_id
+        from rlhf.models import stop_token_ids as model_stop_ids
 
         model_type = getattr(model.config, "model_type", "?")
         if model_type not in SUPPORTED_MODEL_TYPES:

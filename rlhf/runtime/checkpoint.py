@@ -12,9 +12,9 @@ back to the other slot.
 
 from __future__ import annotations
 
+import errno
 import glob
 import hashlib
-import errno
 import json
 import os
 import random
@@ -22,11 +22,11 @@ import shutil
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
+from safetensors.torch import save as to_bytes
 
 from rlhf import tracing
 from rlhf.faults import fault_point
-from safetensors.torch import load_file
-
 from rlhf.weights import export_state, import_state
 
 META = "meta.json"
@@ -113,7 +113,6 @@ def write_rank_files(directory: str, rank: int, model: torch.nn.Module | None, o
 
 def write_items(directory: str, items: list[tuple[str, Any]], fsync: bool, write_hook: Any = None) -> dict[str, str]:
     """Write snapshot items in place. The checkpoint.write point sits half-way through each tensor file."""
-    from safetensors.torch import save as to_bytes
 
     os.makedirs(directory, exist_ok=True)
     written: dict[str, str] = {}

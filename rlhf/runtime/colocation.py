@@ -12,6 +12,8 @@ import json
 import os
 import time
 
+import torch
+
 
 class DeviceBusy(RuntimeError):
     """The device is held by the colocated peer: on a GPU this would be an out-of-memory error."""
@@ -95,7 +97,6 @@ def fresh_allocation(run_dir: str, device: str, nbytes: int, what: str) -> None:
     leak = read_leak(run_dir, device)
     if leak is None:
         return
-    import torch
 
     mib = nbytes / (1 << 20)
     raise torch.OutOfMemoryError(

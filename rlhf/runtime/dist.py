@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -75,7 +76,6 @@ class GlooDataParallel:
         self.in_collective: tuple[str, float] | None = None  # (what, since): the heartbeat shows a rank stuck in one
 
     def _enter(self, what: str) -> None:
-        import time
 
         self.in_collective = (what, time.monotonic())
 

@@ -1,11 +1,15 @@
 """HTTP services and clients (aiohttp): token auth, typed errors, tensors without pickle.
 
-Server side: `Service(role, rank, token, resilience)` collects routes whose handlers are plain
-functions `handler(args: dict, tensors: dict) -> result | (result, tensors)`. Plain handlers
+Server side: `Service(role, rank, token, policy)` collects routes whose handlers are plain
+functions `handler(args: dict, tensors: dict) -> result | (result, tensors)`; services that speak
+raw aiohttp (the MetaServer, the scheduler) add their routes with `raw_route` and get the same
+auth, spans, fault effects and error replies. Plain handlers
 run one at a time on one worker thread (torch work and collectives stay off the event loop and
 in order); `async def` handlers run on the event loop (for waits that must not block others). Every request must carry the run token in `X-RLHF-Token` (401 otherwise). An error in a
-handler becomes a typed JSON reply {"error": ErrorInfo} with status 500 — or, with resilience
-`faithful`, aiohttp's bare "500 Internal Server Error" text, as in the seeds' system.
+handler is logged with its step and becomes a typed JSON reply {"error": ErrorInfo} with status
+500 — or, with the policy's typed_errors off, aiohttp's bare "500 Internal Server Error" text, as
+in the seeds' system. Faults that act on a request or reply reach this layer only as
+TransportEffects (`replace_reply`, `reply_tensors`): it knows no fault name.
 
 Client side: `Client(base_url, token)` with async `call()`; `LoopThread` runs coroutines from
 synchronous code, so a controller fans out with `loop.run(asyncio.gather(...))`.
@@ -24,9 +28,11 @@ import aiohttp
 from aiohttp import web
 
 from rlhf import tracing
-from rlhf.faults import afault_point
+from rlhf.faults import afault_effects, afault_point
 from rlhf.runtime import wire
 from rlhf.runtime.errors import ErrorInfo, HTTPStatusError, RemoteError, RpcConnectionError, RpcTimeout
+from rlhf.runtime.resilience import HARDENED, Policy
+from rlhf.tracing.metrics import ACTIVITY
 
 TOKEN_HEADER = "X-RLHF-Token"
 STAGE_HEADER = "X-RLHF-Stage"
@@ -39,15 +45,14 @@ log = logging.getLogger("rlhf.http")
 Handler = Callable[[dict, dict], Any]
 
 
-_CUT: contextvars.ContextVar[int] = contextvars.ContextVar("rlhf_cut", default=0)  # network_loss truncate_tensor
+_EFFECTS: contextvars.ContextVar[list] = contextvars.ContextVar("rlhf_transport_effects", default=[])
 
 
 class Service:
     """An aiohttp application with auth, typed errors and handlers run on one worker thread."""
 
-    def __init__(self, role: str, rank: int, token: str, resilience: str = "hardened") -> None:
-        self.role, self.rank, self.token, self.resilience = role, rank, token, resilience
-        wire.configure(checksums=resilience == "hardened")  # one mode per process: its clients follow it too
+    def __init__(self, role: str, rank: int, token: str, policy: Policy = HARDENED) -> None:
+        self.role, self.rank, self.token, self.policy = role, rank, token, policy
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{role}-{rank}")
         self.app = web.Application(middlewares=[self._trace, self._auth], client_max_size=1 << 34)
         self.stage, self.step = "", -1
@@ -58,7 +63,6 @@ class Service:
     @web.middleware
     async def _trace(self, request: web.Request, handler: Callable) -> web.StreamResponse:
         """A server span per request, child of the caller's span (W3C traceparent), in this service's role."""
-        from rlhf.tracing.metrics import ACTIVITY
 
         if request.path in self.untraced_paths:
             return await handler(request)
@@ -86,42 +90,37 @@ class Service:
     async def _auth(self, request: web.Request, handler: Callable) -> web.StreamResponse:
         if request.headers.get(TOKEN_HEADER) != self.token:
             return web.json_response({"error": "missing or wrong run token"}, status=401)
-        try:
-            directives = await afault_point("rpc.server.handle", peer=request.path,
-                                            stage=request.headers.get(STAGE_HEADER, ""))
+        stage, step = request.headers.get(STAGE_HEADER, ""), _int(request.headers.get(STEP_HEADER, "-1"))
+        try:  # faults that act on this request or its reply come back as effects; this layer knows no fault name
+            effects = await afault_effects("rpc.server.handle", peer=request.path, stage=stage)
         except Exception as exc:  # an injected error looks like the handler's own
-            return self._error_reply(exc, request.method, request.path, request.headers.get(STAGE_HEADER, ""),
-                                     _int(request.headers.get(STEP_HEADER, "-1")))
-        cut = 0
-        for d in directives:
-            action = d.get("server_action")
-            if action == "respond":
-                return web.Response(status=int(d["status"]), text=str(d["body"]))
-            if action == "truncate_tensor":
-                cut = int(d.get("cut", 1))  # applied to this reply's tensors, after the handler
-            if action in ("reset", "truncate") and request.transport is not None:
-                if action == "truncate":  # headers promise more than is sent: the client sees a cut body
-                    resp = web.StreamResponse(status=200, headers={"Content-Type": wire.JSON_TYPE})
-                    resp.content_length = 1 << 20
-                    await resp.prepare(request)
-                    await resp.write(b'{"partial": "')
-                    request.transport.abort()
-                    return resp
-                request.transport.abort()
-                return web.Response(status=500, text="connection reset")
-        token = _CUT.set(cut)  # a keep-alive connection serves its next request in this task: reset after
+            return self._error_reply(exc, request.method, request.path, stage, step)
+        for effect in effects:
+            reply = await effect.replace_reply(request)
+            if reply is not None:
+                return reply
+        token = _EFFECTS.set(effects)  # a keep-alive connection serves its next request in this task: reset after
         try:
             return await handler(request)
+        except web.HTTPException:
+            raise  # a deliberate reply (404 naming what is missing), not a failure
+        except Exception as exc:  # a raw route's own error: logged here and answered typed, like every handler's
+            return self._error_reply(exc, request.method, request.path, stage, step)
         finally:
-            _CUT.reset(token)
+            _EFFECTS.reset(token)
 
     def _error_reply(self, exc: BaseException, method: str, path: str, stage: str, step: int) -> web.Response:
         info = ErrorInfo.from_exception(exc, self.role, self.rank, stage, step)
         tracing.record_error(tracing.trace.get_current_span(), exc, info)
-        log.error("%s %s failed: %s: %s", method, path, info.error_class, info.message)
-        if self.resilience == "faithful":
+        log.error("%s-%d: %s %s failed%s: %s: %s", self.role, self.rank, method, path,
+                  f" at step {step}" if step >= 0 else "", info.error_class, info.message)
+        if not self.policy.typed_errors:
             return web.Response(status=500, text=BARE_500)
         return web.json_response({"error": info.to_dict()}, status=500)
+
+    def raw_route(self, method: str, path: str, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> None:
+        """An aiohttp handler behind the same middleware: an exception in it is logged and answered typed."""
+        self.app.router.add_route(method, path, handler)
 
     def route(self, path: str, fn: Handler, method: str = "POST", inline: bool = False) -> None:
         """Expose fn at path. Coroutine fns and inline=True run on the event loop (never block there)."""
@@ -154,12 +153,12 @@ class Service:
             if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
                 result, out_tensors = result
             sums = None
-            cut = _CUT.get()
-            if out_tensors and cut:  # emulated loss in transit: checksums (if any) were taken before it
-                sums = wire.digests(out_tensors) if wire.CHECKSUMS else None
-                out_tensors = {k: v[..., : max(0, v.shape[-1] - cut)].contiguous() if v.dim() else v
-                               for k, v in out_tensors.items()}
-            data, content_type = wire.encode(result, out_tensors, sums)
+            effects = _EFFECTS.get()
+            if out_tensors and effects:  # faults in transit act after the sender's checksums were taken
+                sums = wire.digests(out_tensors) if self.policy.stage_checksums else None
+                for effect in effects:
+                    out_tensors = effect.reply_tensors(out_tensors)
+            data, content_type = wire.encode(result, out_tensors, sums, checksums=self.policy.stage_checksums)
             return web.Response(body=data, content_type=content_type.split(";")[0])
 
         self.app.router.add_route(method, path, handle)
@@ -222,8 +221,11 @@ async def serve_forever(service: Service, host: str, port: int, on_ready: Callab
 class Client:
     """Calls one service. Timeouts are per call; errors come back typed (RemoteError) when they can."""
 
-    def __init__(self, base_url: str, token: str, timeout_s: float = 60.0, peer: str = "") -> None:
+    def __init__(self, base_url: str, token: str, timeout_s: float = 60.0, peer: str = "",
+                 checksums: bool = False) -> None:
+        """checksums: send per-tensor digests with request tensors (the policy's stage_checksums)."""
         self.base_url, self.token, self.timeout_s = base_url.rstrip("/"), token, timeout_s
+        self.checksums = checksums
         self.peer = peer or self.base_url.split("//", 1)[-1]
         self._session: aiohttp.ClientSession | None = None
 
@@ -274,7 +276,7 @@ class Client:
 
     async def _request(self, url: str, path: str, args: Any, tensors: dict | None, timeout: float, stage: str,
                        step: int, method: str, points: tuple[str, ...], raw: bool = False) -> tuple[Any, dict]:
-        body, content_type = wire.encode(args, tensors)
+        body, content_type = wire.encode(args, tensors, checksums=self.checksums)
         headers = {TOKEN_HEADER: self.token, "Content-Type": content_type, STAGE_HEADER: stage, STEP_HEADER: str(step)}
         tracing.inject_headers(headers)
         session = await self.session()

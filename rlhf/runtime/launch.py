@@ -18,12 +18,15 @@ from typing import Any
 
 import torch
 
-from rlhf import tracing
+from rlhf import faults, tracing
 from rlhf.config import Config
 from rlhf.run_dir import default_run_dir, make_run_dir, setup_logging
+from rlhf.runtime.controller import Controller
 from rlhf.runtime.dist import fetch, init_distributed, publish, shutdown_distributed
 from rlhf.runtime.http import ServiceThread
 from rlhf.runtime.procs import set_pdeathsig
+from rlhf.runtime.sft_controller import SFTController
+from rlhf.runtime.train_worker import TrainWorker
 from rlhf.tracing import metrics
 from rlhf.tracing.setup import stop_process_telemetry
 
@@ -59,11 +62,9 @@ def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
     tracing.setup_tracing(run_dir, "controller" if rank == 0 else "train", rank, cfg.tracing)
     metrics.start_sampler(run_dir, "train", rank, cfg.tracing.metrics_interval_s)
     if cfg.faults:
-        from rlhf import faults
 
         faults.arm(run_dir, cfg.faults)
 
-    from rlhf.runtime.train_worker import TrainWorker
 
     log.info("train-%d on %s, %s collectives (%s)", rank, info.device, info.backend, info.why)
     worker = TrainWorker(cfg, run_dir, rank, world, token, device=info.device)
@@ -76,12 +77,10 @@ def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
     failed = True
     try:
         if rank == 0:
-            from rlhf.runtime.controller import Controller
-            from rlhf.runtime.sft_controller import SFTController
 
             urls = [fetch(f"worker/{r}") for r in range(world)]
             log.info("run %s: %d train ranks (%s), %d rollout servers, weights %s, resilience %s%s", run_dir, world,
-                     info.backend, cfg.rollout.servers, cfg.weights.mode, cfg.runtime.resilience,
+                     info.backend, cfg.rollout.servers, cfg.weights.mode, cfg.resilience.describe(),
                      ", colocated" if cfg.runtime.colocate else "")
             summary = (SFTController if mode == "sft" else Controller)(cfg, run_dir, urls, token).run()
         else:
@@ -95,7 +94,6 @@ def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
         worker.close()
         if not busy:
             shutdown_distributed()
-        from rlhf import faults
 
         faults.restore_all("run end")
         stop_process_telemetry()

@@ -40,15 +40,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from rlhf import tracing
 from rlhf.faults import afault_point
-from rlhf.weights import ShardCorrupt, decode_shard, shard_header
-
 from rlhf.runtime import wire
 from rlhf.runtime.errors import HTTPStatusError
 from rlhf.runtime.http import STAGE_HEADER, STEP_HEADER, TOKEN_HEADER, Service, ServiceThread
+from rlhf.runtime.resilience import HARDENED, Policy
+from rlhf.weights import ShardCorrupt, decode_shard, shard_header
 
 log = logging.getLogger("rlhf.metaserver")
 
@@ -116,9 +117,9 @@ def sweep_stale_shm(root: str | None = None) -> list[str]:
 
 
 class MetaServer:
-    def __init__(self, token: str, max_versions: int = 2, max_bytes: int = 4 << 30, resilience: str = "hardened",
+    def __init__(self, token: str, max_versions: int = 2, max_bytes: int = 4 << 30, policy: Policy = HARDENED,
                  transport: str = "shm") -> None:
-        self.service = Service("metaserver", 0, token, resilience)
+        self.service = Service("metaserver", 0, token, policy)
         self.max_versions, self.max_bytes = max_versions, max_bytes
         self.versions: dict[str, _Version] = {}
         self.lock = threading.Lock()
@@ -128,13 +129,13 @@ class MetaServer:
             if stale:
                 log.info("removed %d shared-memory weight folder(s) of dead runs: %s", len(stale), ", ".join(stale))
             self.shm_dir = tempfile.mkdtemp(prefix=f"{SHM_PREFIX}{os.getpid()}-", dir=shm_root())  # mode 0700
-        app = self.service.app
-        app.router.add_post("/versions", self._open)
-        app.router.add_put("/weights/{version}/{shard}", self._put)
-        app.router.add_get("/weights/{version}/manifest", self._manifest)
-        app.router.add_get("/weights/{version}/{shard}", self._get)
-        app.router.add_delete("/weights/{version}", self._delete)
-        app.router.add_get("/health", self._health)
+        route = self.service.raw_route  # raw bodies (shards), behind the same auth, spans and typed errors
+        route("POST", "/versions", self._open)
+        route("PUT", "/weights/{version}/{shard}", self._put)
+        route("GET", "/weights/{version}/manifest", self._manifest)
+        route("GET", "/weights/{version}/{shard}", self._get)
+        route("DELETE", "/weights/{version}", self._delete)
+        route("GET", "/health", self._health)
         self.thread = ServiceThread(self.service)
 
     def start(self) -> str:
@@ -244,7 +245,6 @@ class MetaServer:
 async def push_shard(client: Any, version: str, shard: str, body: bytes | None, timeout_s: float,
                      path: str = "") -> None:
     """Train side of a meta-mode update: PUT one rank's shard (its bytes, or the path of the file it wrote)."""
-    import aiohttp
 
     session = await client.session()
     url = f"{client.base_url}/weights/{version}/{shard}"

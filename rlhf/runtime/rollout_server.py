@@ -22,31 +22,37 @@ from typing import Any
 
 import torch
 
-from rlhf import tracing
-from rlhf.faults import afault_point, fault_point
+from rlhf import faults, tracing
+from rlhf.config import build_config
 from rlhf.devices import relocate
+from rlhf.faults import afault_point, fault_point
+from rlhf.models import build_model_and_tokenizer
+from rlhf.rollout.engine import RolloutEngine
+from rlhf.run_dir import setup_logging
 from rlhf.runtime.colocation import DeviceBusy, DeviceLease, device_name, fresh_allocation, read_leak
 from rlhf.runtime.http import DEFAULT_HOST, Client, Service, serve_forever
 from rlhf.runtime.metaserver import pull_weights
 from rlhf.runtime.procs import set_pdeathsig, write_atomic
+from rlhf.runtime.resilience import HARDENED, Policy
 from rlhf.tracing.setup import start_process_telemetry, stop_process_telemetry
 
 log = logging.getLogger("rlhf.rollout_server")
 
 
 class DeviceMemoryNotReleased(RuntimeError):
-    """hardened: a release_memory_occupation left device memory allocated."""
+    """verify_release: a release_memory_occupation left device memory allocated."""
 
 
 class RolloutServer:
-    def __init__(self, engine: Any, rank: int, token: str, resilience: str = "hardened",
+    def __init__(self, engine: Any, rank: int, token: str, policy: Policy = HARDENED,
                  lease: DeviceLease | None = None, lease_timeout_s: float = 30.0, run_dir: str = "",
                  verify_checksum: str = "sha256") -> None:
         self.engine, self.rank, self.token, self.run_dir = engine, rank, token, run_dir
         self.verify_checksum = verify_checksum  # algorithm of /weights_checksum (weights.verify)
         self.device = device_name("rollout", rank, lease is not None)
         self.lease, self.lease_timeout_s = lease, lease_timeout_s
-        self.service = Service("rollout", rank, token, resilience)
+        self.service = Service("rollout", rank, token, policy)
+        self.policy = policy
         r = self.service.route
         r("/generate", self.generate)
         r("/update_weights_from_disk", self.update_weights_from_disk)
@@ -63,7 +69,7 @@ class RolloutServer:
 
     def generate(self, args: dict, tensors: dict) -> Any:
         if self.lease is not None and not self.lease.held:
-            if self.service.resilience == "faithful":
+            if not self.policy.device_busy_fails_fast:
                 self._wait_for_device()
             else:
                 raise DeviceBusy(f"rollout server {self.rank}: generate without the device lease (device "
@@ -81,7 +87,7 @@ class RolloutServer:
         return out[0] if single and len(out) == 1 else out
 
     def _wait_for_device(self) -> None:
-        """faithful: a generate that finds the device taken retries its allocation, as a CUDA caching allocator
+        """device_busy_fails_fast off: a generate that finds the device taken retries its allocation, as a CUDA caching allocator
         retry loop would, each failure an ERROR line, until lease_timeout_s."""
         assert self.lease is not None
         start = time.monotonic()
@@ -133,8 +139,8 @@ class RolloutServer:
         if self.lease is not None:
             self.lease.release()
         leak = read_leak(self.run_dir, self.device) if self.run_dir else None
-        if leak and leak.get("pid") == os.getpid() and self.service.resilience == "hardened":
-            # hardened: check that a release really freed the device, here, instead of at the peer's next allocation
+        if leak and leak.get("pid") == os.getpid() and self.policy.verify_release:
+            # check that a release really freed the device, here, instead of at the peer's next allocation
             raise DeviceMemoryNotReleased(f"rollout-{self.rank} still holds {leak['leaked_mb']:g} MB of {self.device} "
                                           "after releasing it; its colocated train rank cannot allocate")
         return reply
@@ -191,19 +197,13 @@ def main(argv: list[str] | None = None) -> int:
     if not token:
         parser.error("RLHF_TOKEN is not set (the run token is passed in the environment)")
 
-    import torch
 
-    from rlhf.config import build_config
-    from rlhf.models import build_model_and_tokenizer
-    from rlhf.rollout.engine import RolloutEngine
-    from rlhf.run_dir import setup_logging
 
     setup_logging(args.run_dir, "rollout", args.rank, console=False)
     torch.set_num_threads(int(os.environ.get("RLHF_ROLLOUT_THREADS", "1")))
     cfg = build_config(config_file=args.config)
     start_process_telemetry(args.run_dir, "rollout", args.rank, cfg.tracing)
     if cfg.faults:
-        from rlhf import faults
 
         faults.arm(args.run_dir, cfg.faults)
     model, tok = build_model_and_tokenizer(cfg.model, seed=cfg.seed, device=args.device or None)
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     seed = (cfg.rollout.seed if cfg.rollout.seed >= 0 else cfg.seed + 17) + 1000 * args.rank
     engine = RolloutEngine(model, tok, seed=seed)
     lease = DeviceLease(args.run_dir, args.rank, f"rollout-{args.rank}") if args.colocate else None
-    server = RolloutServer(engine, args.rank, token, cfg.runtime.resilience, lease, cfg.runtime.lease_timeout_s,
+    server = RolloutServer(engine, args.rank, token, cfg.resilience, lease, cfg.runtime.lease_timeout_s,
                            args.run_dir, cfg.weights.verify_checksum)
 
     def ready(port: int) -> None:

@@ -28,9 +28,14 @@ from typing import Any
 
 from aiohttp import web
 
-from rlhf import tracing
+from rlhf import faults, tracing
+from rlhf.config import Config, build_config
+from rlhf.run_dir import setup_logging
 from rlhf.runtime.http import DEFAULT_HOST, Client, LoopThread, Service, serve_forever
+from rlhf.runtime.metaserver import sweep_stale_shm
 from rlhf.runtime.procs import set_pdeathsig, spawn, stop_group, wait_for_file, write_atomic
+from rlhf.runtime.resilience import HARDENED, Policy
+from rlhf.tracing.setup import start_process_telemetry, stop_process_telemetry, tracing_config_of_run
 
 log = logging.getLogger("rlhf.scheduler")
 
@@ -54,19 +59,19 @@ class Job:
 
 
 class Scheduler:
-    def __init__(self, run_dir: str, token: str, lease_s: float) -> None:
+    def __init__(self, run_dir: str, token: str, lease_s: float, policy: Policy = HARDENED) -> None:
         self.run_dir, self.lease_s = run_dir, lease_s
         self.jobs: dict[str, Job] = {}
         self.last_renewal = time.monotonic()
-        self.service = Service("scheduler", 0, token)
+        self.service = Service("scheduler", 0, token, policy)
         self.service.untraced_paths.add("/lease")  # a heartbeat every few seconds; not worth a trace each
-        app = self.service.app
-        app.router.add_post("/jobs", self._submit)
-        app.router.add_get("/jobs", self._list)
-        app.router.add_get("/jobs/{name}", self._get)
-        app.router.add_delete("/jobs/{name}", self._cancel)
-        app.router.add_post("/lease", self._renew)
-        app.router.add_get("/health", self._health)
+        route = self.service.raw_route  # behind the same auth, spans and typed errors as every service
+        route("POST", "/jobs", self._submit)
+        route("GET", "/jobs", self._list)
+        route("GET", "/jobs/{name}", self._get)
+        route("DELETE", "/jobs/{name}", self._cancel)
+        route("POST", "/lease", self._renew)
+        route("GET", "/health", self._health)
 
     async def _submit(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -126,16 +131,12 @@ class Scheduler:
                 log.error("controller lease lapsed (%.1f s without renewal): stopping every job", self.lease_s)
                 self.stop_all("lease lapsed")
                 _sweep_shm()
-                from rlhf.tracing.setup import stop_process_telemetry
-
                 stop_process_telemetry()
                 os._exit(3)
 
 
 def _sweep_shm() -> None:
     """A controller that died (SIGKILL) left its MetaServer's shared-memory shards: remove those of dead pids."""
-    from rlhf.runtime.metaserver import sweep_stale_shm
-
     removed = sweep_stale_shm()
     if removed:
         log.warning("removed shared-memory weight folder(s) of dead MetaServers: %s", ", ".join(removed))
@@ -152,14 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     token = os.environ.get("RLHF_TOKEN")
     if not token:
         parser.error("RLHF_TOKEN is not set")
-    from rlhf.run_dir import setup_logging
-
-    from rlhf.tracing.setup import start_process_telemetry, stop_process_telemetry, tracing_config_of_run
-
     setup_logging(args.run_dir, "scheduler", 0, console=False)
     start_process_telemetry(args.run_dir, "scheduler", 0, tracing_config_of_run(args.run_dir))
-    _arm_faults(args.run_dir)
-    scheduler = Scheduler(args.run_dir, token, args.lease_s)
+    cfg = _run_config(args.run_dir)
+    if cfg is not None and cfg.faults:
+        faults.arm(args.run_dir, cfg.faults)
+    scheduler = Scheduler(args.run_dir, token, args.lease_s, cfg.resilience if cfg is not None else HARDENED)
 
     def on_term(signum: int, frame: Any) -> None:
         scheduler.stop_all(f"scheduler got signal {signum}")
@@ -190,15 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _arm_faults(run_dir: str) -> None:
+def _run_config(run_dir: str) -> Config | None:
+    """The run's config.yaml (its faults and resilience policy), or None when started on its own."""
     path = os.path.join(run_dir, "config.yaml")
-    if os.path.exists(path):
-        from rlhf import faults
-        from rlhf.config import build_config
-
-        specs = build_config(config_file=path).faults
-        if specs:
-            faults.arm(run_dir, specs)
+    return build_config(config_file=path) if os.path.exists(path) else None
 
 
 class SchedulerClient:

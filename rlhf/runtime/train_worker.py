@@ -15,18 +15,24 @@ import contextvars
 import logging
 import os
 import queue
+import shutil
 import threading
 import time
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 
-from rlhf import tracing
+from rlhf import clock, tracing
 from rlhf.config import Config
+from rlhf.data import PromptSampler, build_sft_batch
+from rlhf.devices import relocate
+from rlhf.evaluation import evaluate
 from rlhf.faults import afault_point, fault_point
 from rlhf.models import DTYPES, build_model_and_tokenizer, stop_token_ids
+from rlhf.rollout.engine import RolloutEngine
 from rlhf.runtime import checkpoint as ckpt
-from rlhf.devices import relocate
+from rlhf.runtime.batch_memory import BatchSizeMismatch
 from rlhf.runtime.colocation import DeviceLease, device_name, fresh_allocation
 from rlhf.runtime.dist import GlooDataParallel
 from rlhf.runtime.http import Client, Service
@@ -62,7 +68,7 @@ class TrainWorker:
         self.device = device_name("train", rank, cfg.runtime.colocate)
         if self.lease is not None:
             self.lease.acquire(cfg.runtime.lease_timeout_s)
-        self.service = Service("train", rank, token, cfg.runtime.resilience)
+        self.service = Service("train", rank, token, cfg.resilience)
         for name in ("sft_warm_start", "begin_grpo", "compute_logprobs", "train_step", "upload_weights",
                      "save_weights_dir", "save", "load", "events", "sft_begin", "sft_step", "sft_eval",
                      "sft_run_for"):
@@ -108,13 +114,11 @@ class TrainWorker:
                                   keep_reference=cfg.algorithm.kl_coef > 0, dp=self.dp, compute_dtype=self.wire_dtype)
         ref_path = os.path.join(self.run_dir, "checkpoints", "reference", "model.safetensors")
         if args.get("load_reference") and self.engine.reference is not None:
-            from safetensors.torch import load_file
 
             import_state(self.engine.reference, load_file(ref_path))
         elif self.rank == 0 and self.engine.reference is not None and args.get("save_reference", True):
             os.makedirs(os.path.dirname(ref_path), exist_ok=True)
             tmp = ref_path + ".tmp"
-            from safetensors.torch import save_file
 
             save_file({k: v.contiguous() for k, v in export_state(self.engine.reference).items()}, tmp)
             os.replace(tmp, ref_path)
@@ -140,7 +144,6 @@ class TrainWorker:
     # ------------------------------------------------------------------ the SFT baseline (SFTController)
 
     def sft_begin(self, args: dict, tensors: dict) -> dict:
-        from rlhf.data import PromptSampler
 
         self._require_device("sft")
         cfg = self.cfg
@@ -152,7 +155,6 @@ class TrainWorker:
 
     def sft_step(self, args: dict, tensors: dict) -> dict:
         """One SFT step: every rank draws the same global batch and trains on its share (as the warm start)."""
-        from rlhf.data import build_sft_batch
 
         self._require_device("sft_step")
         fault_point("train.step")
@@ -166,8 +168,6 @@ class TrainWorker:
         The seeds' stall: a rank whose clock runs ahead leaves first and waits in the final collective
         while the others start another step, so their next collective never completes.
         """
-        from rlhf import clock
-        from rlhf.data import build_sft_batch
 
         start, step = clock.now(), 0
         self.loop_phase = "loop"
@@ -192,8 +192,6 @@ class TrainWorker:
     def sft_eval(self, args: dict, tensors: dict) -> dict:
         if args.get("skip"):
             return {"accuracy": None}
-        from rlhf.evaluation import evaluate
-        from rlhf.rollout.engine import RolloutEngine
 
         self.model.eval()
         engine = RolloutEngine(self.model, self.tokenizer)
@@ -203,7 +201,6 @@ class TrainWorker:
 
     def _check_global_batch(self, tensors: dict) -> None:
         """The global batch must be rollout.prompts_per_step x group_size rows, as the engine is configured."""
-        from rlhf.runtime.batch_memory import BatchSizeMismatch
 
         rows = int(tensors["input_ids"].shape[0])
         total = int(self.dp.all_reduce_sum(torch.tensor([float(rows)]))[0].item())
@@ -257,7 +254,6 @@ class TrainWorker:
             tmp = path + ".tmp"
             save_state_dir(self.model, tmp, self.tokenizer)
             if os.path.exists(path):
-                import shutil
 
                 shutil.rmtree(path)
             os.replace(tmp, path)

@@ -3,11 +3,11 @@
 Never pickle. A tensor-carrying body is one safetensors blob whose `__metadata__["json"]`
 holds the call's JSON arguments, so one parser (the safetensors header) reads both.
 
-With checksums on (hardened processes: `configure(checksums=True)`), the sender also puts the
+With checksums on (`encode(..., checksums=True)`: the policy's stage_checksums), the sender also puts the
 sha256 and shape of every tensor in `__metadata__["sha256"]`, taken where the tensor was made,
 and the receiver checks them: data that changed between stages fails where it arrives, naming
-the sender, instead of as a shape error stages later. faithful processes, like the seeds'
-system, send no checksums.
+the sender, instead of as a shape error stages later. Without them, like the seeds' system, a
+changed tensor travels on unnoticed.
 """
 
 from __future__ import annotations
@@ -25,16 +25,8 @@ JSON_TYPE = "application/json"
 TENSORS_TYPE = "application/x-rlhf-safetensors"
 
 
-CHECKSUMS = False
-
-
 class CorruptPayload(ValueError):
     """A tensor that does not match the checksum its sender computed."""
-
-
-def configure(checksums: bool) -> None:
-    global CHECKSUMS
-    CHECKSUMS = checksums
 
 
 def digests(tensors: dict[str, torch.Tensor]) -> dict[str, list]:
@@ -48,11 +40,11 @@ def digests(tensors: dict[str, torch.Tensor]) -> dict[str, list]:
 
 
 def encode(obj: Any = None, tensors: dict[str, torch.Tensor] | None = None,
-           sums: dict[str, list] | None = None) -> tuple[bytes, str]:
-    """sums: checksums taken earlier (where the tensors were made); computed here when checksums are on."""
+           sums: dict[str, list] | None = None, checksums: bool = False) -> tuple[bytes, str]:
+    """sums: checksums taken earlier (where the tensors were made); computed here when `checksums` is on."""
     if tensors:
         metadata = {"json": json.dumps(obj)}
-        if sums is None and CHECKSUMS:
+        if sums is None and checksums:
             sums = digests(tensors)
         if sums is not None:
             metadata["sha256"] = json.dumps(sums)

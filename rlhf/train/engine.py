@@ -19,11 +19,9 @@ import math
 from typing import Any, Callable, Protocol
 
 import torch
-
 import torch.nn.functional as F
 
 from rlhf import tracing
-
 from rlhf.algorithms import LOSSES
 from rlhf.algorithms.sft import nll_loss
 

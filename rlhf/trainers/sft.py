@@ -9,8 +9,6 @@ past `sft.band_high`. Baseline mode runs `sft.max_steps` steps.
 
 from __future__ import annotations
 
-from rlhf.faults import fault_point
-
 import logging
 import time
 from typing import Any
@@ -19,6 +17,7 @@ import torch
 
 from rlhf.data import PromptSampler, build_sft_batch
 from rlhf.evaluation import evaluate
+from rlhf.faults import fault_point
 from rlhf.rollout.engine import RolloutEngine
 from rlhf.tasks import RewardFn, Task
 from rlhf.train.engine import TrainEngine

@@ -6,6 +6,8 @@ each time it triggers (inline: delays, errors, hangs, kills) or starts an effect
 real or emulated on this machine (EMULATED, said in its DOC too).
 
     inject(hit) -> dict     act (inline) or start the effect (background); returns what it did
+    transport_effect(hit)   for kinds that act on one request or reply (HTTP error, reset, cut body,
+                            cut tensors): a TransportEffect the HTTP server applies, knowing no fault name
     verify()    -> dict     evidence that it landed: burners burning, bytes held, delay measured
     restore()   -> dict     undo; safe to call twice; also run at run end and by the leftover audit
 """
@@ -28,6 +30,19 @@ class Hit:
     step: int = -1
     peer: str = ""
     context: dict[str, Any] = field(default_factory=dict)
+
+
+class TransportEffect:
+    """What a fault does to one request on the server side. The transport calls both hooks on every
+    effect a fired fault returns; the defaults change nothing."""
+
+    async def replace_reply(self, request: Any) -> Any:
+        """A reply (aiohttp StreamResponse) sent instead of running the handler, or None to run it."""
+        return None
+
+    def reply_tensors(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        """The reply's tensors as they leave (after the sender's checksums were taken)."""
+        return tensors
 
 
 class FaultKind:
@@ -57,6 +72,10 @@ class FaultKind:
 
     async def ainject(self, hit: Hit) -> dict[str, Any]:
         return self.inject(hit)
+
+    def transport_effect(self, hit: Hit) -> TransportEffect | None:
+        """Kinds that act on the request or reply at rpc.server.handle return what the server must do."""
+        return None
 
     def verify(self) -> dict[str, Any]:
         return {}

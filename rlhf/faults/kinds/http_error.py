@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlhf.faults.kinds import FaultKind, Hit, register
+from aiohttp import web
+
+from rlhf.faults.kinds import FaultKind, Hit, TransportEffect, register
+
+
+class Respond(TransportEffect):
+    def __init__(self, status: int, body: str) -> None:
+        self.status, self.body = status, body
+
+    async def replace_reply(self, request: Any) -> web.Response:
+        return web.Response(status=self.status, text=self.body)
 
 
 @register
@@ -29,4 +39,7 @@ class HttpError(FaultKind):
         return None
 
     def inject(self, hit: Hit) -> dict[str, Any]:
-        return {"server_action": "respond", "status": self.params["status"], "body": self.params["body"]}
+        return {"status": self.params["status"], "body": self.params["body"]}
+
+    def transport_effect(self, hit: Hit) -> TransportEffect:
+        return Respond(self.params["status"], self.params["body"])

@@ -5,7 +5,42 @@ from __future__ import annotations
 import errno
 from typing import Any
 
-from rlhf.faults.kinds import FaultKind, Hit, register
+import aiohttp
+from aiohttp import web
+
+from rlhf.faults.kinds import FaultKind, Hit, TransportEffect, register
+
+
+class ResetConnection(TransportEffect):
+    """The server aborts the TCP connection: the client sees a reset."""
+
+    async def replace_reply(self, request: Any) -> web.StreamResponse:
+        if request.transport is not None:
+            request.transport.abort()
+        return web.Response(status=500, text="connection reset")
+
+
+class CutBody(TransportEffect):
+    """The headers promise more than is sent, then the connection ends: the client sees a cut body."""
+
+    async def replace_reply(self, request: Any) -> web.StreamResponse:
+        resp = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
+        resp.content_length = 1 << 20
+        await resp.prepare(request)
+        await resp.write(b'{"partial": "')
+        if request.transport is not None:
+            request.transport.abort()
+        return resp
+
+
+class TruncateTensors(TransportEffect):
+    """Each reply tensor loses its last `cut` entries along the last dimension (emulated re-framing)."""
+
+    def __init__(self, cut: int) -> None:
+        self.cut = cut
+
+    def reply_tensors(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        return {k: v[..., : max(0, v.shape[-1] - self.cut)].contiguous() if v.dim() else v for k, v in tensors.items()}
 
 
 @register
@@ -39,9 +74,13 @@ class NetworkLoss(FaultKind):
             return "network_loss mode truncate_tensor acts on rpc.server.handle (the reply); points: " + ", ".join(matched)
         return None
 
+    def transport_effect(self, hit: Hit) -> TransportEffect | None:
+        if hit.point != "rpc.server.handle":
+            return None
+        mode = self.params["mode"]
+        return ResetConnection() if mode == "reset" else CutBody() if mode == "truncate" else TruncateTensors(self.params["cut"])
+
     def inject(self, hit: Hit) -> dict[str, Any]:
         if hit.point == "rpc.server.handle":
-            return {"lost": True, "server_action": self.params["mode"], "cut": self.params["cut"]}  # the Service acts
-        import aiohttp
-
+            return {"lost": True, "mode": self.params["mode"], "cut": self.params["cut"]}  # the server acts
         raise aiohttp.ClientOSError(errno.ECONNRESET, f"Connection reset by peer (network_loss to {hit.peer})")

@@ -1,0 +1,197 @@
+"""RunLifecycle: what the GRPO and SFT controllers share, written once.
+
+    run():  startup → evaluate → step 1..N (steps.csv) → evaluate → summary.json
+            any failure: recorded with the step and stage it happened in ("run failed: ...")
+            always: cleanup; then, with the policy's first_failure_ledger, the first failure again
+            as the last error line, whatever cleanup logged after it
+
+A subclass gives the stages (`startup`, `step`, `evaluate`) and what only it has (`stop_services`,
+`summary_extras`); checkpoints (`checkpoint`) follow the policy here: atomic_checkpoints stages
+and renames a slot, fatal_save_errors decides whether a failed save stops the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import statistics
+import time
+from typing import Any
+
+from rlhf import faults, tracing
+from rlhf.config import Config
+from rlhf.run_dir import StepsWriter, write_json
+from rlhf.runtime import checkpoint as ckpt
+from rlhf.runtime.control.workers import WorkerGroup
+from rlhf.runtime.http import Client, LoopThread
+from rlhf.stages import StageClock
+
+log = logging.getLogger("rlhf.controller")
+
+
+class RunLifecycle:
+    columns: list[str] = []  # steps.csv
+    loop_name = "controller-rpc"
+    label = "training"  # in the eval log lines: "eval accuracy before GRPO"
+
+    def __init__(self, cfg: Config, run_dir: str, worker_urls: list[str], token: str) -> None:
+        self.cfg, self.run_dir, self.token, self.policy = cfg, run_dir, token, cfg.resilience
+        self.loop = LoopThread(self.loop_name)
+        self.workers = WorkerGroup(worker_urls, token, self.loop, cfg.runtime.rpc_timeout_s,
+                                   checksums=self.policy.stage_checksums)
+        self.where: dict[str, Any] = {"step": -1, "stage": "startup"}  # what runs now (for the first failure)
+        self.first_failure = ""
+        self.start_step = 0
+        self.resumed = False
+
+    # ------------------------------------------------------------------ what a controller provides
+
+    def startup(self) -> None:
+        raise NotImplementedError
+
+    def step(self, step: int) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def evaluate(self) -> float:
+        raise NotImplementedError
+
+    def eval_note(self) -> str:
+        return ""
+
+    def total_steps(self) -> int:
+        return self.cfg.steps
+
+    def after_step(self, step: int, row: dict[str, Any]) -> None:
+        """Periodic evaluation and the step's log line."""
+
+    def train(self) -> list[dict[str, Any]]:
+        """Steps start_step+1 .. total_steps, one steps.csv row each."""
+        writer = StepsWriter(os.path.join(self.run_dir, "steps.csv"), self.columns)
+        rows = []
+        try:
+            for step in range(self.start_step + 1, self.total_steps() + 1):
+                with tracing.span("step", step=step, new_trace=True), tracing.at_step(step):
+                    faults.fault_point("step.begin", step=step)
+                    row = self.step(step)
+                self.after_step(step, row)
+                writer.write(row)
+                rows.append(row)
+        finally:
+            writer.close()
+        return rows
+
+    def summary_extras(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        return {}
+
+    def checkpoint_state(self, step: int) -> dict[str, Any]:
+        """The controller's part of a checkpoint's meta.json."""
+        return {}
+
+    def stop_services(self) -> None:
+        """Stop what this controller started besides the train ranks."""
+
+    def clients(self) -> list[Client]:
+        return list(self.workers.clients)
+
+    # ------------------------------------------------------------------ the run
+
+    def run(self) -> dict[str, Any]:
+        start = time.perf_counter()
+        try:
+            with tracing.span("startup", new_trace=True, world_size=len(self.workers)):
+                self.startup()
+            before = self.evaluate()
+            log.info("eval accuracy %s: %.3f%s", "at resume" if self.resumed else f"before {self.label}", before,
+                     self.eval_note())
+            rows = self.train()
+            after = self.evaluate()
+            log.info("eval accuracy after %s: %.3f (before %.3f, gain %+.3f)", self.label, after, before, after - before)
+            times = [r["seconds"] for r in rows]
+            summary = {"eval_accuracy_before": before, "eval_accuracy_after": after, "steps": self.total_steps(),
+                       "seconds": time.perf_counter() - start,
+                       "step_time_median_s": statistics.median(times) if times else 0.0, "seed": self.cfg.seed,
+                       "world_size": len(self.workers), "resilience": self.policy.describe(),
+                       **self.summary_extras(rows), "run_dir": self.run_dir}
+            write_json(os.path.join(self.run_dir, "summary.json"), summary)
+            return summary
+        except BaseException as exc:
+            step, stage = self.where["step"], self.where["stage"]
+            self.first_failure = (f"step {step}, stage {stage}" if step >= 0 else stage) + f": {type(exc).__name__}: {exc}"
+            log.error("run failed: %s", self.first_failure)
+            raise
+        finally:
+            self.cleanup()
+            if self.first_failure and self.policy.first_failure_ledger:
+                # whatever cleanup logged, the last error line names the first failure
+                log.error("first failure of this run: %s", self.first_failure)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def checkpoint(self, slot: str, step: int, background: bool = False) -> bool:
+        """Save `slot` per the policy: a failure stops the run (fatal_save_errors) or is a WARNING (returns False).
+
+        background (only without fatal_save_errors, checkpoint.periodic_async): the ranks write on a writer
+        thread and reply at once; meta.json is written without waiting for them (the seeds' asynchronous save).
+        """
+        stage = "latest_recover_save" if slot.startswith("latest") else "periodic_recover_save"
+        if self.policy.fatal_save_errors:
+            self.save(slot, step, stage)
+            return True
+        try:
+            self.save(slot, step, stage, background)
+            return True
+        except (RuntimeError, OSError, TimeoutError) as exc:
+            log.warning("step %d: %s to %s failed (%s: %s); continuing", step, stage, slot, type(exc).__name__, exc)
+            return False
+
+    def save(self, slot: str, step: int, stage: str, background: bool = False) -> None:
+        """Every rank writes its files, then meta.json last; atomic_checkpoints: in a staging folder, renamed."""
+        checkpoints = os.path.join(self.run_dir, "checkpoints")
+        atomic = self.policy.atomic_checkpoints
+        final = os.path.join(checkpoints, slot)
+        directory = os.path.join(checkpoints, f".staging-{slot.replace(os.sep, '-')}") if atomic else final
+        if atomic:
+            shutil.rmtree(directory, ignore_errors=True)
+        os.makedirs(directory, exist_ok=True)
+        replies = self.workers.call("save", {"directory": directory, "fsync": True, "background": background},
+                                    step=step, stage=stage)
+        files: dict[str, str] = {}
+        for reply, _ in replies:
+            files.update(reply["files"])
+        meta = {"step": step, "complete": True, "files": files, "slot": slot, "controller": self.checkpoint_state(step)}
+        ckpt.finish_slot(checkpoints, slot, directory, meta, atomic)
+
+    # ------------------------------------------------------------------ cleanup
+
+    def cleanup(self) -> None:
+        """Stop services, then the train ranks. Errors here are logged, never raised over the first."""
+        with tracing.span("cleanup", stage="cleanup", new_trace=True):
+            self.stop_services()
+            errors = []
+            try:
+                self.workers.call("shutdown", timeout_s=10, stage="cleanup")
+            except (RuntimeError, OSError, TimeoutError) as exc:
+                errors.append(f"worker shutdown: {type(exc).__name__}: {exc}")
+            faults.restore_all("run end")
+            report = faults.audit(self.run_dir)  # what dead processes left behind: helpers, fill files
+            if report["unrestored"]:
+                log.warning("fault audit: %d injection(s) not restored by their process; cleaned: %s",
+                            len(report["unrestored"]), "; ".join(report["cleaned"]) or "nothing left")
+            for e in errors:
+                log.error("cleanup: %s", e)
+            self.loop.gather(*[c.close() for c in self.clients()], return_exceptions=True)
+            self.loop.close()
+
+
+class TrackedClock(StageClock):
+    """A StageClock that also tells the controller which stage is running (for the failure report)."""
+
+    def __init__(self, step: int, where: dict[str, Any]) -> None:
+        super().__init__(step)
+        self.where = where
+        where.update(step=step, stage="step")
+
+    def stage(self, name: str):  # type: ignore[override]
+        self.where["stage"] = name
+        return super().stage(name)

@@ -1,0 +1,78 @@
+"""The resilience policy: every behaviour that separates the seeds' system from ours, by name.
+
+    --resilience faithful|hardened                 pick a preset (all behaviours at once)
+    --resilience.first_failure_ledger false        then switch one behaviour on or off
+
+Code asks the behaviour, never the preset's name (`policy.atomic_checkpoints`). Every process
+gets the same `Policy` from the run's config.yaml, which records the resolved values, so a
+researcher can measure what one behaviour buys on a scenario: run it twice, flipping only that.
+
+FAITHFUL reproduces the system the seeds describe (bare 500s, fire-and-forget events, in-place
+checkpoints, cleanup errors last); HARDENED is what we recommend and the default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Policy:
+    preset: str = "hardened"
+    """Preset the behaviours start from: faithful (the seeds' system) or hardened (recommended); setting it resets every behaviour below to the preset's value."""
+    typed_errors: bool = True
+    """A failed request answers with a typed JSON body (class, message, role, rank, stage, step); off: aiohttp's bare '500 Internal Server Error'."""
+    stage_checksums: bool = True
+    """Tensors crossing processes carry per-tensor sha256 digests checked where they arrive (names the sender); off: changed data surfaces stages later."""
+    acked_events: bool = True
+    """Colocation events must be acknowledged: a lost one is retried 3 times, then EventNotDelivered names the peer; off: fire and forget (a WARNING)."""
+    atomic_checkpoints: bool = True
+    """Checkpoint slots are written to a staging folder, fsynced and renamed into place, and resume checks their checksums; off: written in place."""
+    fatal_save_errors: bool = True
+    """A failed checkpoint save fails the step where it happened; off: a WARNING and the run goes on (checkpoint.periodic_async is allowed)."""
+    first_failure_ledger: bool = True
+    """The controller's last error line repeats the run's first failure, whatever cleanup logs after it."""
+    strict_rollout: bool = True
+    """A rollout server that fails or times out fails the step in rollout; off: a dead server's samples are dropped and a timed-out one's kept as aborted (no tokens)."""
+    private_weights_dir: bool = True
+    """Disk-mode weights go to their own folder (weights/latest); off: rollout servers load the newest parity checkpoint, written in place."""
+    device_busy_fails_fast: bool = True
+    """A colocated rollout server that finds the device taken answers DeviceBusy naming the holder at once; off: it retries its allocation every second until lease_timeout_s."""
+    verify_release: bool = True
+    """After release_memory_occupation the rollout server checks the device memory was freed (DeviceMemoryNotReleased); off: a leak shows at the peer's next allocation."""
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESET_NAMES:
+            from rlhf.config import ConfigError  # config imports this module: import at use
+
+            raise ConfigError(f"resilience.preset: {self.preset!r} is not valid; choose one of: "
+                              + ", ".join(PRESET_NAMES))
+
+    @classmethod
+    def from_preset(cls, name: str) -> Policy:
+        """The named preset; a wrong name fails with the valid choices."""
+        cls(preset=name)  # validates the name
+        return PRESETS[name]
+
+    @classmethod
+    def behaviours(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls) if f.name != "preset"]
+
+    def changed(self) -> dict[str, bool]:
+        """Behaviours that differ from this policy's preset."""
+        base = PRESETS[self.preset]
+        return {b: getattr(self, b) for b in self.behaviours() if getattr(self, b) != getattr(base, b)}
+
+    def describe(self) -> str:
+        """'hardened', or 'hardened with first_failure_ledger off' when behaviours were switched."""
+        changed = self.changed()
+        if not changed:
+            return self.preset
+        return self.preset + " with " + ", ".join(f"{b} {'on' if v else 'off'}" for b, v in changed.items())
+
+
+PRESET_NAMES = ("faithful", "hardened")
+HARDENED = Policy()
+FAITHFUL = Policy(preset="faithful", **{b: False for b in Policy.behaviours()})
+PRESETS = {"faithful": FAITHFUL, "hardened": HARDENED}
