@@ -31,7 +31,7 @@ the last line. The same --faults files as grpo_trainer.py; RL-only points are ne
 
 def grpo_main(argv: list[str] | None = None, prog: str = "grpo_trainer.py") -> int:
     cfg, _ = parse_config(argv, make_parser(prog, GRPO_DESCRIPTION))
-    from rlhf.runtime.launch import print_summary, run
+    from rlhf.runtime.launch import print_summary, run  # per subcommand: `rlhf trace` never loads torch.distributed
 
     print_summary(run(cfg))
     return 0

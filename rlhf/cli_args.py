@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
 from rlhf.config import PRESETS, Config, ConfigError, build_config, format_help, parse_overrides
+from rlhf.faults.spec import FaultSpecError, check_world, load_fault_config, load_fault_file, resolve_fault_file
 from rlhf.runtime.resilience import PRESET_NAMES
 
 
@@ -46,8 +48,6 @@ def parse_config(argv: list[str] | None, parser: argparse.ArgumentParser) -> tup
     args = parser.parse_args(rest)
     scenario: list[tuple[str, Any]] = []
     if args.faults:
-        from rlhf.faults.spec import FaultSpecError, load_fault_config, load_fault_file, resolve_fault_file
-
         try:
             args.faults = [resolve_fault_file(path) for path in args.faults]  # a bare name finds a bundled file
             for path in args.faults:
@@ -67,8 +67,6 @@ def parse_config(argv: list[str] | None, parser: argparse.ArgumentParser) -> tup
     except ConfigError as err:
         parser.error(str(err))
     if args.faults:
-        from rlhf.faults.spec import FaultSpecError, load_fault_file
-
         try:
             specs = [spec for path in args.faults for spec in load_fault_file(path)]
         except FaultSpecError as err:
@@ -77,6 +75,19 @@ def parse_config(argv: list[str] | None, parser: argparse.ArgumentParser) -> tup
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             parser.error(f"fault names must be unique across --faults files; repeated: {', '.join(dup)}")
+        world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's --nproc_per_node (one process without it)
+        problems = check_world(specs, world, cfg.rollout.servers)
+        if problems:
+            if int(os.environ.get("RANK", "0")) != 0:
+                raise SystemExit(2)  # rank 0 says why, once
+            need = max([s.target.ranks and max(s.target.ranks) + 1 or 1 for s in specs if s.target.role in ("", "train")]
+                       + [world])
+            script = os.path.relpath(sys.argv[0]) if sys.argv[0].endswith(".py") else parser.prog
+            fix = (f"\nrun with {need} train ranks: torchrun --nproc_per_node={need} {' '.join([script] + argv)}"
+                   if need > world else "")
+            parser.error(f"this run has {world} train rank{'s' * (world != 1)} and {cfg.rollout.servers} rollout "
+                         f"server{'s' * (cfg.rollout.servers != 1)}; {len(problems)} fault(s) could never fire:\n  "
+                         + "\n  ".join(problems) + fix)
         cfg.faults = list(cfg.faults) + [s.to_dict() for s in specs]
     if args.print_config:
         print(cfg.to_yaml(), end="")

@@ -72,7 +72,6 @@ class ModelConfig:
     """Torch device: cpu, cuda, or cuda:N (GPU paths need the `gpu` extra and a CUDA build of torch)."""
 
     def __post_init__(self) -> None:
-
         if not self.path:
             _choice("model.name", self.name, MODEL_PRESETS)
         _choice("model.dtype", self.dtype, ["float32", "bfloat16", "float16"])
@@ -102,7 +101,6 @@ class TaskConfig:
     """Render each prompt as one user turn through the tokenizer's chat template (instruct models); the template's BOS only."""
 
     def __post_init__(self) -> None:
-
         _choice("task.name", self.name, TASKS)
         _choice("task.reward", self.reward, REWARDS)
         _positive("task.max_operand", self.max_operand)
@@ -196,7 +194,6 @@ class AlgorithmConfig:
     """Ratio denominator: 'rollout' uses the rollout engine's logprobs, 'recompute' runs the train engine."""
 
     def __post_init__(self) -> None:
-
         _choice("algorithm.loss", self.loss, LOSSES)
         _choice("algorithm.aggregation", self.aggregation, AGGREGATIONS)
         _in_range("algorithm.clip_eps_low", self.clip_eps_low, 0.0, 1.0)

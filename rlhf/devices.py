@@ -90,3 +90,8 @@ def relocate(models: list[torch.nn.Module], optimizer: torch.optim.Optimizer | N
     if target.type == "cpu":
         torch.cuda.empty_cache()
     return {"device_mb_before": before / 2**20, "device_mb_after": torch.cuda.memory_allocated(gpu) / 2**20}
+
+
+def leak_path(run_dir: str, device: str) -> str:
+    """The emulated device ledger's record of memory a process kept after releasing `device` (colocation)."""
+    return os.path.join(run_dir, "devices", f"{device}.leak.json")

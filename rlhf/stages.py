@@ -9,6 +9,9 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
+from rlhf import tracing
+from rlhf.tracing.metrics import ACTIVITY
+
 STAGES = (
     "weights_update",
     "events",
@@ -33,9 +36,6 @@ class StageClock:
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
-        from rlhf import tracing
-        from rlhf.tracing.metrics import ACTIVITY
-
         if name not in STAGES:
             raise ValueError(f"unknown stage {name!r}; canonical stages: {', '.join(STAGES)}")
         ACTIVITY.set(name, self.step)

@@ -173,7 +173,7 @@ def from_safetensors_bytes(data: bytes) -> dict[str, torch.Tensor]:
 
 def save_state_dir(model: torch.nn.Module, directory: str, tokenizer=None) -> None:
     """Write an HF model directory (config.json + model.safetensors [+ tokenizer])."""
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # at use: importing transformers takes seconds
 
     os.makedirs(directory, exist_ok=True)
     hf_logging.disable_progress_bar()  # a progress bar per save would flood the rank's log

@@ -172,7 +172,7 @@ def test_network_delay_waits_the_delay_sync_and_async_and_records_it(tmp_path):
 @pytest.fixture()
 def service():
     svc = Service("metaserver", 0, token="t")
-    svc.route("/work", lambda a, t: {"ok": True, "payload": "x" * 1000})
+    svc.route("/versions", lambda a, t: {"ok": True, "payload": "x" * 1000})
     thread = ServiceThread(svc)
     thread.start()
     loop = LoopThread()
@@ -189,15 +189,15 @@ def test_network_loss_on_the_server_really_breaks_the_connection(tmp_path, servi
           - name: loss
             kind: network_loss
             point: rpc.server.handle
-            target: {{role: metaserver, peer: /work}}
+            target: {{role: metaserver, peer: /versions}}
             when: {{max_hits: 1}}
             params: {{mode: {mode}}}
     """)
     client = Client(thread.url, "t", peer="metaserver-0")
     with pytest.raises(RpcConnectionError) as err:
-        loop.run(client.call("/work", {}))
+        loop.run(client.call("/versions", {}))
     assert ("Payload" in str(err.value) or "payload" in str(err.value)) if mode == "truncate" else True
-    assert loop.run(client.call("/work", {}))[0]["ok"]  # the next request goes through (max_hits 1)
+    assert loop.run(client.call("/versions", {}))[0]["ok"]  # the next request goes through (max_hits 1)
     loop.run(client.close())
 
 
@@ -214,7 +214,7 @@ def test_dns_failure_is_a_real_resolver_error_seen_as_a_connection_error(tmp_pat
     """)
     client = Client(thread.url, "t", peer="rollout-0")
     with pytest.raises(RpcConnectionError) as err:
-        loop.run(client.call("/work", {}, points=("events.notify",)))
+        loop.run(client.call("/versions", {}, points=("events.notify",)))
     assert isinstance(err.value.cause, socket.gaierror) and "rollout-0.invalid" in str(err.value)
     loop.run(client.close())
 
@@ -238,10 +238,10 @@ def test_http_error_and_exception_come_back_as_http_replies(tmp_path, service):
     """)
     client = Client(thread.url, "t")
     with pytest.raises(HTTPStatusError) as err:
-        loop.run(client.call("/work", {}))
+        loop.run(client.call("/versions", {}))
     assert err.value.status == 503 and "overloaded" in err.value.text
     with pytest.raises(RemoteError) as err:
-        loop.run(client.call("/work", {}, step=7))
+        loop.run(client.call("/versions", {}, step=7))
     assert err.value.info.error_class == "OutOfMemoryError" and "CUDA out of memory" in err.value.info.message
     assert err.value.info.role == "metaserver" and err.value.info.step == 7
     loop.run(client.close())

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import atexit
 import contextvars
-import fnmatch
 import json
 import logging
 import os
@@ -28,10 +27,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
+
 from rlhf import tracing
 from rlhf.faults.kinds import KINDS, FaultKind, Hit
 from rlhf.faults.points import POINTS
-from rlhf.faults.spec import FaultSpec, FaultSpecError, load_fault_file, parse_fault_dicts, parse_faults_text
+from rlhf.faults.spec import (
+    FaultSpec,
+    FaultSpecError,
+    load_fault_file,
+    parse_fault_dicts,
+    parse_faults_text,
+    peer_matches,
+)
 
 log = logging.getLogger("rlhf.faults")
 
@@ -100,10 +108,6 @@ async def afault_effects(point: str, step: int | None = None, peer: str = "", **
     return effects
 
 
-def _peer_matches(pattern: str, peer: str) -> bool:
-    return not pattern or peer == pattern or peer.startswith(pattern + "-") or fnmatch.fnmatchcase(peer, pattern)
-
-
 def _due(point: str, faults: list[Armed], step: int | None, peer: str, context: dict) -> list[tuple[Armed, Hit]]:
     role, rank = tracing.whoami()
     if step is None:
@@ -111,7 +115,7 @@ def _due(point: str, faults: list[Armed], step: int | None, peer: str, context: 
     due = []
     for armed in faults:
         spec, when = armed.spec, armed.spec.when
-        if not spec.target.matches(role, rank) or not _peer_matches(spec.target.peer, peer):
+        if not spec.target.matches(role, rank) or not peer_matches(spec.target.peer, peer):
             continue
         if when.steps and step not in when.steps:
             continue
@@ -242,6 +246,54 @@ def disarm() -> None:
     _ALL.clear()
 
 
+RL_ONLY = ("weights_update.", "rollout.", "events.", "metaserver.", "scheduler.", "data.split", "reference.")
+
+
+def never_fired(run_dir: str, faults: list[dict[str, Any]], last_step: int, rl: bool = True, colocate: bool = False,
+                weights_mode: str = "meta") -> list[dict[str, str]]:
+    """The run's armed faults that no process injected (from the run's own fault markers), each with the likeliest
+    reason: a fault that never fired means the experiment did not happen, which a run must say out loud."""
+    fired = set()
+    try:
+        with open(os.path.join(run_dir, "faults", "markers.jsonl"), encoding="utf-8") as fh:
+            for line in fh:
+                try:
+                    marker = json.loads(line)
+                except ValueError:
+                    continue  # a line cut by a killed writer
+                if marker.get("event") == "inject":
+                    fired.add(marker.get("fault"))
+    except OSError:
+        pass
+    out = []
+    for spec in parse_fault_dicts(list(faults)):
+        if spec.name not in fired:
+            out.append({"name": spec.name, "why": _why_not(spec, last_step, rl, colocate, weights_mode)})
+    return out
+
+
+def _why_not(spec: FaultSpec, last_step: int, rl: bool, colocate: bool, weights_mode: str) -> str:
+    points = spec.points
+    if not rl and all(p.startswith(RL_ONLY) for p in points):
+        return f"the SFT baseline never passes {', '.join(points)} (RL only)"
+    if all(p.startswith("events.") for p in points) and not colocate:
+        return "colocation events are sent only in colocated runs (--colocate)"
+    meta_only = ("weights_update.upload", "metaserver.put", "metaserver.get")
+    if all(p in meta_only for p in points) and weights_mode != "meta":
+        return f"{', '.join(points)} is passed only with weights.mode meta (this run: {weights_mode})"
+    if all(p == "weights_update.save_dir" for p in points) and weights_mode != "disk":
+        return f"weights_update.save_dir is passed only with weights.mode disk (this run: {weights_mode})"
+    if spec.when.steps and min(spec.when.steps) > last_step:
+        return (f"its step(s) {', '.join(map(str, spec.when.steps))} come after the last step the run reached "
+                f"({last_step if last_step >= 0 else 'none'})")
+    if spec.when.probability < 1.0:
+        return f"probability {spec.when.probability:g}: no draw fired"
+    who = spec.target.describe()
+    return f"no process matching {who} passed {', '.join(points)}" + (
+        f" at step(s) {', '.join(map(str, spec.when.steps))}" if spec.when.steps else "") + (
+        f" after {spec.when.after_s:g} s" if spec.when.after_s else "")
+
+
 def audit(run_dir: str) -> dict[str, Any]:
     """Leftover audit (run end, by the survivor): every injection without a restore is checked and cleaned.
 
@@ -300,8 +352,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     try:
-        import psutil
-
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except Exception:  # psutil.NoSuchProcess between the two checks
         return False

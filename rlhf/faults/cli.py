@@ -1,17 +1,29 @@
 """`rlhf faults`: list every kind and point, validate fault files.
 
     rlhf faults list                    every fault kind and every point, one line each
-    rlhf faults validate FILE [FILE…]   parse and check; exit 0 if every file is valid, 1 if not
+    rlhf faults validate FILE [FILE…] [--world-size N] [--rollout-servers M]
+                                        parse and check (every problem, with its line); with the world
+                                        given, also faults that target ranks or peers it lacks;
+                                        exit 0 if every file is valid, 1 if not
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import textwrap
 
 from rlhf.faults.kinds import KINDS
 from rlhf.faults.points import POINTS
-from rlhf.faults.spec import REQUIRED, FaultSpecError, bundled_fault_files, load_fault_file, resolve_fault_file
+from rlhf.faults.spec import (
+    REQUIRED,
+    FaultSpecError,
+    bundled_fault_files,
+    check_world,
+    load_fault_config,
+    load_fault_file,
+    resolve_fault_file,
+)
 
 
 def list_text() -> str:
@@ -49,11 +61,23 @@ def faults_main(argv: list[str] | None = None) -> int:
         if len(argv) < 2:
             print("rlhf faults validate: give one or more fault files", file=sys.stderr)
             return 2
+        parser = argparse.ArgumentParser(prog="rlhf faults validate")
+        parser.add_argument("files", nargs="+", metavar="FILE")
+        parser.add_argument("--world-size", type=int, default=0, help="train ranks (torchrun --nproc_per_node)")
+        parser.add_argument("--rollout-servers", type=int, default=0,
+                            help="rollout servers (default: the file's config, else 1)")
+        args = parser.parse_args(argv[1:])
         bad = 0
-        for path in argv[1:]:
+        for path in args.files:
             try:
                 path = resolve_fault_file(path)
                 specs = load_fault_file(path)
+                if args.world_size:
+                    servers = args.rollout_servers or load_fault_config(path).get("rollout", {}).get("servers", 1)
+                    problems = check_world(specs, args.world_size, int(servers))
+                    if problems:
+                        raise FaultSpecError("\n  ".join([f"{len(problems)} problem(s) with {args.world_size} train "
+                                                          f"ranks and {servers} rollout servers:"] + problems))
             except FaultSpecError as err:
                 print(f"invalid: {err}", file=sys.stderr)
                 bad += 1

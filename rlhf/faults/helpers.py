@@ -13,6 +13,8 @@ import os
 import sys
 import time
 
+from rlhf.procs import set_pdeathsig
+
 
 def burn(load: float, cpu: int) -> None:
     if cpu >= 0:
@@ -38,8 +40,6 @@ def write(path: str, block_kb: int, max_mb: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rlhf.runtime.procs import set_pdeathsig
-
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="what", required=True)
     b = sub.add_parser("burn")

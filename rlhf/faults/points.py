@@ -27,3 +27,40 @@ POINTS: dict[str, str] = {
     "data.split": "controller, before DistributedBatchMemory splits the batch across ranks",
     "step.begin": "controller, at the start of every step (for faults that should start at a step)",
 }
+
+# Which roles pass each point: a fault whose target.role never passes its point can never fire.
+_TRAIN, _ROLLOUT, _CONTROLLER = ("train",), ("rollout",), ("controller",)
+POINT_ROLES: dict[str, tuple[str, ...]] = {
+    "weights_update.upload": _TRAIN, "weights_update.update": _ROLLOUT, "weights_update.save_dir": _TRAIN,
+    "rollout.generate": _ROLLOUT, "reference.compute": _TRAIN, "train.step": _TRAIN, "sft.step": _TRAIN,
+    "collective.all_reduce": _TRAIN, "rpc.client.send": ("controller", "train", "rollout"),
+    "rpc.server.handle": ("train", "rollout", "metaserver", "scheduler"), "metaserver.put": ("metaserver",),
+    "metaserver.get": ("metaserver",), "events.notify": _CONTROLLER, "events.handle": ("train", "rollout"),
+    "checkpoint.write": _TRAIN, "checkpoint.fsync": _TRAIN, "checkpoint.load": _TRAIN,
+    "scheduler.stop_job": _CONTROLLER, "data.split": _CONTROLLER, "step.begin": _CONTROLLER,
+}
+
+# The routes each service serves (rpc.server.handle's peer is the path); tests check them against the services.
+ROUTES: dict[str, tuple[str, ...]] = {
+    "train": ("/sft_warm_start", "/begin_grpo", "/compute_logprobs", "/train_step", "/upload_weights",
+              "/save_weights_dir", "/save", "/load", "/events", "/sft_begin", "/sft_step", "/sft_eval", "/sft_run_for",
+              "/health", "/weights_checksum", "/heartbeat", "/shutdown"),
+    "rollout": ("/generate", "/update_weights_from_disk", "/update_weights_from_meta", "/release_memory_occupation",
+                "/resume_memory_occupation", "/events", "/abort_request", "/health", "/health_generate", "/model_info",
+                "/weights_checksum"),
+    "metaserver": ("/versions", "/weights/{version}/{shard}", "/weights/{version}/manifest", "/weights/{version}",
+                   "/health"),
+    "scheduler": ("/jobs", "/jobs/{name}", "/lease", "/health"),
+}
+
+# What `target.peer` names at each point ({r}: any rank of the run); points not listed have no peer.
+POINT_PEERS: dict[str, tuple[str, ...]] = {
+    "rpc.client.send": ("train-{r}", "rollout-{r}", "metaserver-0", "scheduler-0"),
+    "events.notify": ("train-{r}", "rollout-{r}"),
+    "events.handle": ("rollout_start", "rollout_end"),
+    "scheduler.stop_job": ("scheduler-0",),
+    "weights_update.upload": ("metaserver-0",),
+    "weights_update.update": ("metaserver-0",),
+    "metaserver.put": ("rank{r}",),
+    "metaserver.get": ("rank{r}", "manifest"),
+}

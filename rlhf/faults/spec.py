@@ -17,13 +17,17 @@ Every error names the file, the line, the field and the valid choices, e.g.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import fnmatch
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import yaml
+
+from rlhf.faults.kinds import KINDS
+from rlhf.faults.points import POINT_PEERS, POINT_ROLES, POINTS, ROUTES
 
 ROLES = ("controller", "train", "rollout", "metaserver", "scheduler")
 TOP_KEYS = ("name", "kind", "point", "target", "when", "duration_s", "params")
@@ -92,13 +96,34 @@ def _hint(value: str, choices: list[str]) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
+class _Bad(Exception):
+    """One problem found (already recorded); the check of that field stops."""
+
+
 class _Checker:
+    """Collects every problem of a file; `field()` lets the checks of independent fields go on after one fails."""
+
     def __init__(self, source: str) -> None:
         self.source = source
+        self.errors: list[str] = []
 
     def fail(self, node: Any, where: str, problem: str) -> None:
         line = f":{node.start_mark.line + 1}" if node is not None and hasattr(node, "start_mark") else ""
-        raise FaultSpecError(f"{self.source}{line}: {where}: {problem}")
+        self.errors.append(f"{self.source}{line}: {where}: {problem}")
+        raise _Bad
+
+    @contextlib.contextmanager
+    def field(self) -> Iterator[None]:
+        try:
+            yield
+        except _Bad:
+            pass
+
+    def raise_all(self) -> None:
+        if len(self.errors) == 1:
+            raise FaultSpecError(self.errors[0])
+        if self.errors:
+            raise FaultSpecError(f"{len(self.errors)} problems:\n  " + "\n  ".join(self.errors))
 
 
 def _mapping(node: Any) -> dict[str, tuple[Any, Any]]:
@@ -126,11 +151,17 @@ def _int_list(chk: _Checker, node: Any, where: str, what: str) -> tuple[int, ...
 
 
 def parse_faults_text(text: str, source: str = "<faults>") -> list[FaultSpec]:
-    """Parse and validate a fault file's text. Raises FaultSpecError (with the line) on the first problem."""
-    from rlhf.faults.kinds import KINDS
-    from rlhf.faults.points import POINTS
-
+    """Parse and validate a fault file's text. Raises FaultSpecError listing every problem, each with its line."""
     chk = _Checker(source)
+    try:
+        specs = _parse(chk, text, source)
+    except _Bad:
+        specs = []
+    chk.raise_all()
+    return specs
+
+
+def _parse(chk: _Checker, text: str, source: str) -> list[FaultSpec]:
     try:
         root = yaml.compose(text)
     except yaml.YAMLError as exc:
@@ -142,9 +173,10 @@ def parse_faults_text(text: str, source: str = "<faults>") -> list[FaultSpec]:
     if isinstance(root, yaml.MappingNode):
         top = _mapping(root)
         unknown = [k for k in top if k not in ("faults", "config")]
-        if unknown:
-            chk.fail(top[unknown[0]][0], unknown[0], f"unknown top-level key{_hint(unknown[0], ['faults', 'config'])}; "
-                     "a fault file has: faults (a list) and, for a scenario, config (run settings)")
+        for key in unknown:
+            with chk.field():
+                chk.fail(top[key][0], key, f"unknown top-level key{_hint(key, ['faults', 'config'])}; "
+                         "a fault file has: faults (a list) and, for a scenario, config (run settings)")
         if "faults" not in top:
             return []
         items = top["faults"][1]
@@ -157,97 +189,149 @@ def parse_faults_text(text: str, source: str = "<faults>") -> list[FaultSpec]:
     specs = []
     names: set[str] = set()
     for i, item in enumerate(items.value):
-        where = f"faults[{i}]"
-        if not isinstance(item, yaml.MappingNode):
-            chk.fail(item, where, "expected a mapping with name, kind, point, target, when, duration_s, params")
-        m = _mapping(item)
-        for key, (knode, _) in m.items():
-            if key not in TOP_KEYS:
-                chk.fail(knode, f"{where}.{key}", f"unknown field{_hint(key, list(TOP_KEYS))}; "
-                         f"fields: {', '.join(TOP_KEYS)}")
-        for required in ("kind", "point"):
-            if required not in m:
-                chk.fail(item, where, f"missing field '{required}' (required: kind, point)")
+        with chk.field():
+            spec = _parse_item(chk, item, i, names, source)
+            if spec is not None:
+                specs.append(spec)
+    return specs
+
+
+def _parse_item(chk: _Checker, item: Any, i: int, names: set[str], source: str) -> FaultSpec | None:
+    where = f"faults[{i}]"
+    if not isinstance(item, yaml.MappingNode):
+        chk.fail(item, where, "expected a mapping with name, kind, point, target, when, duration_s, params")
+    m = _mapping(item)
+    for key, (knode, _) in m.items():
+        if key not in TOP_KEYS:
+            with chk.field():
+                chk.fail(knode, f"{where}.{key}", f"unknown field{_hint(key, list(TOP_KEYS))}; fields: {', '.join(TOP_KEYS)}")
+    missing = [r for r in ("kind", "point") if r not in m]
+    if missing:
+        chk.fail(item, where, f"missing field '{missing[0]}' (required: kind, point)")
+    kind = point = None
+    matched: tuple[str, ...] = ()
+    with chk.field():
         kind = _scalar(chk, m["kind"][1], f"{where}.kind", (str,), "a kind name")
         if kind not in KINDS:
             chk.fail(m["kind"][1], f"{where}.kind", f"{kind!r} is not a fault kind{_hint(kind, sorted(KINDS))}; "
                      f"kinds: {', '.join(sorted(KINDS))}")
+    with chk.field():
         point = _scalar(chk, m["point"][1], f"{where}.point", (str,), "a point name or glob")
         matched = tuple(p for p in POINTS if fnmatch.fnmatchcase(p, point))
         if not matched:
             chk.fail(m["point"][1], f"{where}.point", f"{point!r} matches no fault point{_hint(point, list(POINTS))}; "
                      f"points: {', '.join(POINTS)}")
-        name = (_scalar(chk, m["name"][1], f"{where}.name", (str,), "a string") if "name" in m
-                else f"{kind}@{point}#{i}")
+    name = f"{kind}@{point}#{i}"
+    with chk.field():
+        if "name" in m:
+            name = _scalar(chk, m["name"][1], f"{where}.name", (str,), "a string")
         if name in names:
             chk.fail(m["name"][1] if "name" in m else item, f"{where}.name", f"duplicate fault name {name!r}")
         names.add(name)
-        target = Target()
+    target = Target()
+    with chk.field():
         if "target" in m:
-            tnode = m["target"][1]
-            if not isinstance(tnode, yaml.MappingNode):
-                chk.fail(tnode, f"{where}.target", "expected a mapping like {role: train, rank: 1}")
-            tm = _mapping(tnode)
-            for key, (knode, vnode) in tm.items():
-                w = f"{where}.target.{key}"
-                if key not in TARGET_KEYS:
-                    chk.fail(knode, w, f"unknown field{_hint(key, list(TARGET_KEYS))}; fields: {', '.join(TARGET_KEYS)}")
-                if key == "role":
-                    role = _scalar(chk, vnode, w, (str,), "a role")
-                    if role not in ROLES:
-                        chk.fail(vnode, w, f"{role!r} is not a role{_hint(role, list(ROLES))}; roles: {', '.join(ROLES)}")
-                    target.role = role
-                elif key == "rank":
-                    target.ranks = (_scalar(chk, vnode, w, (int,), "an integer rank"),)
-                elif key == "ranks":
-                    target.ranks = _int_list(chk, vnode, w, "rank")
-                elif key == "peer":
-                    target.peer = _scalar(chk, vnode, w, (str,), "a peer like metaserver, scheduler, rollout-0")
-        when = When()
+            target = _parse_target(chk, m["target"][1], f"{where}.target", matched)
+    when = When()
+    with chk.field():
         if "when" in m:
-            wnode = m["when"][1]
-            if not isinstance(wnode, yaml.MappingNode):
-                chk.fail(wnode, f"{where}.when", "expected a mapping like {step: 3}")
-            for key, (knode, vnode) in _mapping(wnode).items():
-                w = f"{where}.when.{key}"
-                if key not in WHEN_KEYS:
-                    chk.fail(knode, w, f"unknown field{_hint(key, list(WHEN_KEYS))}; fields: {', '.join(WHEN_KEYS)}")
-                if key == "step":
-                    when.steps = (_scalar(chk, vnode, w, (int,), "an integer step"),)
-                elif key == "steps":
-                    when.steps = _int_list(chk, vnode, w, "step")
-                elif key == "after_s":
-                    when.after_s = _scalar(chk, vnode, w, (float,), "seconds (a number)")
-                elif key == "probability":
-                    when.probability = _scalar(chk, vnode, w, (float,), "a probability")
-                    if not 0.0 <= when.probability <= 1.0:
-                        chk.fail(vnode, w, f"{when.probability} is outside [0, 1]")
-                elif key == "seed":
-                    when.seed = _scalar(chk, vnode, w, (int,), "an integer seed")
-                elif key == "max_hits":
-                    when.max_hits = _scalar(chk, vnode, w, (int,), "an integer")
-                    if when.max_hits < 0:
-                        chk.fail(vnode, w, "must be >= 0 (0 = unlimited)")
-        duration = 0.0
+            when = _parse_when(chk, m["when"][1], f"{where}.when")
+    duration = 0.0
+    with chk.field():
         if "duration_s" in m:
             duration = _scalar(chk, m["duration_s"][1], f"{where}.duration_s", (float,), "seconds (a number)")
             if duration < 0:
                 chk.fail(m["duration_s"][1], f"{where}.duration_s", "must be >= 0")
-        params: dict[str, Any] = {}
-        kind_cls = KINDS[kind]
-        pnodes: dict[str, tuple[Any, Any]] = {}
-        if "params" in m:
-            pnode = m["params"][1]
-            if not isinstance(pnode, yaml.MappingNode):
-                chk.fail(pnode, f"{where}.params", "expected a mapping")
-            pnodes = _mapping(pnode)
-        for key, (knode, vnode) in pnodes.items():
-            if key not in kind_cls.PARAMS:
-                valid = ", ".join(kind_cls.PARAMS) or "none"
+    if kind not in KINDS or not matched:
+        return None
+    params = _parse_params(chk, m, item, where, kind)
+    problem = KINDS[kind].check_spec(point, matched, target, params)
+    if problem:
+        chk.fail(item, where, problem)
+    return FaultSpec(name, kind, point, matched, target, when, duration, params,  # type: ignore[arg-type]
+                     source=f"{source}:{item.start_mark.line + 1}")
+
+
+def _parse_target(chk: _Checker, tnode: Any, where: str, matched: tuple[str, ...]) -> Target:
+    if not isinstance(tnode, yaml.MappingNode):
+        chk.fail(tnode, where, "expected a mapping like {role: train, rank: 1}")
+    target = Target()
+    nodes = _mapping(tnode)
+    for key, (knode, vnode) in nodes.items():
+        w = f"{where}.{key}"
+        with chk.field():
+            if key not in TARGET_KEYS:
+                chk.fail(knode, w, f"unknown field{_hint(key, list(TARGET_KEYS))}; fields: {', '.join(TARGET_KEYS)}")
+            if key == "role":
+                role = _scalar(chk, vnode, w, (str,), "a role")
+                if role not in ROLES:
+                    chk.fail(vnode, w, f"{role!r} is not a role{_hint(role, list(ROLES))}; roles: {', '.join(ROLES)}")
+                passing = sorted({r for p in matched for r in POINT_ROLES.get(p, ROLES)})
+                if matched and role not in passing:
+                    chk.fail(vnode, w, f"role {role} never passes {', '.join(matched)}, so this fault could never fire; "
+                             f"roles that pass it: {', '.join(passing)}")
+                target.role = role
+            elif key == "rank":
+                target.ranks = (_scalar(chk, vnode, w, (int,), "an integer rank"),)
+            elif key == "ranks":
+                target.ranks = _int_list(chk, vnode, w, "rank")
+            elif key == "peer":
+                target.peer = _scalar(chk, vnode, w, (str,), "a peer like metaserver, scheduler, rollout-0")
+                problem = peer_problem(target.peer, matched, target.role)
+                if problem:
+                    chk.fail(vnode, w, problem)
+    for r in target.ranks:
+        if r < 0:
+            chk.fail(nodes.get("rank", nodes.get("ranks", (None, tnode)))[1], where, f"rank {r} is negative")
+    return target
+
+
+def _parse_when(chk: _Checker, wnode: Any, where: str) -> When:
+    if not isinstance(wnode, yaml.MappingNode):
+        chk.fail(wnode, where, "expected a mapping like {step: 3}")
+    when = When()
+    for key, (knode, vnode) in _mapping(wnode).items():
+        w = f"{where}.{key}"
+        with chk.field():
+            if key not in WHEN_KEYS:
+                chk.fail(knode, w, f"unknown field{_hint(key, list(WHEN_KEYS))}; fields: {', '.join(WHEN_KEYS)}")
+            if key == "step":
+                when.steps = (_scalar(chk, vnode, w, (int,), "an integer step"),)
+            elif key == "steps":
+                when.steps = _int_list(chk, vnode, w, "step")
+            elif key == "after_s":
+                when.after_s = _scalar(chk, vnode, w, (float,), "seconds (a number)")
+            elif key == "probability":
+                when.probability = _scalar(chk, vnode, w, (float,), "a probability")
+                if not 0.0 <= when.probability <= 1.0:
+                    chk.fail(vnode, w, f"{when.probability} is outside [0, 1]")
+            elif key == "seed":
+                when.seed = _scalar(chk, vnode, w, (int,), "an integer seed")
+            elif key == "max_hits":
+                when.max_hits = _scalar(chk, vnode, w, (int,), "an integer")
+                if when.max_hits < 0:
+                    chk.fail(vnode, w, "must be >= 0 (0 = unlimited)")
+    return when
+
+
+def _parse_params(chk: _Checker, m: dict[str, tuple[Any, Any]], item: Any, where: str, kind: str) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    kind_cls = KINDS[kind]
+    pnodes: dict[str, tuple[Any, Any]] = {}
+    if "params" in m:
+        pnode = m["params"][1]
+        if not isinstance(pnode, yaml.MappingNode):
+            chk.fail(pnode, f"{where}.params", "expected a mapping")
+        pnodes = _mapping(pnode)
+    for key, (knode, vnode) in pnodes.items():
+        if key not in kind_cls.PARAMS:
+            valid = ", ".join(kind_cls.PARAMS) or "none"
+            with chk.field():
                 chk.fail(knode, f"{where}.params.{key}", f"{kind} has no parameter {key!r}"
                          f"{_hint(key, list(kind_cls.PARAMS))}; its parameters: {valid}")
-        for key, (types, default, doc) in kind_cls.PARAMS.items():
-            w = f"{where}.params.{key}"
+    for key, (types, default, doc) in kind_cls.PARAMS.items():
+        w = f"{where}.params.{key}"
+        with chk.field():
             if key in pnodes:
                 vnode = pnodes[key][1]
                 what = doc.split(";")[0]
@@ -265,12 +349,71 @@ def parse_faults_text(text: str, source: str = "<faults>") -> list[FaultSpec]:
                 chk.fail(item, f"{where}.params", f"{kind} needs parameter {key!r} ({doc})")
             else:
                 params[key] = default
-        problem = kind_cls.check_spec(point, matched, target, params)
+    if len(params) < len(kind_cls.PARAMS):
+        raise _Bad  # a parameter was wrong (recorded): check_spec would judge a partial fault
+    return params
+
+
+def peer_matches(pattern: str, peer: str) -> bool:
+    """A fault's peer pattern against a concrete peer: equal, a prefix up to '-' (train → train-1), or a glob."""
+    return not pattern or peer == pattern or peer.startswith(pattern + "-") or fnmatch.fnmatchcase(peer, pattern)
+
+
+def _candidates(point: str, role: str, train_ranks: int, rollout_servers: int) -> list[str]:
+    """The concrete peers `point` can see in a world of this size."""
+    if point == "rpc.server.handle":
+        roles = [role] if role in ROUTES else list(ROUTES)
+        samples = {"{version}": "1", "{shard}": "rank0", "{name}": "rollout-0"}
+        out = []
+        for r in roles:
+            for route in ROUTES[r]:
+                for k, v in samples.items():
+                    route = route.replace(k, v)
+                out.append(route)
+        return out
+    out = []
+    for pattern in POINT_PEERS.get(point, ()):
+        if "{r}" not in pattern:
+            out.append(pattern)
+            continue
+        n = rollout_servers if pattern.startswith("rollout") else train_ranks
+        out += [pattern.replace("{r}", str(r)) for r in range(n)]
+    return out
+
+
+def peer_problem(peer: str, points: tuple[str, ...], role: str = "", train_ranks: int = 64,
+                 rollout_servers: int = 64) -> str | None:
+    """Why `peer` can never match at `points` (with the valid choices), or None."""
+    if not peer or not points:
+        return None
+    candidates = [c for p in points for c in _candidates(p, role, train_ranks, rollout_servers)]
+    if any(peer_matches(peer, c) for c in candidates):
+        return None
+    if not candidates:
+        return f"{', '.join(points)} has no peer; remove target.peer"
+    shown = [p for p in points if p == "rpc.server.handle"] and [c for c in candidates if c.startswith("/")]
+    valid = sorted(set(shown or [c for p in points for c in POINT_PEERS.get(p, ())]))
+    hint = _hint(peer, candidates) or _hint("/" + peer, candidates)
+    return f"{peer!r} is never a peer at {', '.join(points)}{hint}, so this fault could never fire; peers: {', '.join(valid)}"
+
+
+def check_world(specs: list[FaultSpec], train_ranks: int, rollout_servers: int) -> list[str]:
+    """Problems of faults that target ranks or peers this run does not have (every one, with the run's world)."""
+    problems = []
+    sizes = {"train": train_ranks, "rollout": rollout_servers, "controller": 1, "metaserver": 1, "scheduler": 1}
+    for spec in specs:
+        n = sizes.get(spec.target.role, max(train_ranks, rollout_servers))
+        outside = [r for r in spec.target.ranks if r >= n]
+        if outside:
+            who = spec.target.role or "any role"
+            noun = {"train": "train rank", "rollout": "rollout server"}.get(who, f"{who} rank")
+            problems.append(f"{spec.source}: fault {spec.name!r} targets {who} rank {outside[0]}, but this run has "
+                            f"{n} {noun}{'s' * (n != 1)} (valid: 0..{n - 1}), so it could never fire")
+        problem = peer_problem(spec.target.peer, spec.points, spec.target.role, train_ranks, rollout_servers)
         if problem:
-            chk.fail(item, where, problem)
-        specs.append(FaultSpec(name, kind, point, matched, target, when, duration, params,
-                               source=f"{source}:{item.start_mark.line + 1}"))
-    return specs
+            problems.append(f"{spec.source}: fault {spec.name!r}: {problem} (with {train_ranks} train ranks and "
+                            f"{rollout_servers} rollout servers)")
+    return problems
 
 
 class _Required:

@@ -21,7 +21,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def _llama(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, max_pos: int = 128,
            vocab: int | None = None) -> Callable[[int], Any]:
     def make(vocab_size: int) -> Any:
-        from transformers import LlamaConfig
+        from transformers import LlamaConfig  # transformers takes seconds to import: only model builders pay it
 
         return LlamaConfig(
             vocab_size=vocab or vocab_size,

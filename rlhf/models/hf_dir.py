@@ -21,7 +21,12 @@ SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 def make_tokenizer(alphabet: str = string.digits + string.ascii_letters + string.punctuation + " ",
                    chat_template: str | None = None) -> Any:
     """A character-level PreTrainedTokenizerFast: `<s>` prepended on encode, `</s>` EOS, `<pad>` pad."""
-    from tokenizers import Tokenizer, decoders, models, processors
+    from tokenizers import (  # at use: transformers/tokenizers take seconds to import
+        Tokenizer,
+        decoders,
+        models,
+        processors,
+    )
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIALS + list(dict.fromkeys(alphabet)))}

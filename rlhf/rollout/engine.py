@@ -48,6 +48,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from rlhf.models import pad_token_id
+from rlhf.models import stop_token_ids as model_stop_ids
+from rlhf.weights import checksum, export_state, import_state, load_state_dir
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 RELAYOUT = 4  # copy the running rows' caches into a dense layout once they are at most 1/RELAYOUT of the layout
@@ -125,9 +130,6 @@ class RolloutEngine:
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, seed: int = 0,
                  stop_token_ids: list[int] | None = None) -> None:
-        from rlhf.models import pad_token_id
-        from rlhf.models import stop_token_ids as model_stop_ids
-
         model_type = getattr(model.config, "model_type", "?")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise NotImplementedError(
@@ -156,7 +158,6 @@ class RolloutEngine:
 
     def update_weights_from_tensors(self, tensors: dict[str, torch.Tensor], weight_version: str) -> None:
         """Copy named parameters (as produced by rlhf.weights.export_state) into the model."""
-        from rlhf.weights import import_state
 
         with self.lock:
             import_state(self.model, tensors)
@@ -164,9 +165,7 @@ class RolloutEngine:
 
     def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
         """Load an HF model directory's *.safetensors (or, in a checkpoint slot, its model.safetensors)."""
-        from safetensors.torch import load_file
 
-        from rlhf.weights import load_state_dir
 
         single = os.path.join(model_path, "model.safetensors")
         if os.path.exists(os.path.join(model_path, "meta.json")) or os.path.exists(os.path.join(model_path, "optimizer.json")):
@@ -176,8 +175,6 @@ class RolloutEngine:
         self.update_weights_from_tensors(tensors, weight_version)
 
     def weights_checksum(self, algorithm: str = "sha256") -> str:
-        from rlhf.weights import checksum, export_state
-
         return checksum(export_state(self.model), algorithm)
 
     # ------------------------------------------------------------------ generation

@@ -14,6 +14,8 @@ import time
 
 import torch
 
+from rlhf.devices import leak_path
+
 
 class DeviceBusy(RuntimeError):
     """The device is held by the colocated peer: on a GPU this would be an out-of-memory error."""
@@ -78,10 +80,6 @@ class DeviceLease:
 def device_name(role: str, rank: int, colocate: bool) -> str:
     """The device a process computes on: colocated pair r shares device-r; otherwise each has its own."""
     return f"device-{rank}" if colocate else f"{role}-{rank}"
-
-
-def leak_path(run_dir: str, device: str) -> str:
-    return os.path.join(run_dir, "devices", f"{device}.leak.json")
 
 
 def read_leak(run_dir: str, device: str) -> dict | None:

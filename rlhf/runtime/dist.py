@@ -76,7 +76,6 @@ class GlooDataParallel:
         self.in_collective: tuple[str, float] | None = None  # (what, since): the heartbeat shows a rank stuck in one
 
     def _enter(self, what: str) -> None:
-
         self.in_collective = (what, time.monotonic())
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -20,11 +20,11 @@ import torch
 
 from rlhf import faults, tracing
 from rlhf.config import Config
+from rlhf.procs import set_pdeathsig
 from rlhf.run_dir import default_run_dir, make_run_dir, setup_logging
 from rlhf.runtime.controller import Controller
 from rlhf.runtime.dist import fetch, init_distributed, publish, shutdown_distributed
 from rlhf.runtime.http import ServiceThread
-from rlhf.runtime.procs import set_pdeathsig
 from rlhf.runtime.sft_controller import SFTController
 from rlhf.runtime.train_worker import TrainWorker
 from rlhf.tracing import metrics
@@ -62,7 +62,6 @@ def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
     tracing.setup_tracing(run_dir, "controller" if rank == 0 else "train", rank, cfg.tracing)
     metrics.start_sampler(run_dir, "train", rank, cfg.tracing.metrics_interval_s)
     if cfg.faults:
-
         faults.arm(run_dir, cfg.faults)
 
 
@@ -77,7 +76,6 @@ def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
     failed = True
     try:
         if rank == 0:
-
             urls = [fetch(f"worker/{r}") for r in range(world)]
             log.info("run %s: %d train ranks (%s), %d rollout servers, weights %s, resilience %s%s", run_dir, world,
                      info.backend, cfg.rollout.servers, cfg.weights.mode, cfg.resilience.describe(),

@@ -27,12 +27,12 @@ from rlhf.config import build_config
 from rlhf.devices import relocate
 from rlhf.faults import afault_point, fault_point
 from rlhf.models import build_model_and_tokenizer
+from rlhf.procs import set_pdeathsig, write_atomic
 from rlhf.rollout.engine import RolloutEngine
 from rlhf.run_dir import setup_logging
 from rlhf.runtime.colocation import DeviceBusy, DeviceLease, device_name, fresh_allocation, read_leak
 from rlhf.runtime.http import DEFAULT_HOST, Client, Service, serve_forever
 from rlhf.runtime.metaserver import pull_weights
-from rlhf.runtime.procs import set_pdeathsig, write_atomic
 from rlhf.runtime.resilience import HARDENED, Policy
 from rlhf.tracing.setup import start_process_telemetry, stop_process_telemetry
 
@@ -204,7 +204,6 @@ def main(argv: list[str] | None = None) -> int:
     cfg = build_config(config_file=args.config)
     start_process_telemetry(args.run_dir, "rollout", args.rank, cfg.tracing)
     if cfg.faults:
-
         faults.arm(args.run_dir, cfg.faults)
     model, tok = build_model_and_tokenizer(cfg.model, seed=cfg.seed, device=args.device or None)
     log.info("rollout server %d: %s on %s", args.rank, cfg.model.dtype, next(model.parameters()).device)

@@ -35,6 +35,7 @@ class SFTController(RunLifecycle):
     columns = SFT_COLUMNS
     loop_name = "sft-controller-rpc"
     label = "SFT"
+    rl = False
 
     def startup(self) -> None:
         self.workers.call("sft_begin", stage="startup")

@@ -114,7 +114,6 @@ class TrainWorker:
                                   keep_reference=cfg.algorithm.kl_coef > 0, dp=self.dp, compute_dtype=self.wire_dtype)
         ref_path = os.path.join(self.run_dir, "checkpoints", "reference", "model.safetensors")
         if args.get("load_reference") and self.engine.reference is not None:
-
             import_state(self.engine.reference, load_file(ref_path))
         elif self.rank == 0 and self.engine.reference is not None and args.get("save_reference", True):
             os.makedirs(os.path.dirname(ref_path), exist_ok=True)
@@ -144,7 +143,6 @@ class TrainWorker:
     # ------------------------------------------------------------------ the SFT baseline (SFTController)
 
     def sft_begin(self, args: dict, tensors: dict) -> dict:
-
         self._require_device("sft")
         cfg = self.cfg
         self.engine = TrainEngine(self.model, cfg.train, keep_reference=False, lr=cfg.sft.lr, dp=self.dp,
@@ -254,7 +252,6 @@ class TrainWorker:
             tmp = path + ".tmp"
             save_state_dir(self.model, tmp, self.tokenizer)
             if os.path.exists(path):
-
                 shutil.rmtree(path)
             os.replace(tmp, path)
         return {"rank": self.rank, "path": args["path"]}

@@ -37,7 +37,13 @@ from typing import Any, Callable, Iterator
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+
+from rlhf.tracing.exporters import FileSpanExporter, UrandomIdGenerator
 
 log = logging.getLogger("rlhf.tracing")
 
@@ -84,11 +90,6 @@ def setup_tracing(run_dir: str, role: str, rank: int, cfg: Any) -> None:
 
 
 def _provider(role: str, rank: int) -> Any:
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-    from rlhf.tracing.exporters import FileSpanExporter, UrandomIdGenerator
 
     key = (role, rank)
     with _state.lock:
@@ -105,8 +106,6 @@ def _provider(role: str, rank: int) -> Any:
             path = os.path.join(settings["run_dir"], "traces", f"{role}-{rank}.jsonl")
             provider.add_span_processor(BatchSpanProcessor(FileSpanExporter(path), schedule_delay_millis=delay))
         if settings["otlp_endpoint"]:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
             provider.add_span_processor(BatchSpanProcessor(
                 OTLPSpanExporter(endpoint=settings["otlp_endpoint"] + "/v1/traces", timeout=5),
                 schedule_delay_millis=delay))

@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 from rlhf import tracing
+from rlhf.config import TracingConfig, build_config
 from rlhf.tracing import metrics
 
 
@@ -23,7 +24,6 @@ def stop_process_telemetry() -> None:
 
 def tracing_config_of_run(run_dir: str) -> Any:
     """The tracing section of <run-dir>/config.yaml (defaults when there is none)."""
-    from rlhf.config import TracingConfig, build_config
 
     path = os.path.join(run_dir, "config.yaml")
     return build_config(config_file=path).tracing if os.path.exists(path) else TracingConfig()

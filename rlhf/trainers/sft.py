@@ -18,6 +18,7 @@ import torch
 from rlhf.data import PromptSampler, build_sft_batch
 from rlhf.evaluation import evaluate
 from rlhf.faults import fault_point
+from rlhf.models import DTYPES
 from rlhf.rollout.engine import RolloutEngine
 from rlhf.tasks import RewardFn, Task
 from rlhf.train.engine import TrainEngine
@@ -41,7 +42,6 @@ def run_sft(
         log.info("warm start skipped (sft.max_steps=0)")
         return {"sft_steps": 0, "sft_val_accuracy": None, "sft_stopped": "skipped",
                 "sft_band": [sft.band_low, sft.band_high], "sft_seconds": 0.0}
-    from rlhf.models import DTYPES
 
     engine = TrainEngine(model, cfg.train, keep_reference=False, lr=sft.lr, dp=dp,
                          compute_dtype=DTYPES[cfg.model.dtype] if next(model.parameters()).is_cuda else torch.float32)

@@ -10,6 +10,10 @@ real or emulated on this machine (EMULATED, said in its DOC too).
                             cut tensors): a TransportEffect the HTTP server applies, knowing no fault name
     verify()    -> dict     evidence that it landed: burners burning, bytes held, delay measured
     restore()   -> dict     undo; safe to call twice; also run at run end and by the leftover audit
+
+Kinds import torch where they use it, not at the top: the helper processes (CPU burners, IO
+writers: `python -m rlhf.faults.helpers`) import this package and must start in a fraction of a
+second, not after torch's two.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from rlhf import clock
 from rlhf.faults.kinds import FaultKind, Hit, register
 
 
@@ -21,20 +22,14 @@ class ClockSkew(FaultKind):
         return None  # negative offsets are fine
 
     def inject(self, hit: Hit) -> dict[str, Any]:
-        from rlhf import clock
-
         clock.set_skew(clock.skew() + self.params["offset_s"])
         self.active = True
         return {"offset_s": self.params["offset_s"]}
 
     def verify(self) -> dict[str, Any]:
-        from rlhf import clock
-
         return {"observed_skew_s": round(clock.now() - time.time(), 3)}
 
     def restore(self) -> dict[str, Any]:
-        from rlhf import clock
-
         clock.set_skew(clock.skew() - self.params["offset_s"])
         self.active = False
         return {}

@@ -10,6 +10,7 @@ from typing import Any
 import psutil
 
 from rlhf.faults.kinds import FaultKind, Hit, register
+from rlhf.procs import spawn, stop_group
 
 
 @register
@@ -33,8 +34,6 @@ class CpuContention(FaultKind):
         self.procs: list[Any] = []
 
     def inject(self, hit: Hit) -> dict[str, Any]:
-        from rlhf.runtime.procs import spawn
-
         cpus = sorted(os.sched_getaffinity(0))
         n = self.params["burners"] or len(cpus)
         self.active = True
@@ -61,8 +60,6 @@ class CpuContention(FaultKind):
         return {"pids": [p.pid for p in self.procs]}
 
     def restore(self) -> dict[str, Any]:
-        from rlhf.runtime.procs import stop_group
-
         codes = [stop_group(p, grace_s=0.5) for p in self.procs]
         self.procs, self.active = [], False
         return {"stopped_burners": len(codes)}

@@ -34,9 +34,9 @@ class DeviceMemoryLeak(FaultKind):
         self.path = ""
 
     def inject(self, hit: Hit) -> dict[str, Any]:
-        from rlhf.runtime.colocation import leak_path
-
         device = str(hit.context.get("device") or f"{hit.role}-{hit.rank}")
+        from rlhf.devices import leak_path  # at use: rlhf.devices loads torch, and the fault helpers must start fast
+
         self.path = leak_path(self.run_dir, device)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         record = {"device": device, "by": f"{hit.role}-{hit.rank}", "pid": os.getpid(),

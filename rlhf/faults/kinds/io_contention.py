@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from rlhf.faults.kinds import FaultKind, Hit, register
+from rlhf.procs import spawn, stop_group
 
 
 @register
@@ -28,8 +29,6 @@ class IoContention(FaultKind):
         self.paths: list[str] = []
 
     def inject(self, hit: Hit) -> dict[str, Any]:
-        from rlhf.runtime.procs import spawn
-
         directory = self.params["path"] or os.path.join(self.run_dir, "checkpoints")
         os.makedirs(directory, exist_ok=True)
         self.active = True
@@ -53,8 +52,6 @@ class IoContention(FaultKind):
         return {"pids": [p.pid for p in self.procs], "paths": list(self.paths)}
 
     def restore(self) -> dict[str, Any]:
-        from rlhf.runtime.procs import stop_group
-
         for p in self.procs:
             stop_group(p, grace_s=0.5)
         removed = 0

@@ -6,6 +6,7 @@ import os
 import signal
 from typing import Any
 
+from rlhf import tracing
 from rlhf.faults.kinds import FaultKind, Hit, register
 
 SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM, "INT": signal.SIGINT}
@@ -24,8 +25,6 @@ class ProcessKill(FaultKind):
         return None
 
     def inject(self, hit: Hit) -> dict[str, Any]:
-        from rlhf import tracing
-
         tracing.flush()  # what is finished so far reaches the trace files
         os.kill(os.getpid(), SIGNALS[self.params["signal"]])
         return {"signal": self.params["signal"]}

@@ -34,6 +34,7 @@ class RunLifecycle:
     columns: list[str] = []  # steps.csv
     loop_name = "controller-rpc"
     label = "training"  # in the eval log lines: "eval accuracy before GRPO"
+    rl = True  # passes the RL-only fault points (weights_update.*, rollout.*, events.*, ...)
 
     def __init__(self, cfg: Config, run_dir: str, worker_urls: list[str], token: str) -> None:
         self.cfg, self.run_dir, self.token, self.policy = cfg, run_dir, token, cfg.resilience
@@ -108,11 +109,13 @@ class RunLifecycle:
             after = self.evaluate()
             log.info("eval accuracy after %s: %.3f (before %.3f, gain %+.3f)", self.label, after, before, after - before)
             times = [r["seconds"] for r in rows]
+            unfired = self.report_unfired(self.total_steps())
             summary = {"eval_accuracy_before": before, "eval_accuracy_after": after, "steps": self.total_steps(),
                        "seconds": time.perf_counter() - start,
                        "step_time_median_s": statistics.median(times) if times else 0.0, "seed": self.cfg.seed,
                        "world_size": len(self.workers), "resilience": self.policy.describe(),
-                       **self.summary_extras(rows), "run_dir": self.run_dir}
+                       **self.summary_extras(rows), **({"faults_never_fired": unfired} if self.cfg.faults else {}),
+                       "run_dir": self.run_dir}
             write_json(os.path.join(self.run_dir, "summary.json"), summary)
             return summary
         except BaseException as exc:
@@ -122,9 +125,21 @@ class RunLifecycle:
             raise
         finally:
             self.cleanup()
+            if self.first_failure:
+                self.report_unfired(self.where["step"])
             if self.first_failure and self.policy.first_failure_ledger:
                 # whatever cleanup logged, the last error line names the first failure
                 log.error("first failure of this run: %s", self.first_failure)
+
+    def report_unfired(self, last_step: int) -> list[dict[str, str]]:
+        """Armed faults that never fired: a WARNING each (the experiment did not happen), with the likely reason."""
+        if not self.cfg.faults:
+            return []
+        unfired = faults.never_fired(self.run_dir, self.cfg.faults, last_step, rl=self.rl,
+                                     colocate=self.cfg.runtime.colocate, weights_mode=self.cfg.weights.mode)
+        for fault in unfired:
+            log.warning("fault %s never fired: %s", fault["name"], fault["why"])
+        return unfired
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -15,9 +15,9 @@ from typing import Any
 
 from rlhf.config import Config
 from rlhf.devices import rollout_device
+from rlhf.procs import wait_for_file
 from rlhf.runtime.http import Client, LoopThread
 from rlhf.runtime.metaserver import MetaServer
-from rlhf.runtime.procs import wait_for_file
 from rlhf.runtime.scheduler import SchedulerClient
 
 log = logging.getLogger("rlhf.controller")
