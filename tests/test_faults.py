@@ -271,9 +271,10 @@ def test_device_memory_pressure_is_emulated_and_ends_in_a_device_oom(tmp_path):
             params: {capacity_mb: 1000, start_mb: 900, rate_mb_s: 1000}
     """)
     fault_point("train.step", step=1)  # starts the growth, below capacity
-    time.sleep(0.15)
+    deadline = time.monotonic() + 10
     with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory.*emulated device budget"):
-        fault_point("train.step", step=2)
+        while time.monotonic() < deadline:  # the budget fills at 1000 MB/s: the 100 MB left go in ~0.1 s
+            fault_point("train.step", step=2)
     assert all(m["emulated"] for m in markers(str(tmp_path)))
 
 
@@ -358,11 +359,17 @@ def wait_for_marker(run_dir, event, timeout_s=10):
     pytest.fail(f"no {event} marker in {timeout_s} s: {markers(run_dir)}")
 
 
+def _alive(pid):
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:  # gone between two looks, or before the first
+        return False
+
+
 def gone(pids, timeout_s=10):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        if not alive:
+        if not [p for p in pids if _alive(p)]:
             return True
         time.sleep(0.05)
     return False
