@@ -23,9 +23,12 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", metavar="FILE", help="YAML file with config sections (same keys as below)")
     parser.add_argument("--preset", default="default", choices=sorted(PRESETS), help="starting config (default: default)")
-    parser.add_argument("--run-dir", dest="run_dir", metavar="DIR", help="run directory (default: runs/<utc time>)")
+    parser.add_argument("--run-dir", "--run_dir", dest="run_dir", metavar="DIR",
+                        help="run directory (default: runs/<utc time>)")
     parser.add_argument("--steps", type=int, help="number of steps (GRPO steps; SFT steps for sft_trainer)")
     parser.add_argument("--seed", type=int, help="run seed (model init, data order, sampling)")
+    parser.add_argument("--eval-every", "--eval_every", dest="eval_every", type=int, metavar="N",
+                        help="also evaluate every N GRPO steps (default: 0, only before and after)")
     parser.add_argument("--colocate", action="store_true", default=None,
                         help="train rank r and rollout server r share device r (= --runtime.colocate)")
     parser.add_argument("--resilience", choices=list(PRESET_NAMES),
@@ -62,7 +65,7 @@ def parse_config(argv: list[str] | None, parser: argparse.ArgumentParser) -> tup
             dotted=[("runtime.colocate", "true")] * bool(args.colocate)
             + [("resilience.preset", args.resilience)] * bool(args.resilience) + dotted,
             scenario=scenario,
-            top_level={"seed": args.seed, "steps": args.steps, "run_dir": args.run_dir},
+            top_level={"seed": args.seed, "steps": args.steps, "run_dir": args.run_dir, "eval_every": args.eval_every},
         )
     except ConfigError as err:
         parser.error(str(err))

@@ -588,7 +588,8 @@ def format_help(cfg: Config | None = None) -> str:
         if head != section:
             section = head
             lines.append(f"\n  [{head or 'run'}]")
-        lines.append(f"  --{key} {tp.__name__.upper():5s} (default: {default!r})")
+        flag = key if "." in key else key.replace("_", "-")  # top-level keys are argparse flags: --run-dir
+        lines.append(f"  --{flag} {tp.__name__.upper():5s} (default: {default!r})")
         if doc:
             lines.append(f"        {doc}")
     return "\n".join(lines)
@@ -608,6 +609,7 @@ def parse_overrides(argv: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
         arg = argv[i]
         if arg.startswith("--") and "." in arg.split("=", 1)[0]:
             key, eq, value = arg[2:].partition("=")
+            key = key.replace("-", "_")  # --sft.eval-every and --sft.eval_every are the same key
             if not eq:
                 nxt = argv[i + 1] if i + 1 < len(argv) else None
                 if key in bools and (nxt is None or nxt.startswith("--")):

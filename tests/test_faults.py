@@ -259,7 +259,9 @@ def test_hang_blocks_until_restored(tmp_path):
     assert not done.wait(0.5)  # really blocked
     faults.restore_all("test")
     assert done.wait(5)
-    assert [m["event"] for m in markers(str(tmp_path))] == ["inject", "restore", "verify"]
+    events = [m["event"] for m in markers(str(tmp_path))]
+    # the released point records its verify while restore records itself: those two race, inject comes first
+    assert events[0] == "inject" and sorted(events[1:]) == ["restore", "verify"], events
 
 
 def test_device_memory_pressure_is_emulated_and_ends_in_a_device_oom(tmp_path):

@@ -23,8 +23,11 @@ def served():
     def start(policy=HARDENED):
         svc = Service("train", 3, token="secret", policy=policy)
         release = threading.Event()
-        svc.route("/echo", lambda a, t: ({"got": a, "sum": float(sum(v.sum() for v in t.values()))},
-                                         {k: v * 2 for k, v in t.items()}))
+        def echo(a, t):
+            return {"got": a, "sum": float(sum(v.sum() for v in t.values()))}, {k: v * 2 for k, v in t.items()}
+
+        svc.route("/echo", echo)
+        svc.route("/compute_logprobs", echo)  # a real train route: fault peers must name one
         svc.route("/boom", lambda a, t: (_ for _ in ()).throw(BoomError("device out of memory on rank 3")))
         svc.route("/slow", lambda a, t: release.wait(5) and {"ok": True})
         thread = ServiceThread(svc)
@@ -105,17 +108,17 @@ def test_data_cut_in_transit_is_silent_without_checksums_and_caught_with_them(se
     start, loop = served
     srv = start(dataclasses.replace(HARDENED, stage_checksums=checksums))
     faults.arm(str(tmp_path), [{"name": "cut", "kind": "network_loss", "point": "rpc.server.handle",
-                                "target": {"role": "train", "rank": 3, "peer": "/echo"},
+                                "target": {"role": "train", "rank": 3, "peer": "/compute_logprobs"},
                                 "params": {"mode": "truncate_tensor", "cut": 2}}])
     try:
         t = {"w": torch.arange(8, dtype=torch.float32).view(2, 4)}
         client = Client(srv.url, "secret", peer="train-3")
         if not checksums:
-            _, out = loop.run(client.call("/echo", {}, t))
+            _, out = loop.run(client.call("/compute_logprobs", {}, t))
             assert out["w"].shape == (2, 2) and torch.equal(out["w"], (t["w"] * 2)[:, :2])  # short, and nobody knows
         else:
-            with pytest.raises(wire.CorruptPayload, match=r"reply from train-3 to /echo: tensor 'w' arrived with "
+            with pytest.raises(wire.CorruptPayload, match=r"reply from train-3 to /compute_logprobs: tensor 'w' arrived with "
                                                           r"shape \[2, 2\].*sent with shape \[2, 4\]"):
-                loop.run(client.call("/echo", {}, t))
+                loop.run(client.call("/compute_logprobs", {}, t))
     finally:
         faults.disarm()

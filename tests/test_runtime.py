@@ -126,6 +126,13 @@ def test_interrupted_or_killed_run_leaves_no_process(tmp_path, how):
                             (run_dir / "logs" / "train-0.log").read_text()).group(1))  # rank 0: controller, MetaServer
         if how == "sigint_group":  # Ctrl-C in a terminal signals the whole foreground group
             os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(timeout=10)  # not the 30 s a rank used to wait for its busy handler (2.5 s measured)
+            log = (run_dir / "logs" / "controller-0.log").read_text()
+            assert " ERROR " not in log  # the user stopped it: not a failure
+            tail = "\n".join(log.strip().splitlines()[-3:])  # the launcher may add its exit line after it
+            assert re.search(r"WARNING rlhf.controller: interrupted at step \d+ \(\w+\); resume with: "
+                             r"torchrun --nproc_per_node=2 \S*grpo_trainer.py .*--steps 200 --run-dir " + re.escape(str(run_dir)),
+                             tail), tail
         else:
             os.kill(pid, signal.SIGKILL)
         proc.wait(timeout=60)
@@ -156,6 +163,11 @@ def test_sigkill_at_step_k_then_rerun_resumes_and_finishes(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["resumed_from_step"] in (k - 1, k, k + 1), (k, summary["resumed_from_step"])
+    log = (run_dir / "logs" / "controller-0.log").read_text()
+    first = float(re.search(r"eval accuracy before GRPO: ([\d.]+)", log).group(1))  # the first run's, before step 1
+    at_resume = float(re.search(r"eval accuracy at resume: ([\d.]+)", log).group(1))
+    assert round(summary["eval_accuracy_before"], 3) == first  # kept across the resume, not replaced
+    assert round(summary["eval_accuracy_at_resume"], 3) == at_resume
     resumed = summary["resumed_from_step"]
     after = [int(r["step"]) for r in steps(run_dir)]
     assert after[-(total - resumed):] == list(range(resumed + 1, total + 1))

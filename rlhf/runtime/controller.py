@@ -84,12 +84,14 @@ class Controller(RunLifecycle):
         found = ckpt.newest_checkpoint(checkpoints, check_sums=self.policy.atomic_checkpoints) \
             if self.cfg.checkpoint.resume else None
         if found is None:
+            self.where.update(step=-1, stage="sft warm start")
             (result, _), *_ = self.workers.call("sft_warm_start", stage="sft")
             self.sft_result = result
             self.workers.call("begin_grpo", {"save_reference": True})
             if result["sft_stopped"] != "skipped":
                 log.info("warm start: %s at sft step %d, val accuracy %.3f", result["sft_stopped"],
                          result["sft_steps"], result["sft_val_accuracy"])
+            self.where.update(step=-1, stage="startup")
             return False
         path, meta = found
         self.where.update(step=-1, stage="resume")
@@ -98,6 +100,7 @@ class Controller(RunLifecycle):
         self.workers.call("load", {"path": path, "optimizer_steps": state["optimizer_steps"]})
         self.sampler.load_state_dict(state["sampler"])
         self.sft_result, self.start_step = state["sft"], int(meta["step"])
+        self.eval_before = state.get("eval_accuracy_before")  # the run's, not the resume's
         log.info("resumed from %s at step %d", path, self.start_step)
         self.where.update(step=-1, stage="startup")
         return True
@@ -172,7 +175,7 @@ class Controller(RunLifecycle):
 
     def checkpoint_state(self, step: int) -> dict[str, Any]:
         return {"sampler": self.sampler.state_dict(), "sft": self.sft_result,
-                "optimizer_steps": step * self.cfg.train.mini_batches}
+                "optimizer_steps": step * self.cfg.train.mini_batches, "eval_accuracy_before": self.eval_before}
 
     def summary_extras(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         tokens, rollout_s = sum(r["rollout_tokens"] for r in rows), sum(r["rollout_s"] for r in rows)
@@ -183,7 +186,7 @@ class Controller(RunLifecycle):
                 "colocate": self.cfg.runtime.colocate, **self.sft_result}
 
     def stop_services(self) -> None:
-        self.services.stop()
+        self.services.stop(self.cleanup_level)
 
     def clients(self) -> list[Client]:
         return super().clients() + self.services.clients()

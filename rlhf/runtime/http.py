@@ -196,9 +196,15 @@ class ServiceThread:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Close the server; requests still running get timeout_s to finish (a rank that is exiting with a
+        handler stuck in a collective or a long SFT passes a short one: nothing would come of waiting)."""
         if self._runner is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=30)
+            try:
+                asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=timeout_s)
+            except concurrent.futures.TimeoutError:
+                log.warning("%s-%d: %d request(s) still running after %g s; closing anyway", self.service.role,
+                            self.service.rank, self.service.inflight, timeout_s)
             self._runner = None
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)

@@ -88,7 +88,7 @@ def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
         failed = False
     finally:
         busy = worker.service.inflight  # a handler still running: hung in a collective, a fault, a slow call
-        server.stop()
+        server.stop(timeout_s=1.0 if busy else 30.0)
         worker.close()
         if not busy:
             shutdown_distributed()

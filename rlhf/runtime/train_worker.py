@@ -104,7 +104,7 @@ class TrainWorker:
         cfg = self.cfg
         per_rank = slice(self.rank, None, self.world_size)
         result = run_sft(cfg, self.model, self.tokenizer, build_task(cfg.task), reward_fn(cfg.task.reward),
-                         dp=self.dp, examples_per_rank=per_rank)
+                         dp=self.dp, examples_per_rank=per_rank, show_progress=self.rank == 0)
         return result
 
     def begin_grpo(self, args: dict, tensors: dict) -> dict:

@@ -19,6 +19,7 @@ from rlhf.data import PromptSampler, build_sft_batch
 from rlhf.evaluation import evaluate
 from rlhf.faults import fault_point
 from rlhf.models import DTYPES
+from rlhf.progress import Progress
 from rlhf.rollout.engine import RolloutEngine
 from rlhf.tasks import RewardFn, Task
 from rlhf.train.engine import TrainEngine
@@ -35,8 +36,12 @@ def run_sft(
     on_step: Any = None,
     dp: Any = None,
     examples_per_rank: slice | None = None,
+    show_progress: bool = True,
 ) -> dict[str, Any]:
-    """Train `model` in place with SFT. Returns where it stopped and the last val accuracy."""
+    """Train `model` in place with SFT. Returns where it stopped and the last val accuracy.
+
+    show_progress: a progress line on this process's terminal (only one rank should show it).
+    """
     sft = cfg.sft
     if sft.max_steps == 0:  # a pretrained model that already answers: GRPO starts from it as it is
         log.info("warm start skipped (sft.max_steps=0)")
@@ -52,6 +57,7 @@ def run_sft(
     start = time.perf_counter()
     val_accuracy, step, stopped = float("nan"), 0, "max_steps"
     history = []
+    progress = Progress("sft warm start", sft.max_steps, log, tty=None if show_progress else False)
     for step in range(1, sft.max_steps + 1):
         t_step = time.perf_counter()
         fault_point("sft.step", step=step)
@@ -67,14 +73,17 @@ def run_sft(
                                     cfg.task.chat_template)["accuracy"]
             history.append((step, val_accuracy))
             row["val_accuracy"] = val_accuracy
+            progress.close()
             log.info("sft step %d loss %.4f val_accuracy %.3f (%.1fs)", step, metrics["loss"], val_accuracy,
                      time.perf_counter() - start)
             if sft.stop_in_band and val_accuracy >= sft.band_low:
                 stopped = "in_band" if val_accuracy <= sft.band_high else "past_band"
         if on_step is not None:
             on_step(row)
+        progress.update(step, loss=metrics["loss"], val=None if val_accuracy != val_accuracy else val_accuracy)
         if stopped != "max_steps":
             break
+    progress.close()
     model.eval()
     result = {
         "sft_steps": step,

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import shutil
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -45,6 +47,8 @@ class RunLifecycle:
         self.first_failure = ""
         self.start_step = 0
         self.resumed = False
+        self.interrupted = False
+        self.eval_before: float | None = None  # before any training; a resume restores it from its checkpoint
 
     # ------------------------------------------------------------------ what a controller provides
 
@@ -102,15 +106,18 @@ class RunLifecycle:
         try:
             with tracing.span("startup", new_trace=True, world_size=len(self.workers)):
                 self.startup()
-            before = self.evaluate()
-            log.info("eval accuracy %s: %.3f%s", "at resume" if self.resumed else f"before {self.label}", before,
+            now = self.evaluate()
+            log.info("eval accuracy %s: %.3f%s", "at resume" if self.resumed else f"before {self.label}", now,
                      self.eval_note())
+            before = now if self.eval_before is None else self.eval_before
+            self.eval_before = before
             rows = self.train()
             after = self.evaluate()
             log.info("eval accuracy after %s: %.3f (before %.3f, gain %+.3f)", self.label, after, before, after - before)
             times = [r["seconds"] for r in rows]
             unfired = self.report_unfired(self.total_steps())
-            summary = {"eval_accuracy_before": before, "eval_accuracy_after": after, "steps": self.total_steps(),
+            summary = {"eval_accuracy_before": before, "eval_accuracy_after": after,
+                       **({"eval_accuracy_at_resume": now} if self.resumed else {}), "steps": self.total_steps(),
                        "seconds": time.perf_counter() - start,
                        "step_time_median_s": statistics.median(times) if times else 0.0, "seed": self.cfg.seed,
                        "world_size": len(self.workers), "resilience": self.policy.describe(),
@@ -118,6 +125,9 @@ class RunLifecycle:
                        "run_dir": self.run_dir}
             write_json(os.path.join(self.run_dir, "summary.json"), summary)
             return summary
+        except KeyboardInterrupt:
+            self.interrupted = True  # the user's decision, not a failure: no ERROR, no ledger
+            raise
         except BaseException as exc:
             step, stage = self.where["step"], self.where["stage"]
             self.first_failure = (f"step {step}, stage {stage}" if step >= 0 else stage) + f": {type(exc).__name__}: {exc}"
@@ -125,6 +135,10 @@ class RunLifecycle:
             raise
         finally:
             self.cleanup()
+            if self.interrupted:
+                step, stage = self.where["step"], self.where["stage"]
+                log.warning("interrupted %s; resume with: %s", f"at step {step} ({stage})" if step >= 0 else
+                            f"during {stage}", resume_command(self.run_dir))
             if self.first_failure:
                 self.report_unfired(self.where["step"])
             if self.first_failure and self.policy.first_failure_ledger:
@@ -179,6 +193,11 @@ class RunLifecycle:
 
     # ------------------------------------------------------------------ cleanup
 
+    @property
+    def cleanup_level(self) -> int:
+        """Cleanup's errors are ERRORs, except after Ctrl-C: the user stopped the run, peers vanish on purpose."""
+        return logging.WARNING if self.interrupted else logging.ERROR
+
     def cleanup(self) -> None:
         """Stop services, then the train ranks. Errors here are logged, never raised over the first."""
         with tracing.span("cleanup", stage="cleanup", new_trace=True):
@@ -194,9 +213,28 @@ class RunLifecycle:
                 log.warning("fault audit: %d injection(s) not restored by their process; cleaned: %s",
                             len(report["unrestored"]), "; ".join(report["cleaned"]) or "nothing left")
             for e in errors:
-                log.error("cleanup: %s", e)
+                log.log(self.cleanup_level, "cleanup: %s", e)
             self.loop.gather(*[c.close() for c in self.clients()], return_exceptions=True)
             self.loop.close()
+
+
+def resume_command(run_dir: str) -> str:
+    """The command that resumes this run: the same arguments, the same world, this run directory."""
+    argv, args, skip = sys.argv, [], False
+    for arg in argv[1:]:
+        if skip:
+            skip = False
+            continue
+        if arg in ("--run-dir", "--run_dir"):
+            skip = True
+            continue
+        if not arg.startswith(("--run-dir=", "--run_dir=")):
+            args.append(arg)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    script = os.path.relpath(argv[0]) if argv[0].endswith(".py") else os.path.basename(argv[0])
+    head = [f"torchrun --nproc_per_node={world}"] if "TORCHELASTIC_RUN_ID" in os.environ else (
+        ["python"] if script.endswith(".py") else [])
+    return " ".join(head + [shlex.quote(a) for a in [script, *args, "--run-dir", run_dir]])
 
 
 class TrackedClock(StageClock):

@@ -63,8 +63,8 @@ class RolloutServices:
         log.info("services up: metaserver %s, scheduler %s, %d rollout servers, %d train ranks",
                  self.metaserver_url, self.scheduler.url, len(urls), self.train_ranks)
 
-    def stop(self) -> None:
-        """Every job through the scheduler (each error logged as it happens), then the MetaServer."""
+    def stop(self, level: int = logging.ERROR) -> None:
+        """Every job through the scheduler (each error logged at `level` as it happens), then the MetaServer."""
         if self.scheduler is not None:
             scheduler = self.scheduler
 
@@ -76,9 +76,9 @@ class RolloutServices:
             try:
                 for result in self.loop.run(stop_all()):
                     if isinstance(result, BaseException):
-                        log.error("cleanup: stop job: %s: %s", type(result).__name__, result)
+                        log.log(level, "cleanup: stop job: %s: %s", type(result).__name__, result)
             except (RuntimeError, OSError, TimeoutError) as exc:
-                log.error("cleanup: %s: %s", type(exc).__name__, exc)
+                log.log(level, "cleanup: %s: %s", type(exc).__name__, exc)
             scheduler.close()
         if self.metaserver is not None:
             self.metaserver.stop()
