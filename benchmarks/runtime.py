@@ -107,7 +107,7 @@ def _build(model_name: str, seed: int):
 
 def _uploader(rank: int, world: int, model_name: str, url: str, token: str, repeats: int, barrier, results,
               shm_dir: str = "", checksum: str = "none") -> None:
-    from rlhf.runtime.http import Client
+    from rlhf.runtime.client import Client
     from rlhf.runtime.metaserver import push_shard
     from rlhf.runtime.train_worker import shard_names
     from rlhf.weights import encode_shard, export_state, write_shard
@@ -138,7 +138,7 @@ def _uploader(rank: int, world: int, model_name: str, url: str, token: str, repe
 
 
 def _puller(rank: int, model_name: str, url: str, token: str, repeats: int, barrier, results) -> None:
-    from rlhf.runtime.http import Client
+    from rlhf.runtime.client import Client
     from rlhf.runtime.metaserver import pull_weights
     from rlhf.weights import import_state
 
@@ -170,7 +170,7 @@ def _disk_reader(rank: int, model_name: str, path: str, repeats: int, barrier, r
 
 
 async def _open_version(url: str, token: str, version: str, shards: int) -> None:
-    from rlhf.runtime.http import Client
+    from rlhf.runtime.client import Client
 
     client = Client(url, token)
     try:

@@ -6,9 +6,10 @@ import threading
 import pytest
 
 from rlhf.config import build_config
+from rlhf.runtime.client import Client, LoopThread
 from rlhf.runtime.control.events import EVENT_ATTEMPTS, ColocationEvents, EventNotDelivered
 from rlhf.runtime.control.workers import WorkerGroup
-from rlhf.runtime.http import Client, LoopThread, Service, ServiceThread
+from rlhf.runtime.http import Service, ServiceThread
 
 
 class _Services:

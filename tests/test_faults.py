@@ -21,8 +21,9 @@ import torch
 from rlhf import clock, faults
 from rlhf.faults import afault_point, fault_point
 from rlhf.faults.spec import FaultSpecError, parse_faults_text
+from rlhf.runtime.client import Client, LoopThread
 from rlhf.runtime.errors import HTTPStatusError, RemoteError, RpcConnectionError
-from rlhf.runtime.http import Client, LoopThread, Service, ServiceThread
+from rlhf.runtime.http import Service, ServiceThread
 from tests.conftest import ROOT
 
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from rlhf.runtime import wire
+from rlhf.runtime.client import Client, LoopThread
 from rlhf.runtime.errors import HTTPStatusError, RemoteError, RpcConnectionError, RpcTimeout
-from rlhf.runtime.http import BARE_500, Client, LoopThread, Service, ServiceThread
+from rlhf.runtime.http import BARE_500, Service, ServiceThread
 from rlhf.runtime.resilience import FAITHFUL, HARDENED
 
 

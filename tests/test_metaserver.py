@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from rlhf.runtime.http import Client
+from rlhf.runtime.client import Client
 from rlhf.runtime.metaserver import SHM_PREFIX, MetaServer, pull_weights, push_shard, shm_root
 from rlhf.weights import ShardCorrupt, encode_shard, write_shard
 

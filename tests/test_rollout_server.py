@@ -9,9 +9,9 @@ from rlhf.config import build_config
 from rlhf.data import encode_prompts
 from rlhf.procs import spawn, stop_group, wait_for_file
 from rlhf.rollout.engine import RolloutEngine
+from rlhf.runtime.client import Client, LoopThread
 from rlhf.runtime.colocation import DeviceLease
 from rlhf.runtime.errors import HTTPStatusError, RemoteError
-from rlhf.runtime.http import Client, LoopThread
 from rlhf.runtime.metaserver import MetaServer
 from rlhf.weights import checksum, encode_shard, export_state
 from tests.conftest import ROOT, diverse_model

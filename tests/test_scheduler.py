@@ -8,8 +8,8 @@ import time
 import psutil
 import pytest
 
+from rlhf.runtime.client import Client, LoopThread
 from rlhf.runtime.errors import HTTPStatusError
-from rlhf.runtime.http import Client, LoopThread
 from rlhf.runtime.scheduler import SchedulerClient
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]

@@ -37,13 +37,13 @@ from rlhf.faults import fault_point
 from rlhf.models import load_tokenizer, pad_token_id
 from rlhf.models.tokenizer import CharTokenizer
 from rlhf.runtime import checkpoint as ckpt
+from rlhf.runtime.client import Client
 from rlhf.runtime.control.events import ColocationEvents, freed_mb
 from rlhf.runtime.control.lifecycle import RunLifecycle, TrackedClock
 from rlhf.runtime.control.rollout_fanout import RolloutFanout, to_batch
 from rlhf.runtime.control.services import RolloutServices
 from rlhf.runtime.control.weights_sync import WeightSync
 from rlhf.runtime.control.workers import merge_train_metrics
-from rlhf.runtime.http import Client
 from rlhf.tasks import build_task, reward_fn
 
 log = logging.getLogger("rlhf.controller")

@@ -11,8 +11,7 @@ handler is logged with its step and becomes a typed JSON reply {"error": ErrorIn
 in the seeds' system. Faults that act on a request or reply reach this layer only as
 TransportEffects (`replace_reply`, `reply_tensors`): it knows no fault name.
 
-Client side: `Client(base_url, token)` with async `call()`; `LoopThread` runs coroutines from
-synchronous code, so a controller fans out with `loop.run(asyncio.gather(...))`.
+The client side (`Client`, `LoopThread`) is in client.py.
 """
 
 from __future__ import annotations
@@ -24,13 +23,12 @@ import logging
 import threading
 from typing import Any, Awaitable, Callable
 
-import aiohttp
 from aiohttp import web
 
 from rlhf import tracing
-from rlhf.faults import afault_effects, afault_point
+from rlhf.faults import afault_effects
 from rlhf.runtime import wire
-from rlhf.runtime.errors import ErrorInfo, HTTPStatusError, RemoteError, RpcConnectionError, RpcTimeout
+from rlhf.runtime.errors import ErrorInfo
 from rlhf.runtime.resilience import HARDENED, Policy
 from rlhf.tracing.metrics import ACTIVITY
 
@@ -109,11 +107,21 @@ class Service:
         finally:
             _EFFECTS.reset(token)
 
-    def _error_reply(self, exc: BaseException, method: str, path: str, stage: str, step: int) -> web.Response:
+    def _log_error(self, exc: BaseException, method: str, path: str, stage: str, step: int) -> ErrorInfo:
+        """Log and trace a handler's exception once, where it happened."""
         info = ErrorInfo.from_exception(exc, self.role, self.rank, stage, step)
-        tracing.record_error(tracing.trace.get_current_span(), exc, info)
-        log.error("%s-%d: %s %s failed%s: %s: %s", self.role, self.rank, method, path,
-                  f" at step {step}" if step >= 0 else "", info.error_class, info.message)
+        if not getattr(exc, "_rlhf_logged", False):
+            tracing.record_error(tracing.trace.get_current_span(), exc, info)
+            log.error("%s-%d: %s %s failed%s: %s: %s", self.role, self.rank, method, path,
+                      f" at step {step}" if step >= 0 else "", info.error_class, info.message)
+            try:
+                exc._rlhf_logged = True  # type: ignore[attr-defined]
+            except AttributeError:  # an exception type with __slots__: logging twice is the lesser harm
+                pass
+        return info
+
+    def _error_reply(self, exc: BaseException, method: str, path: str, stage: str, step: int) -> web.Response:
+        info = self._log_error(exc, method, path, stage, step)
         if not self.policy.typed_errors:
             return web.Response(status=500, text=BARE_500)
         return web.json_response({"error": info.to_dict()}, status=500)
@@ -141,6 +149,11 @@ class Service:
                             self.inflight += 1
                         try:
                             return fn(args or {}, tensors)
+                        except Exception as exc:
+                            # logged here, on the worker thread, the moment it happens: a process that exits
+                            # before the reply goes out (a rank stopped by torchrun) still leaves the line
+                            self._log_error(exc, method, path, stage, step)
+                            raise
                         finally:
                             with self._inflight_lock:
                                 self.inflight -= 1
@@ -222,124 +235,3 @@ async def serve_forever(service: Service, host: str, port: int, on_ready: Callab
         await asyncio.Event().wait()
     finally:
         await runner.cleanup()
-
-
-class Client:
-    """Calls one service. Timeouts are per call; errors come back typed (RemoteError) when they can."""
-
-    def __init__(self, base_url: str, token: str, timeout_s: float = 60.0, peer: str = "",
-                 checksums: bool = False) -> None:
-        """checksums: send per-tensor digests with request tensors (the policy's stage_checksums)."""
-        self.base_url, self.token, self.timeout_s = base_url.rstrip("/"), token, timeout_s
-        self.checksums = checksums
-        self.peer = peer or self.base_url.split("//", 1)[-1]
-        self._session: aiohttp.ClientSession | None = None
-
-    async def session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession()
-        return self._session
-
-    async def call(
-        self,
-        path: str,
-        args: Any = None,
-        tensors: dict | None = None,
-        timeout_s: float | None = None,
-        stage: str = "",
-        step: int = -1,
-        method: str = "POST",
-        traced: bool = True,
-        points: tuple[str, ...] = (),
-        raw: bool = False,
-    ) -> tuple[Any, dict]:
-        """One request within timeout_s. traced=False skips the client span (lease renewals would flood traces).
-
-        `step` defaults to the step of the code running now (it travels on every hop, as the stage does).
-
-        `points`: fault points of the caller's stage (events.notify, scheduler.stop_job) checked, like
-        rpc.client.send, inside the timeout: a delay there counts against it, as on a real network path.
-
-        `raw`: a 200 reply's body comes back as bytes, undecoded (weight shards: the caller verifies them).
-        """
-        if step < 0:
-            step = tracing.current_step()
-        if not traced:
-            return await self._call(path, args, tensors, timeout_s, stage, step, method, points, raw)
-        with tracing.span(f"{method} {path.split('?', 1)[0]}", stage=stage or None, step=step,
-                          kind=tracing.SpanKind.CLIENT, peer=self.peer, **{"server.address": self.base_url}):
-            return await self._call(path, args, tensors, timeout_s, stage, step, method, points, raw)
-
-    async def _call(self, path: str, args: Any, tensors: dict | None, timeout_s: float | None, stage: str, step: int,
-                    method: str, points: tuple[str, ...] = (), raw: bool = False) -> tuple[Any, dict]:
-        url = self.base_url + path
-        timeout = self.timeout_s if timeout_s is None else timeout_s
-        try:
-            return await asyncio.wait_for(self._request(url, path, args, tensors, timeout, stage, step, method, points,
-                                                        raw), timeout)
-        except asyncio.TimeoutError:
-            raise RpcTimeout(url, timeout, self.peer) from None
-
-    async def _request(self, url: str, path: str, args: Any, tensors: dict | None, timeout: float, stage: str,
-                       step: int, method: str, points: tuple[str, ...], raw: bool = False) -> tuple[Any, dict]:
-        body, content_type = wire.encode(args, tensors, checksums=self.checksums)
-        headers = {TOKEN_HEADER: self.token, "Content-Type": content_type, STAGE_HEADER: stage, STEP_HEADER: str(step)}
-        tracing.inject_headers(headers)
-        session = await self.session()
-        try:
-            for point in points + ("rpc.client.send",):
-                await afault_point(point, step=step if step >= 0 else None, peer=self.peer, path=path, stage=stage)
-            async with session.request(
-                method, url, data=body if method != "GET" else None, headers=headers,
-                timeout=aiohttp.ClientTimeout(total=timeout),
-            ) as resp:
-                payload = await resp.read()
-                if resp.status == 200 and raw:
-                    return payload, {}
-                if resp.status == 200:
-                    try:
-                        return wire.decode(payload, resp.content_type)
-                    except wire.CorruptPayload as exc:  # name the sender: the data changed after it left there
-                        raise wire.CorruptPayload(f"reply from {self.peer} to {path}: {exc}") from None
-                if resp.content_type == wire.JSON_TYPE:
-                    try:
-                        err = wire.decode(payload, resp.content_type)[0]
-                    except ValueError:
-                        err = None
-                    if isinstance(err, dict) and isinstance(err.get("error"), dict):
-                        raise RemoteError(ErrorInfo(**err["error"]), url)
-                raise HTTPStatusError(resp.status, payload.decode(errors="replace"), url, self.peer)
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:  # reset, refused, cut mid-body
-            raise RpcConnectionError(url, exc, self.peer) from exc
-        except OSError as exc:  # name resolution (socket.gaierror) and other socket errors
-            if isinstance(exc, (RpcConnectionError, TimeoutError)):
-                raise
-            raise RpcConnectionError(url, exc, self.peer) from exc
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-
-
-class LoopThread:
-    """An event loop on a daemon thread; `run(coro)` blocks the caller until the coroutine ends."""
-
-    def __init__(self, name: str = "rpc-loop") -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self._thread.start()
-
-    def run(self, coro: Awaitable, timeout: float | None = None) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)  # type: ignore[arg-type]
-
-    def gather(self, *coros: Awaitable, return_exceptions: bool = False) -> list:
-        """Run coroutines concurrently on the loop; the gather itself is made inside the loop."""
-
-        async def _all() -> list:
-            return list(await asyncio.gather(*coros, return_exceptions=return_exceptions))
-
-        return self.run(_all())
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=5)

@@ -88,7 +88,10 @@ def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
         failed = False
     finally:
         busy = worker.service.inflight  # a handler still running: hung in a collective, a fault, a slow call
-        server.stop(timeout_s=1.0 if busy else 30.0)
+        # Ctrl-C: the user wants out, do not wait for a busy handler (an SFT warm start runs for minutes). Any
+        # other end (a peer died, torchrun's SIGTERM) gives the handler time to fail and log why.
+        interrupted = isinstance(sys.exc_info()[1], KeyboardInterrupt)
+        server.stop(timeout_s=1.0 if busy and interrupted else 30.0)
         worker.close()
         if not busy:
             shutdown_distributed()

@@ -30,8 +30,9 @@ from rlhf.models import build_model_and_tokenizer
 from rlhf.procs import set_pdeathsig, write_atomic
 from rlhf.rollout.engine import RolloutEngine
 from rlhf.run_dir import setup_logging
+from rlhf.runtime.client import Client
 from rlhf.runtime.colocation import DeviceBusy, DeviceLease, device_name, fresh_allocation, read_leak
-from rlhf.runtime.http import DEFAULT_HOST, Client, Service, serve_forever
+from rlhf.runtime.http import DEFAULT_HOST, Service, serve_forever
 from rlhf.runtime.metaserver import pull_weights
 from rlhf.runtime.resilience import HARDENED, Policy
 from rlhf.tracing.setup import start_process_telemetry, stop_process_telemetry

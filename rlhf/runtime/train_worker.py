@@ -33,9 +33,10 @@ from rlhf.models import DTYPES, build_model_and_tokenizer, stop_token_ids
 from rlhf.rollout.engine import RolloutEngine
 from rlhf.runtime import checkpoint as ckpt
 from rlhf.runtime.batch_memory import BatchSizeMismatch
+from rlhf.runtime.client import Client
 from rlhf.runtime.colocation import DeviceLease, device_name, fresh_allocation
 from rlhf.runtime.dist import GlooDataParallel
-from rlhf.runtime.http import Client, Service
+from rlhf.runtime.http import Service
 from rlhf.runtime.metaserver import push_shard
 from rlhf.tasks import build_task, reward_fn
 from rlhf.train.engine import TrainEngine

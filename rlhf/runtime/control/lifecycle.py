@@ -25,8 +25,8 @@ from rlhf import faults, tracing
 from rlhf.config import Config
 from rlhf.run_dir import StepsWriter, write_json
 from rlhf.runtime import checkpoint as ckpt
+from rlhf.runtime.client import Client, LoopThread
 from rlhf.runtime.control.workers import WorkerGroup
-from rlhf.runtime.http import Client, LoopThread
 from rlhf.stages import StageClock
 
 log = logging.getLogger("rlhf.controller")

@@ -17,9 +17,9 @@ import torch
 from rlhf.config import Config
 from rlhf.data import build_rl_batch, completion_text, encode_prompts
 from rlhf.runtime.batch_memory import DistributedBatchMemory
+from rlhf.runtime.client import Client, LoopThread
 from rlhf.runtime.control.services import RolloutServices
 from rlhf.runtime.errors import RpcTimeout
-from rlhf.runtime.http import Client, LoopThread
 
 log = logging.getLogger("rlhf.controller")
 

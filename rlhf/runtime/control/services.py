@@ -16,7 +16,7 @@ from typing import Any
 from rlhf.config import Config
 from rlhf.devices import rollout_device
 from rlhf.procs import wait_for_file
-from rlhf.runtime.http import Client, LoopThread
+from rlhf.runtime.client import Client, LoopThread
 from rlhf.runtime.metaserver import MetaServer
 from rlhf.runtime.scheduler import SchedulerClient
 

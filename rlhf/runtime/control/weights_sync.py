@@ -18,9 +18,9 @@ import time
 from typing import Any
 
 from rlhf.config import Config
+from rlhf.runtime.client import Client, LoopThread
 from rlhf.runtime.control.services import RolloutServices
 from rlhf.runtime.control.workers import WorkerGroup
-from rlhf.runtime.http import Client, LoopThread
 
 OUTER_MARGIN_S = 10.0  # a call that wraps a server-side wait gets this much longer than the wait
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from rlhf.runtime.http import Client, LoopThread
+from rlhf.runtime.client import Client, LoopThread
 
 
 class WorkerGroup:
