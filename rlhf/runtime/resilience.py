@@ -26,7 +26,7 @@ class Policy:
     stage_checksums: bool = True
     """Tensors crossing processes carry per-tensor sha256 digests checked where they arrive (names the sender); off: changed data surfaces stages later."""
     acked_events: bool = True
-    """Colocation events must be acknowledged: a lost one is retried 3 times, then EventNotDelivered names the peer; off: fire and forget (a WARNING)."""
+    """Colocation events must be acknowledged: a lost one is sent again, 3 attempts in all, then EventNotDelivered names the peer; off: fire and forget (a WARNING)."""
     atomic_checkpoints: bool = True
     """Checkpoint slots are written to a staging folder, fsynced and renamed into place, and resume checks their checksums; off: written in place."""
     fatal_save_errors: bool = True
