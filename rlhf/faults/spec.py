@@ -391,8 +391,8 @@ def peer_problem(peer: str, points: tuple[str, ...], role: str = "", train_ranks
         return None
     if not candidates:
         return f"{', '.join(points)} has no peer; remove target.peer"
-    shown = [p for p in points if p == "rpc.server.handle"] and [c for c in candidates if c.startswith("/")]
-    valid = sorted(set(shown or [c for p in points for c in POINT_PEERS.get(p, ())]))
+    # routes as the server sees them; other peers as patterns ({r}: any rank), not one line per rank
+    valid = sorted({c for c in candidates if c.startswith("/")} | {c for p in points for c in POINT_PEERS.get(p, ())})
     hint = _hint(peer, candidates) or _hint("/" + peer, candidates)
     return f"{peer!r} is never a peer at {', '.join(points)}{hint}, so this fault could never fire; peers: {', '.join(valid)}"
 
