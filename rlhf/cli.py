@@ -6,12 +6,14 @@
     rlhf trace RUN_DIR     a run's traces: per-step trees, errors, fault events; Jaeger / Perfetto files
     rlhf faults list       every fault kind and point;  rlhf faults validate FILE  checks a fault file
     rlhf report RUN_DIR    figures of how a fault propagated (RUN_DIR/report/*.png)
+    rlhf diagnose RUN_DIR  the root cause of a failed run from its evidence alone (RUN_DIR/diagnosis.json)
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 from rlhf.cli_args import make_parser, parse_config
 
@@ -31,10 +33,9 @@ the last line. The same --faults files as grpo_trainer.py; RL-only points are ne
 
 def grpo_main(argv: list[str] | None = None, prog: str = "grpo_trainer.py") -> int:
     cfg, _ = parse_config(argv, make_parser(prog, GRPO_DESCRIPTION))
-    from rlhf.runtime.launch import print_summary, run  # per subcommand: `rlhf trace` never loads torch.distributed
+    from rlhf.runtime.launch import run  # per subcommand: `rlhf trace` never loads torch.distributed
 
-    print_summary(run(cfg))
-    return 0
+    return _finish(lambda: run(cfg))
 
 
 def sft_main(argv: list[str] | None = None, prog: str = "sft_trainer.py") -> int:
@@ -45,9 +46,23 @@ def sft_main(argv: list[str] | None = None, prog: str = "sft_trainer.py") -> int
         argv[i : i + 2] = ["--sft.max_steps", argv[i + 1]] if i + 1 < len(argv) else argv[i : i + 1]
     argv = ["--sft.stop_in_band", "false"] + argv
     cfg, _ = parse_config(argv, make_parser(prog, SFT_DESCRIPTION))
-    from rlhf.runtime.launch import print_summary, run
+    from rlhf.runtime.launch import run
 
-    print_summary(run(cfg, mode="sft"))
+    return _finish(lambda: run(cfg, mode="sft"))
+
+
+def _finish(run: Any) -> int:
+    """Print the summary; a failure the controller already reported (its log has the traceback, the console a
+    short block ending with the root cause) exits 1 without a second traceback on the console."""
+    from rlhf.runtime.launch import print_summary
+
+    try:
+        summary = run()
+    except Exception as exc:
+        if getattr(exc, "_rlhf_reported", False):
+            return 1
+        raise
+    print_summary(summary)
     return 0
 
 
@@ -75,7 +90,13 @@ def report_main(argv: list[str] | None = None, prog: str = "rlhf report") -> int
     return run(argv)
 
 
-COMMANDS = {"report": report_main, "grpo": grpo_main, "sft": sft_main, "config": config_main, "trace": trace_main, "faults": faults_main}
+def diagnose_main(argv: list[str] | None = None, prog: str = "rlhf diagnose") -> int:
+    from rlhf.diagnosis import diagnose_main as run
+
+    return run(argv, prog)
+
+
+COMMANDS = {"diagnose": diagnose_main, "report": report_main, "grpo": grpo_main, "sft": sft_main, "config": config_main, "trace": trace_main, "faults": faults_main}
 
 
 def main(argv: list[str] | None = None) -> int:

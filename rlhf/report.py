@@ -6,7 +6,8 @@
 propagation.png   x: seconds since the fault's onset; y: one row per process. The fault's
                   injections (red triangles), every ERROR line (black x), the error the user sees
                   (the controller's "run failed", a star) and the last error line of the controller
-                  (a square), with arrows fault → first error → surfaced error.
+                  (a square), the root cause `rlhf diagnose` names from the evidence alone (a green
+                  diamond) and arrows along its propagation chain, root cause → … → surfaced error.
 target_metrics.png  the faulted process's CPU (own and its children's), RSS and the system CPU,
                   with the fault onset and the surfaced error marked.
 """
@@ -20,7 +21,8 @@ import os
 import sys
 from typing import Any
 
-from rlhf.analysis import _stamp, injections, measure_run, read_markers
+from rlhf.analysis import DIAGNOSIS, _stamp, injections, measure_run, read_markers
+from rlhf.diagnosis import diagnose
 
 
 def _plt() -> Any:
@@ -43,7 +45,7 @@ def _events(run_dir: str) -> tuple[float | None, list[dict], dict[str, list[floa
         proc = os.path.basename(log)[:-4]
         with open(log, encoding="utf-8", errors="replace") as fh:
             for line in fh:
-                if " ERROR " not in line or (t := _stamp(line)) is None:
+                if " ERROR " not in line or DIAGNOSIS in line or (t := _stamp(line)) is None:
                     continue
                 errors.setdefault(proc, []).append(t)
                 if proc in ("controller-0", "trainer-0"):
@@ -59,7 +61,9 @@ def propagation_figure(run_dir: str, out: str) -> str:
     onset, injects, errors, surfaced, last = _events(run_dir)
     t0 = onset if onset is not None else min((t for ts in errors.values() for t in ts), default=0.0)
     ctrl = "trainer-0" if os.path.exists(os.path.join(run_dir, "logs", "trainer-0.log")) else "controller-0"
-    procs = sorted({f"{m['role']}-{m['rank']}" for m in injects} | set(errors) | {ctrl}, key=_order)
+    diag = diagnose(run_dir)
+    hop_procs = ({diag.root.process} | {e.reporter for e in diag.chain}) if diag.root is not None else set()
+    procs = sorted({f"{m['role']}-{m['rank']}" for m in injects} | set(errors) | {ctrl} | hop_procs, key=_order)
     y = {p: i for i, p in enumerate(procs)}
     fig, ax = plt.subplots(figsize=(11, 1.2 + 0.55 * len(procs)))
     colors = ["crimson", "mediumvioletred", "firebrick", "deeppink"]
@@ -72,11 +76,8 @@ def propagation_figure(run_dir: str, out: str) -> str:
         m = next(x for x in injects if x["fault"] == name)
         ax.annotate(f"{name} ({m['kind']})", (m["time"] - t0, y[f"{m['role']}-{m['rank']}"]), textcoords="offset points",
                     xytext=(4, 9 - 11 * i), fontsize=8, color=colors[i % len(colors)])
-    first = None
     for proc, ts in errors.items():
         ax.scatter([t - t0 for t in ts], [y[proc]] * len(ts), marker="x", s=60, color="black", zorder=3)
-        if first is None or ts[0] < first[0]:
-            first = (ts[0], proc)
     if surfaced is not None:
         ax.scatter(surfaced[0] - t0, y[ctrl], marker="*", s=320, color="darkorange", zorder=4,
                    label=f"surfaced: {surfaced[1][:90]}")
@@ -84,13 +85,16 @@ def propagation_figure(run_dir: str, out: str) -> str:
         ax.scatter(last[0] - t0, y[ctrl], marker="s", s=90, facecolors="none", edgecolors="purple", zorder=4,
                    label=f"last error line: {last[1][:90]}")
     arrow = dict(arrowstyle="->", color="gray", lw=1.2)
-    if injects and first is not None:
-        src = injects[0]
-        src_row = f"{src['role']}-{src['rank']}"
-        if src_row in y:
-            ax.annotate("", xy=(first[0] - t0, y[first[1]]), xytext=(src["time"] - t0, y[src_row]), arrowprops=arrow)
-    if first is not None and surfaced is not None and (first[1] != ctrl or first[0] != surfaced[0]):
-        ax.annotate("", xy=(surfaced[0] - t0, y[ctrl]), xytext=(first[0] - t0, y[first[1]]), arrowprops=arrow)
+    # the arrows follow the diagnosis (the evidence alone), hop by hop, from its root cause to where the run
+    # surfaced it; the fault markers (triangles) are drawn beside it as the answer key, never as its start
+    if diag.root is not None:
+        r = diag.root
+        ax.scatter(r.time - t0, y[r.process], marker="D", s=150, facecolors="none", edgecolors="green", lw=2, zorder=5,
+                   label=f"root cause (rlhf diagnose): {r.process}, {r.stage}, {r.category}")
+        hops = [(r.time, r.process)] + [(e.time, e.reporter) for e in diag.chain[1:] if e.reporter in y]
+        for (ta, pa), (tb, pb) in zip(hops, hops[1:]):
+            if (ta, pa) != (tb, pb):
+                ax.annotate("", xy=(tb - t0, y[pb]), xytext=(ta - t0, y[pa]), arrowprops=arrow)
     ax.set_yticks(range(len(procs)))
     ax.set_yticklabels(procs)
     ax.set_ylim(-0.7, len(procs) - 0.3)
@@ -99,7 +103,7 @@ def propagation_figure(run_dir: str, out: str) -> str:
     row = measure_run(run_dir)
     ax.set_title(f"{os.path.basename(os.path.normpath(run_dir))}: fault in {row['fault_stage'] or '?'} "
                  f"({row['target'] or '?'}), surfaced in {row['error_stage'] or '?'}", fontsize=11)
-    if surfaced is not None or last is not None:
+    if surfaced is not None or last is not None or diag.root is not None:
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.02 * len(procs)), fontsize=8, frameon=False)
     fig.tight_layout()
     path = os.path.join(out, "propagation.png")

@@ -59,7 +59,7 @@ def test_acked_event_is_retried_until_delivered(pair, caplog):
     assert [peer for peer, _ in replies] == ["train-0", "rollout-0"]
     assert replies[1][1][0] == {"event": "rollout_start", "ok": True} and state["seen"] == EVENT_ATTEMPTS
     retries = [r.getMessage() for r in caplog.records if "retrying" in r.getMessage()]
-    assert len(retries) == EVENT_ATTEMPTS - 1 and "event rollout_start to rollout-0: attempt 1 failed (RpcTimeout)" in retries[0]
+    assert len(retries) == EVENT_ATTEMPTS - 1 and "event rollout_start to rollout-0: attempt 1 failed (RpcTimeout: no reply from rollout-0" in retries[0]
 
 
 def test_acked_event_lost_every_time_fails_the_step_naming_the_peer(pair):

@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from rlhf.analysis import measure_run
+from rlhf.diagnosis import diagnose
 from tests.conftest import ROOT
 from tests.test_runtime import assert_none_left, free_port
 
@@ -31,8 +32,11 @@ def run_scenario(tmp_path, n, *extra, script="grpo_trainer.py"):
 
 
 def log_lines(run_dir, name, level=None):
+    """A process's log lines as the seeds' system would have written them: without our diagnosis (its root-cause
+    lines and where-to-look block, which assert_diagnosed checks)."""
     lines = (run_dir / "logs" / f"{name}.log").read_text().splitlines()
-    return [line for line in lines if level is None or f" {level} " in line]
+    ours = (" rlhf.diagnosis: ", " rlhf.controller: evidence: ", " rlhf.controller: logs: ")
+    return [line for line in lines if (level is None or f" {level} " in line) and not any(o in line for o in ours)]
 
 
 def stamp(line):
@@ -42,6 +46,17 @@ def stamp(line):
 def markers(run_dir):
     with open(run_dir / "faults" / "markers.jsonl") as fh:
         return [json.loads(line) for line in fh]
+
+
+def assert_diagnosed(run_dir, process, stage, category):
+    """`rlhf diagnose` names the fault's process, stage and category from the evidence alone (the markers are not
+    read), and the run itself printed the same root cause as its last log line."""
+    d = diagnose(str(run_dir))
+    assert d.root is not None, d.render()
+    assert (d.root.process, d.root.stage, d.root.category) == (process, stage, category), d.render()
+    last = (run_dir / "logs" / "controller-0.log").read_text().splitlines()[-1]
+    assert " rlhf.diagnosis: root cause: " in last and f"root cause: {process}" in last, last
+    return d
 
 
 def test_scenario1_slow_upload_surfaces_as_rollout_update_failures(tmp_path):
@@ -62,6 +77,7 @@ def test_scenario1_slow_upload_surfaces_as_rollout_update_failures(tmp_path):
     assert (row["fault_stage"], row["target"], row["error_stage"]) == ("weights_update", "train-1", "weights_update")
     assert row["processes_with_errors"].split()[0].startswith("rollout-")  # the first error is not at the cause
     assert 6.0 <= row["surfaced_error_time_s"] <= 14.0
+    assert_diagnosed(run_dir, "train-1", "weights_update", "timeout")  # still inside its upload
 
 
 def test_scenario2_rollout_fault_surfaces_in_train_as_batch_size_mismatch(tmp_path):
@@ -80,6 +96,7 @@ def test_scenario2_rollout_fault_surfaces_in_train_as_batch_size_mismatch(tmp_pa
     assert any("BatchSizeMismatch" in line and "batch size mismatch" in line for line in train_errors)
     row = measure_run(str(run_dir), out.returncode)
     assert (row["fault_stage"], row["error_stage"]) == ("rollout", "train")  # a different stage than the fault
+    assert_diagnosed(run_dir, "rollout-1", "rollout", "process_death")  # the scheduler saw its SIGKILL
 
 
 def test_scenario3_oom_is_hidden_behind_the_last_error_a_stop_job_timeout(tmp_path):
@@ -105,6 +122,8 @@ def test_scenario3_oom_is_hidden_behind_the_last_error_a_stop_job_timeout(tmp_pa
     for name in ("propagation.png", "target_metrics.png"):
         img = image.imread(run_dir / "report" / name)
         assert img.shape[0] > 200 and img.shape[1] > 800 and img.std() > 0.05  # a real picture, not blank
+    d = assert_diagnosed(run_dir, "train-1", "train", "oom_device")
+    assert any("stop job" in m["message"] for m in d.masked)  # the last error line, ranked below the OOM
 
 
 def test_scenario3_hardened_names_the_oom_first_and_last(tmp_path):
@@ -117,6 +136,8 @@ def test_scenario3_hardened_names_the_oom_first_and_last(tmp_path):
         assert "OutOfMemoryError in train-1" in line and "stage train" in line and "CUDA out of memory" in line
     assert "first failure of this run" in last
     assert any("stop job: RpcTimeout" in line for line in errors[1:-1])  # cleanup errors sit in between
+    assert any("stop job: RpcTimeout" in line for line in errors[1:-1])  # cleanup errors sit in between
+    assert_diagnosed(run_dir, "train-1", "train", "oom_device")
 
 
 def test_scenario3_hardened_without_the_ledger_ends_on_the_cleanup_timeout_again(tmp_path):
@@ -153,6 +174,8 @@ def test_scenario5_full_disk_at_a_save_surfaces_one_step_later_in_weights_update
     row = measure_run(str(run_dir), out.returncode)
     assert (row["fault_stage"], row["error_stage"]) == ("latest_recover_save", "weights_update")
     assert not list((run_dir / "checkpoints").glob(".rlhf-io-*"))  # the writers' files are gone
+    assert not list((run_dir / "checkpoints").glob(".rlhf-io-*"))  # the writers' files are gone
+    assert_diagnosed(run_dir, "train-0", "latest_recover_save", "disk")  # not the rollout side one step later
 
 
 def test_scenario3_on_the_sft_baseline_surfaces_where_it_happened(tmp_path):
@@ -166,6 +189,8 @@ def test_scenario3_on_the_sft_baseline_surfaces_where_it_happened(tmp_path):
     assert "train-1" in errors[-1] and "stage train" in errors[-1]  # the last line still points at the faulty rank
     assert not any("stop job" in line for line in errors)  # the RL-only cleanup fault never fires
     assert any("out of memory" in line for line in log_lines(run_dir, "train-1", "ERROR"))
+    assert any("out of memory" in line for line in log_lines(run_dir, "train-1", "ERROR"))
+    assert_diagnosed(run_dir, "train-1", "train", "oom_device")
 
 
 def _run_stall(tmp_path, *extra):
@@ -183,6 +208,8 @@ def test_sync_stall_per_rank_clocks_stall_and_the_watchdog_names_the_stuck_rank(
     assert m, stall
     assert 5.0 <= float(m.group(1)) < 9.0  # named within seconds of the watchdog's threshold
     assert int(m.group(2)) == int(m.group(3)) + 1  # rank 0 started one more step than rank 1 finished
+    assert int(m.group(2)) == int(m.group(3)) + 1  # rank 0 started one more step than rank 1 finished
+    assert_diagnosed(run_dir, "train-1", "train", "hang")  # the rank missing from the collective, not the waiter
 
 
 def test_sync_stall_cannot_happen_when_the_controller_decides_the_steps(tmp_path):
@@ -207,6 +234,8 @@ def test_scenario10_metaserver_failure_shows_on_both_sides_and_not_in_its_own_lo
     assert metaserver_errors == []  # the MetaServer itself left no error line
     grow = next(m for m in markers(run_dir) if m["fault"] == "metaserver-memory-growth" and m["event"] == "verify")
     assert grow["details"]["held_bytes"] >= 64 << 20  # real memory in the MetaServer's process
+    assert grow["details"]["held_bytes"] >= 64 << 20  # real memory in the MetaServer's process
+    assert_diagnosed(run_dir, "metaserver-0", "weights_update", "network")  # blamed by both sides
 
 
 def metrics_rows(run_dir, name):
@@ -238,6 +267,8 @@ def test_scenario4_lost_colocation_event_leaves_device0_idle_then_fails_three_st
     assert "step 3, stage reference: InvalidTensorShape" in first
     row = measure_run(str(run_dir), out.returncode)
     assert (row["fault_stage"], row["target"], row["error_stage"]) == ("events", "controller-0", "reference")
+    assert (row["fault_stage"], row["target"], row["error_stage"]) == ("events", "controller-0", "reference")
+    assert_diagnosed(run_dir, "controller-0", "events", "timeout")  # the events never reached train-0 or rollout-0
 
 
 def test_scenario6_rollout_side_device_leak_fails_the_train_sides_next_upload(tmp_path):
@@ -256,6 +287,8 @@ def test_scenario6_rollout_side_device_leak_fails_the_train_sides_next_upload(tm
     row = measure_run(str(run_dir), out.returncode)
     assert (row["fault_stage"], row["target"], row["error_stage"]) == ("events", "rollout-0", "weights_update")
     assert not list((run_dir / "devices").glob("*.leak.json"))  # the ledger entry went with the run
+    assert not list((run_dir / "devices").glob("*.leak.json"))  # the ledger entry went with the run
+    assert_diagnosed(run_dir, "rollout-0", "events", "oom_device")  # the holder, from its heartbeat
 
 
 def test_scenario7_rollout_timeout_keeps_aborted_samples_and_reference_fails_on_their_shape(tmp_path):
@@ -273,6 +306,8 @@ def test_scenario7_rollout_timeout_keeps_aborted_samples_and_reference_fails_on_
     assert log_lines(run_dir, "rollout-1", "ERROR") == []  # the slow server itself never failed
     row = measure_run(str(run_dir), out.returncode)
     assert (row["fault_stage"], row["target"], row["error_stage"]) == ("rollout", "rollout-1", "reference")
+    assert (row["fault_stage"], row["target"], row["error_stage"]) == ("rollout", "rollout-1", "reference")
+    assert_diagnosed(run_dir, "rollout-1", "rollout", "timeout")  # still inside /generate
 
 
 def test_scenario8_truncated_reference_reply_fails_train_in_the_kl_term(tmp_path):
@@ -284,6 +319,8 @@ def test_scenario8_truncated_reference_reply_fails_train_in_the_kl_term(tmp_path
     assert shape and "/train_step" in shape[0]
     row = measure_run(str(run_dir), out.returncode)
     assert (row["fault_stage"], row["target"], row["error_stage"]) == ("reference", "train-1", "train")
+    assert (row["fault_stage"], row["target"], row["error_stage"]) == ("reference", "train-1", "train")
+    assert_diagnosed(run_dir, "train-1", "reference", "data_mismatch")  # sent and received shapes differ
 
 
 def test_scenario8_hardened_checksums_reject_the_reply_where_it_arrives(tmp_path):
@@ -293,6 +330,8 @@ def test_scenario8_hardened_checksums_reject_the_reply_where_it_arrives(tmp_path
     first = next(line for line in errors if "run failed" in line)
     assert "step 3, stage reference: CorruptPayload" in first and "train-1" in first and "checksum" in first
     assert not any("must match the size" in line for line in log_lines(run_dir, "train-1"))  # train never ran on it
+    assert not any("must match the size" in line for line in log_lines(run_dir, "train-1"))  # train never ran on it
+    assert_diagnosed(run_dir, "train-1", "reference", "data_mismatch")
 
 
 def test_scenario9_io_hang_in_a_periodic_save_breaks_the_restart_after_a_crash(tmp_path):
@@ -312,3 +351,5 @@ def test_scenario9_io_hang_in_a_periodic_save_breaks_the_restart_after_a_crash(t
     assert stamp(failed) - hang["time"] > 10.0  # found a crash and a restart after the cause
     row = measure_run(str(run_dir), restart.returncode)
     assert (row["fault_stage"], row["target"], row["error_stage"]) == ("periodic_recover_save", "train-0", "resume")
+    assert (row["fault_stage"], row["target"], row["error_stage"]) == ("periodic_recover_save", "train-0", "resume")
+    assert_diagnosed(run_dir, "train-0", "periodic_recover_save", "hang")  # the save that never finished

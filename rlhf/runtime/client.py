@@ -94,7 +94,10 @@ class Client:
                     return payload, {}
                 if resp.status == 200:
                     try:
-                        return wire.decode(payload, resp.content_type)
+                        reply = wire.decode(payload, resp.content_type)
+                        if reply[1]:
+                            tracing.trace.get_current_span().set_attribute("rlhf.reply_shapes", wire.shapes(reply[1]))
+                        return reply
                     except wire.CorruptPayload as exc:  # name the sender: the data changed after it left there
                         raise wire.CorruptPayload(f"reply from {self.peer} to {path}: {exc}") from None
                 if resp.content_type == wire.JSON_TYPE:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from rlhf import tracing
 from rlhf.devices import train_backend, train_device
 from rlhf.faults import fault_point
+from rlhf.tracing.metrics import ACTIVITY
 
 
 def _free_port() -> int:
@@ -74,9 +75,16 @@ class GlooDataParallel:
         # nccl reduces only CUDA tensors: counts made on the host go to the rank's device for the collective
         self.device = torch.device(device) if dist.get_backend() == "nccl" else torch.device("cpu")
         self.in_collective: tuple[str, float] | None = None  # (what, since): the heartbeat shows a rank stuck in one
+        self._outer: tuple[str, int, float] = ("idle", -1, time.time())
 
     def _enter(self, what: str) -> None:
         self.in_collective = (what, time.monotonic())
+        self._outer = (ACTIVITY.name, ACTIVITY.step, ACTIVITY.since)
+        ACTIVITY.set(what, ACTIVITY.step)  # the heartbeat (metrics/) shows which ranks are inside a collective
+
+    def _leave(self) -> None:
+        self.in_collective = None
+        ACTIVITY.name, ACTIVITY.step, ACTIVITY.since = self._outer
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.to(self.device, copy=True)
@@ -84,7 +92,7 @@ class GlooDataParallel:
         self._enter("all_reduce(count)")
         with tracing.span("collective.all_reduce", what="count", numel=out.numel()):
             dist.all_reduce(out, op=dist.ReduceOp.SUM)
-        self.in_collective = None
+        self._leave()
         return out.to(tensor.device)
 
     def all_reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
@@ -95,7 +103,7 @@ class GlooDataParallel:
         self._enter("all_reduce(gradients)")
         with tracing.span("collective.all_reduce", what="gradients", numel=flat.numel()):
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        self.in_collective = None
+        self._leave()
         offset = 0
         for p, g in zip(params, grads):
             n = g.numel()

@@ -167,6 +167,8 @@ class Service:
                 result, out_tensors = result
             sums = None
             effects = _EFFECTS.get()
+            if out_tensors:  # what left the handler; the caller's span records what arrived (evidence of corruption)
+                tracing.trace.get_current_span().set_attribute("rlhf.reply_shapes", wire.shapes(out_tensors))
             if out_tensors and effects:  # faults in transit act after the sender's checksums were taken
                 sums = wire.digests(out_tensors) if self.policy.stage_checksums else None
                 for effect in effects:

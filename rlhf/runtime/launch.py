@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from rlhf import faults, tracing
+from rlhf import exits, faults, tracing
 from rlhf.config import Config
 from rlhf.procs import set_pdeathsig
 from rlhf.run_dir import default_run_dir, make_run_dir, setup_logging
@@ -32,7 +32,7 @@ from rlhf.tracing.setup import stop_process_telemetry
 
 log = logging.getLogger("rlhf.launch")
 
-CONTROLLER_LOGGERS = ("rlhf.controller", "rlhf.metaserver", "rlhf.launch")
+CONTROLLER_LOGGERS = ("rlhf.controller", "rlhf.metaserver", "rlhf.launch", "rlhf.diagnosis")
 
 
 def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
@@ -53,7 +53,7 @@ def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
     if rank == 0:
         with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as fh:
             fh.write(cfg.to_yaml())
-        setup_logging(run_dir, "train", 0, routes={CONTROLLER_LOGGERS: ("controller", 0)},
+        setup_logging(run_dir, "train", 0, routes={CONTROLLER_LOGGERS + ("rlhf.traceback",): ("controller", 0)},
                       console_prefixes=CONTROLLER_LOGGERS + ("rlhf.sft",))
     else:
         setup_logging(run_dir, "train", rank, console=False)
@@ -63,8 +63,7 @@ def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
     metrics.start_sampler(run_dir, "train", rank, cfg.tracing.metrics_interval_s)
     if cfg.faults:
         faults.arm(run_dir, cfg.faults)
-
-
+    exits.record_start(run_dir, f"train-{rank}")
     log.info("train-%d on %s, %s collectives (%s)", rank, info.device, info.backend, info.why)
     worker = TrainWorker(cfg, run_dir, rank, world, token, device=info.device)
     server = ServiceThread(worker.service)
@@ -73,20 +72,35 @@ def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
     logging.getLogger("rlhf.train_worker").info("train worker %d/%d serving on %s (pid %d)", rank, world,
                                                 server.url, os.getpid())
     summary = None
+    controller: Any = None
     failed = True
+    ended = {"reason": ""}
+    if rank == 0:
+        signal.signal(signal.SIGTERM, _terminated)  # torchrun stops the ranks when one of them died: fail, clean up
     try:
         if rank == 0:
             urls = [fetch(f"worker/{r}") for r in range(world)]
             log.info("run %s: %d train ranks (%s), %d rollout servers, weights %s, resilience %s%s", run_dir, world,
                      info.backend, cfg.rollout.servers, cfg.weights.mode, cfg.resilience.describe(),
                      ", colocated" if cfg.runtime.colocate else "")
-            summary = (SFTController if mode == "sft" else Controller)(cfg, run_dir, urls, token).run()
+            controller = (SFTController if mode == "sft" else Controller)(cfg, run_dir, urls, token)
+            summary = controller.run()
         else:
-            signal.signal(signal.SIGTERM, lambda *_: worker.shutdown.set())
+            def on_term(signum: int, frame: Any) -> None:
+                ended["reason"] = "received SIGTERM"
+                worker.shutdown.set()
+
+            signal.signal(signal.SIGTERM, on_term)
             while not worker.shutdown.wait(0.5):
                 pass
         failed = False
+    except BaseException as exc:
+        ended["reason"] = ended["reason"] or f"{type(exc).__name__}: {exc}"[:300]
+        raise
     finally:
+        # this rank's own end (torchrun is its parent and records nothing we can read); a SIGKILL leaves none
+        exits.record_exit(run_dir, f"train-{rank}", os.getpid(), 1 if failed else 0, by=f"train-{rank}",
+                          expected=not failed and not ended["reason"], reason=ended["reason"])
         busy = worker.service.inflight  # a handler still running: hung in a collective, a fault, a slow call
         # Ctrl-C: the user wants out, do not wait for a busy handler (an SFT warm start runs for minutes). Any
         # other end (a peer died, torchrun's SIGTERM) gives the handler time to fail and log why.
@@ -101,10 +115,21 @@ def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
         if busy:
             # Python would wait for that handler thread forever at exit; this rank's part is over
             log.warning("train rank %d: %d request(s) still running at shutdown; exiting without waiting", rank, busy)
+            if controller is not None and controller.root_cause:  # the console's last line stays the root cause
+                logging.getLogger("rlhf.diagnosis").error("%s", controller.root_cause)
             logging.shutdown()
             sys.stderr.flush()
             os._exit(1 if failed else 0)
     return summary
+
+
+class Terminated(Exception):
+    """SIGTERM on the controller's rank: torchrun stops every rank once one of them has exited."""
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    raise Terminated("received SIGTERM (torchrun sends it to every rank once one rank has exited)")
 
 
 def print_summary(summary: dict[str, Any] | None) -> None:

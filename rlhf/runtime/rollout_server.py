@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from rlhf import faults, tracing
+from rlhf import exits, faults, tracing
 from rlhf.config import build_config
 from rlhf.devices import relocate
 from rlhf.faults import afault_point, fault_point
@@ -140,7 +140,11 @@ class RolloutServer:
         if self.lease is not None:
             self.lease.release()
         leak = read_leak(self.run_dir, self.device) if self.run_dir else None
-        if leak and leak.get("pid") == os.getpid() and self.policy.verify_release:
+        mine = bool(leak) and leak.get("pid") == os.getpid()  # type: ignore[union-attr]
+        # what this process still holds after the release, on the request's span (evidence; no behaviour)
+        held = float(leak["leaked_mb"]) if mine else float(reply.get("device_mb_after", 0.0))  # type: ignore[index]
+        tracing.trace.get_current_span().set_attribute("rlhf.device_mb_held", held)
+        if mine and self.policy.verify_release:
             # check that a release really freed the device, here, instead of at the peer's next allocation
             raise DeviceMemoryNotReleased(f"rollout-{self.rank} still holds {leak['leaked_mb']:g} MB of {self.device} "
                                           "after releasing it; its colocated train rank cannot allocate")
@@ -197,10 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     token = os.environ.get("RLHF_TOKEN")
     if not token:
         parser.error("RLHF_TOKEN is not set (the run token is passed in the environment)")
-
-
-
     setup_logging(args.run_dir, "rollout", args.rank, console=False)
+    exits.record_start(args.run_dir, f"rollout-{args.rank}")  # its end: the scheduler records its exit status
     torch.set_num_threads(int(os.environ.get("RLHF_ROLLOUT_THREADS", "1")))
     cfg = build_config(config_file=args.config)
     start_process_telemetry(args.run_dir, "rollout", args.rank, cfg.tracing)

@@ -28,7 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
-from rlhf import faults, tracing
+from rlhf import exits, faults, tracing
 from rlhf.config import Config, build_config
 from rlhf.procs import set_pdeathsig, spawn, stop_group, wait_for_file, write_atomic
 from rlhf.run_dir import setup_logging
@@ -51,6 +51,7 @@ class Job:
     proc: Any = None
     started_at: float = field(default_factory=time.time)
     stopped: bool = False
+    stopping: bool = False  # we asked it to stop: its exit is expected, not a death to report
 
     def describe(self) -> dict[str, Any]:
         code = self.proc.poll() if self.proc is not None else None
@@ -104,10 +105,14 @@ class Scheduler:
 
     async def _cancel(self, request: web.Request) -> web.Response:
         job = self._job(request)
+        died = job.proc.poll() is not None  # before we stopped it: it died on its own
+        job.stopping = True
+        if died and not job.stopped:
+            log.error("job %s (role %s, pid %d) died: %s", job.name, job.role, job.proc.pid, exits.describe(job.proc.poll()))
         with tracing.span("scheduler.stop_job", job=job.name, job_pid=job.proc.pid) as sp:
             code = await asyncio.get_running_loop().run_in_executor(None, stop_group, job.proc)
             sp.set_attribute("rlhf.exit_code", code if code is not None else -1)
-        job.stopped = True
+        self._ended(job, code, expected=not died)
         log.info("stopped job %s (exit %s)", job.name, code)
         return web.json_response(job.describe())
 
@@ -118,12 +123,30 @@ class Scheduler:
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "jobs": len(self.jobs), "lease_age_s": time.monotonic() - self.last_renewal})
 
+    def _ended(self, job: Job, code: int | None, expected: bool) -> None:
+        """Mark the job stopped and record its exit status (once: the watcher may have seen it die first)."""
+        if not job.stopped:
+            exits.record_exit(self.run_dir, job.name, job.proc.pid, code, by="scheduler-0", expected=expected)
+        job.stopped = True
+
     def stop_all(self, reason: str) -> None:
         for job in self.jobs.values():
             if not job.stopped and job.proc is not None:
                 log.warning("stopping job %s: %s", job.name, reason)
-                stop_group(job.proc, grace_s=2.0)
-                job.stopped = True
+                died = job.proc.poll() is not None
+                job.stopping = True
+                self._ended(job, stop_group(job.proc, grace_s=2.0), expected=not died)
+
+    async def watch_jobs(self, period_s: float = 0.2) -> None:
+        """A job that exits on its own is an error the moment it happens, with its exit status (a signal too)."""
+        while True:
+            await asyncio.sleep(period_s)
+            for job in self.jobs.values():
+                code = job.proc.poll() if job.proc is not None and not (job.stopped or job.stopping) else None
+                if code is not None:
+                    log.error("job %s (role %s, pid %d) died: %s", job.name, job.role, job.proc.pid,
+                              exits.describe(code))
+                    self._ended(job, code, expected=False)
 
     async def watch_lease(self) -> None:
         while True:
@@ -155,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     if not token:
         parser.error("RLHF_TOKEN is not set")
     setup_logging(args.run_dir, "scheduler", 0, console=False)
+    exits.record_start(args.run_dir, "scheduler-0")  # its end: the controller records its exit status
     start_process_telemetry(args.run_dir, "scheduler", 0, tracing_config_of_run(args.run_dir))
     cfg = _run_config(args.run_dir)
     if cfg is not None and cfg.faults:
@@ -163,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def on_term(signum: int, frame: Any) -> None:
         scheduler.stop_all(f"scheduler got signal {signum}")
+        exits.record_exit(args.run_dir, "scheduler-0", os.getpid(), 0, by="scheduler-0", expected=False,
+                          reason=f"received {signal.Signals(signum).name}")
         _sweep_shm()
         stop_process_telemetry()
         os._exit(0)
@@ -171,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_term)
 
     async def run() -> None:
-        watcher = asyncio.create_task(scheduler.watch_lease())
+        watchers = [asyncio.create_task(scheduler.watch_lease()), asyncio.create_task(scheduler.watch_jobs())]
 
         def ready(port: int) -> None:
             write_atomic(args.ready_file, f"http://{args.host}:{port}")
@@ -180,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             await serve_forever(scheduler.service, args.host, 0, ready)
         finally:
-            watcher.cancel()
+            for watcher in watchers:
+                watcher.cancel()
 
     try:
         asyncio.run(run())
@@ -208,15 +235,24 @@ class SchedulerClient:
                            "--lease-s", str(lease_s)],
                           env={**os.environ, "RLHF_TOKEN": token},
                           log_path=os.path.join(run_dir, "logs", "scheduler.stdout"))
+        self.died = False
         self.url = wait_for_file(ready, startup_timeout_s, self.proc)
         self.client = Client(self.url, token, peer="scheduler-0")
         self._renewer: asyncio.Future | None = asyncio.run_coroutine_threadsafe(self._renew_forever(), loop.loop)  # type: ignore[assignment]
 
     async def _renew_forever(self) -> None:
         while True:
+            code = self.proc.poll()
+            if code is not None:  # it died: nothing will stop the rollout servers' jobs; say so with its status
+                log.error("scheduler-0 (pid %d) died: %s", self.proc.pid, exits.describe(code))
+                exits.record_exit(self.run_dir, "scheduler-0", self.proc.pid, code, by="controller-0", expected=False)
+                self.died = True
+                return
             try:
                 await self.client.call("/lease", {}, timeout_s=self.lease_s / 2, traced=False)
             except (ConnectionError, TimeoutError, RuntimeError) as exc:
+                if self.proc.poll() is not None:
+                    continue  # it is dead: say so (above) rather than that a renewal failed
                 log.warning("scheduler lease renewal failed: %s", exc)
             await asyncio.sleep(self.lease_s / 4)
 
@@ -235,7 +271,12 @@ class SchedulerClient:
         if self._renewer is not None:
             self._renewer.cancel()
             self._renewer = None
-        stop_group(self.proc)
+        died = self.proc.poll() is not None  # it ended before we stopped it: between two renewals
+        if died and not self.died:
+            log.error("scheduler-0 (pid %d) died: %s", self.proc.pid, exits.describe(self.proc.returncode))
+        code = stop_group(self.proc)
+        if not self.died:  # else its death was recorded when it happened
+            exits.record_exit(self.run_dir, "scheduler-0", self.proc.pid, code, by="controller-0", expected=not died)
 
 
 if __name__ == "__main__":

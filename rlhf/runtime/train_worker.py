@@ -282,6 +282,7 @@ class TrainWorker:
         def run() -> None:
             while True:
                 directory, items, fsync, step = self._writes.get()
+                log.info("train-%d: background checkpoint write to %s started (step %d)", self.rank, directory, step)
                 try:
                     with tracing.at_step(step), tracing.span("checkpoint.background_write", directory=directory):
                         ckpt.write_items(directory, items, fsync)

@@ -74,3 +74,8 @@ def decode(body: bytes, content_type: str) -> tuple[Any, dict[str, torch.Tensor]
     if not body:
         return None, {}
     return json.loads(body), {}
+
+
+def shapes(tensors: dict[str, Any]) -> str:
+    """'logprobs:128x12;mask:128x12': a reply's tensor shapes, for the sender's and the receiver's spans."""
+    return ";".join(f"{k}:{'x'.join(str(d) for d in getattr(v, 'shape', ()))}" for k, v in sorted(tensors.items()))

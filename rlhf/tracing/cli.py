@@ -17,10 +17,12 @@ fault event.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import sys
 from typing import Any
 
+from rlhf import exits
 from rlhf.tracing.read import SpanRecord, TraceSet, load_spans
 
 ERROR_MARK, FAULT_MARK = "✗", "⚡"
@@ -123,6 +125,33 @@ def render_text(ts: TraceSet, step: int | None = None, depth: int | None = 1) ->
         out.append("")
         render_tree(r, depth, out)
     return "\n".join(out)
+
+
+def process_ends(run_dir: str, ts: TraceSet) -> list[str]:
+    """Processes that did not end normally (exits.jsonl), each with the last span it exported.
+
+    A SIGKILLed process never exports what it had open; its last exported span (spans are flushed every
+    tracing.export_delay_ms) and its exit status say where it was."""
+    out = []
+    for life in exits.all_lives(run_dir):
+        name, pid = life["process"], life["pid"]
+        if life["end"] is not None and not life["signal"] and life["expected"] is not False:
+            continue
+        if life["end"] is None:
+            how = "no exit record: vanished (SIGKILL, the kernel's OOM killer) or still running"
+        else:
+            how = f"{exits.describe(life['exit_code'])}{' (' + life['reason'] + ')' if life['reason'] else ''}, " \
+                  f"seen by {life['by']} at {_clock(life['end'])}"
+        mine = [s for s in ts.spans if s.resource.get("process.pid") == pid]
+        last = max(mine, key=lambda s: s.end_ns) if mine else None
+        span = (f"last exported span: {_label(last)}{f' (step {last.step})' if last.step is not None else ''} ended "
+                f"{_clock(last.end_ns / 1e9)}") if last else "no span exported"
+        out.append(f"  {name} (pid {pid}): {how}; {span}")
+    return ["", "processes that did not end normally:", *out] if out else []
+
+
+def _clock(t: float) -> str:
+    return dt.datetime.fromtimestamp(t).strftime("%H:%M:%S.%f")[:-3]
 
 
 def _ranges(values: list[int]) -> str:
@@ -245,7 +274,7 @@ def trace_main(argv: list[str] | None = None) -> int:
         return 2
     if args.format == "text":
         depth = args.depth if args.depth is not None else (None if args.step is not None else 1)
-        text = render_text(ts, args.step, depth)
+        text = "\n".join([render_text(ts, args.step, depth), *process_ends(args.run_dir, ts)])
     else:
         text = json.dumps(to_jaeger(ts) if args.format == "jaeger" else to_perfetto(ts))
     if args.output:

@@ -10,6 +10,8 @@ Every row is flushed, so the file is current even when the process hangs or is k
 from __future__ import annotations
 
 import csv
+import glob
+import json
 import logging
 import os
 import threading
@@ -22,7 +24,7 @@ log = logging.getLogger("rlhf.metrics")
 
 COLUMNS = ["time", "role", "rank", "pid", "cpu_percent", "children_cpu_percent", "system_cpu_percent", "rss_bytes",
            "threads", "open_fds", "io_read_bytes", "io_write_bytes", "activity", "activity_step", "activity_age_s", "gpu_util_percent", "gpu_mem_used_bytes",
-           "gpu_power_w", "gpu_temp_c"]
+           "gpu_power_w", "gpu_temp_c", "device_mem_process_bytes"]
 
 
 class Activity:
@@ -59,7 +61,14 @@ class _Gpu:
         if self.handle is None:
             return {}
         nvml = self.nvml
-        return {"gpu_util_percent": nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu,
+        mine = 0
+        try:  # this process's own device memory: who holds a device is evidence when another process OOMs
+            mine = sum(p.usedGpuMemory or 0 for p in nvml.nvmlDeviceGetComputeRunningProcesses(self.handle)
+                       if p.pid == os.getpid())
+        except nvml.NVMLError:
+            pass
+        return {"device_mem_process_bytes": mine,
+                "gpu_util_percent": nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu,
                 "gpu_mem_used_bytes": nvml.nvmlDeviceGetMemoryInfo(self.handle).used,
                 "gpu_power_w": round(nvml.nvmlDeviceGetPowerUsage(self.handle) / 1000.0, 1),
                 "gpu_temp_c": nvml.nvmlDeviceGetTemperature(self.handle, nvml.NVML_TEMPERATURE_GPU)}
@@ -68,6 +77,7 @@ class _Gpu:
 class ResourceSampler:
     def __init__(self, run_dir: str, role: str, rank: int, interval_s: float = 1.0) -> None:
         self.path = os.path.join(run_dir, "metrics", f"{role}-{rank}.csv")
+        self.run_dir = run_dir
         self.role, self.rank, self.interval_s = role, rank, interval_s
         self.proc = psutil.Process()
         self._stop = threading.Event()
@@ -103,6 +113,19 @@ class ResourceSampler:
                     "activity_age_s": round(time.time() - ACTIVITY.since, 3)})
         return row
 
+    def _emulated_device_held(self) -> int:
+        """Device memory the emulated device ledger says this process keeps (EMULATED, CPU: device_memory_leak)."""
+        total = 0
+        for path in glob.glob(os.path.join(self.run_dir, "devices", "*.leak.json")):
+            try:
+                with open(path, encoding="utf-8") as fh:
+                    leak = json.load(fh)
+            except (OSError, ValueError):
+                continue
+            if leak.get("pid") == self.proc.pid:
+                total += int(float(leak.get("leaked_mb", 0)) * (1 << 20))
+        return total
+
     def _children_cpu(self) -> float:
         """CPU % of this process's children (fault burners and writers it started show here)."""
         total, seen = 0.0, set()
@@ -129,6 +152,9 @@ class ResourceSampler:
                 try:
                     row = self.sample()
                     row.update(gpu.sample())
+                    held = self._emulated_device_held()
+                    if held:
+                        row["device_mem_process_bytes"] = int(row.get("device_mem_process_bytes") or 0) + held
                 except psutil.Error as exc:
                     log.warning("metrics sample failed: %s", exc)
                     continue

@@ -47,8 +47,8 @@ class ColocationEvents:
 
         def retrying(state: RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
-            log.warning("step %d: event %s to %s: attempt %d failed (%s); retrying", step, event, state.args[0].peer,
-                        state.attempt_number, type(exc).__name__)
+            log.warning("step %d: event %s to %s: attempt %d failed (%s: %s); retrying", step, event,
+                        state.args[0].peer, state.attempt_number, type(exc).__name__, exc)
 
         async def one(client: Client) -> Any:
             if not acked:

@@ -12,16 +12,20 @@ and renames a slot, fatal_save_errors decides whether a failed save stops the ru
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shlex
 import shutil
+import signal
 import statistics
 import sys
+import threading
 import time
+import traceback
 from typing import Any
 
-from rlhf import faults, tracing
+from rlhf import diagnosis, faults, tracing
 from rlhf.config import Config
 from rlhf.run_dir import StepsWriter, write_json
 from rlhf.runtime import checkpoint as ckpt
@@ -30,6 +34,8 @@ from rlhf.runtime.control.workers import WorkerGroup
 from rlhf.stages import StageClock
 
 log = logging.getLogger("rlhf.controller")
+DIAGNOSIS_LOG = logging.getLogger("rlhf.diagnosis")  # the console's last line: the root cause
+TRACEBACK_LOG = logging.getLogger("rlhf.traceback")  # the controller's log file only, never the console
 
 
 class RunLifecycle:
@@ -45,6 +51,7 @@ class RunLifecycle:
                                    checksums=self.policy.stage_checksums)
         self.where: dict[str, Any] = {"step": -1, "stage": "startup"}  # what runs now (for the first failure)
         self.first_failure = ""
+        self.root_cause = ""  # the diagnosis's headline once the run has failed (the console's last line)
         self.start_step = 0
         self.resumed = False
         self.interrupted = False
@@ -132,8 +139,16 @@ class RunLifecycle:
             step, stage = self.where["step"], self.where["stage"]
             self.first_failure = (f"step {step}, stage {stage}" if step >= 0 else stage) + f": {type(exc).__name__}: {exc}"
             log.error("run failed: %s", self.first_failure)
+            TRACEBACK_LOG.info("traceback of the failure (this file only):\n%s", traceback.format_exc())
+            try:
+                exc._rlhf_reported = True  # type: ignore[attr-defined]  # the entry point exits 1 without a traceback
+            except AttributeError:
+                pass
+            self._defer_sigterm()  # torchrun's SIGTERM (another rank died) must not cut the diagnosis or cleanup short
+            self.report_root_cause(early=True)  # at once; cleanup can take a while (its timeouts), then again
             raise
         finally:
+            self._defer_sigterm()
             self.cleanup()
             if self.interrupted:
                 step, stage = self.where["step"], self.where["stage"]
@@ -144,6 +159,55 @@ class RunLifecycle:
             if self.first_failure and self.policy.first_failure_ledger:
                 # whatever cleanup logged, the last error line names the first failure
                 log.error("first failure of this run: %s", self.first_failure)
+            if self.first_failure and not self.interrupted:
+                self.report_root_cause()
+
+    def _defer_sigterm(self) -> None:
+        """torchrun's SIGTERM during cleanup must not cut it short (processes, files and the diagnosis depend on it)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def note(signum: int, frame: Any) -> None:
+            log.warning("received SIGTERM during cleanup; finishing cleanup first")
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends the process at once
+
+        if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None):
+            signal.signal(signal.SIGTERM, note)
+
+    def report_root_cause(self, early: bool = False) -> None:
+        """The diagnosis of this run's evidence (ours in both modes; faithful still behaves as the seeds' system).
+
+        early: right after the failure, before cleanup (the peers' span exporters get one export period);
+        then after cleanup, with everything the run left: the console ends with where to look and, last,
+        the root cause; torchrun's closing block quotes it too.
+        """
+        try:
+            tracing.flush()  # this process's spans (controller, train-0, MetaServer) are evidence too
+            if early and self.cfg.tracing.enabled:
+                time.sleep(self.cfg.tracing.export_delay_ms / 1000 + 0.1)  # the other processes' next span export
+            diag = diagnosis.diagnose(self.run_dir)
+            diagnosis.write(diag)
+        except Exception as exc:  # noqa: BLE001 — the diagnosis must never hide the failure it explains
+            log.warning("diagnosis failed: %s: %s", type(exc).__name__, exc)
+            return
+        self.root_cause = diag.headline()
+        if early:
+            DIAGNOSIS_LOG.error("%s", diag.headline())
+            return
+        log.info("logs: %s  trace: rlhf trace %s  diagnosis: rlhf diagnose %s", os.path.join(self.run_dir, "logs"),
+                 self.run_dir, self.run_dir)
+        if diag.root is not None:
+            log.info("evidence: %s (confidence %.2f%s)", diag.root.source, diag.confidence,
+                     f"; runner-up: {diag.runner_up.process}, {diag.runner_up.category}" if diag.runner_up else "")
+        DIAGNOSIS_LOG.error("%s", diag.headline())
+        error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if error_file:  # torchrun's "Root Cause" block prints this instead of "To enable traceback see ..."
+            try:
+                with open(error_file, "w", encoding="utf-8") as fh:
+                    json.dump({"message": f"{diag.headline()} (run failed: {self.first_failure[:300]})",
+                               "timestamp": int(time.time())}, fh)
+            except OSError:
+                pass
 
     def report_unfired(self, last_step: int) -> list[dict[str, str]]:
         """Armed faults that never fired: a WARNING each (the experiment did not happen), with the likely reason."""
@@ -209,9 +273,12 @@ class RunLifecycle:
                 errors.append(f"worker shutdown: {type(exc).__name__}: {exc}")
             faults.restore_all("run end")
             report = faults.audit(self.run_dir)  # what dead processes left behind: helpers, fill files
-            if report["unrestored"]:
-                log.warning("fault audit: %d injection(s) not restored by their process; cleaned: %s",
-                            len(report["unrestored"]), "; ".join(report["cleaned"]) or "nothing left")
+            if report["unrestored"] and report["cleaned"]:
+                log.warning("fault audit: %d injection(s) not restored by their process; cleaned up after them: %s",
+                            len(report["unrestored"]), "; ".join(report["cleaned"]))
+            elif report["unrestored"]:  # good news: the process ended and took its fault's effects with it
+                log.info("fault audit: nothing left behind (%d injection(s) ended with their process)",
+                         len(report["unrestored"]))
             for e in errors:
                 log.log(self.cleanup_level, "cleanup: %s", e)
             self.loop.gather(*[c.close() for c in self.clients()], return_exceptions=True)

@@ -1,0 +1,236 @@
+"""The diagnosis on run directories written here: log lines, exit records and heartbeats as a run leaves them.
+
+Each case is a small incident in the run directory's own formats; the live runs (tests/test_scenarios.py)
+check the same analysis on what real faulted runs leave.
+"""
+
+import datetime as dt
+import json
+import subprocess
+import sys
+
+from rlhf import exits
+from rlhf.diagnosis import categorize, diagnose, write
+from rlhf.tracing.metrics import COLUMNS
+from tests.conftest import ROOT
+
+T0 = dt.datetime(2026, 11, 23, 12, 0, 0).timestamp()
+DEAD_PID = 2**22 + 12345  # above pid_max on this kernel's default: never a live process
+
+
+def line(t, proc, level, logger, msg):
+    stamp = dt.datetime.fromtimestamp(T0 + t).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3]
+    return f"{stamp} {proc} {level} {logger}: {msg}\n"
+
+
+def make_run(tmp_path, logs, lives=(), metrics=None, finished=False):
+    """logs: {proc: [(t, level, logger, msg)]}; lives: [(proc, pid, t_start, t_end|None, code, by, expected)]."""
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    (run / "metrics").mkdir()
+    for proc, entries in logs.items():
+        (run / "logs" / f"{proc}.log").write_text("".join(line(t, proc, *rest) for t, *rest in entries))
+    with open(run / "exits.jsonl", "w") as fh:
+        for proc, pid, start, end, code, by, expected in lives:
+            fh.write(json.dumps({"event": "start", "process": proc, "pid": pid, "time": T0 + start}) + "\n")
+            if end is not None:
+                fh.write(json.dumps({"event": "exit", "process": proc, "pid": pid, "time": T0 + end, "exit_code": code,
+                                     "signal": exits.signal_name(code), "by": by, "expected": expected}) + "\n")
+    for proc, rows in (metrics or {}).items():
+        with open(run / "metrics" / f"{proc}.csv", "w") as fh:
+            fh.write(",".join(COLUMNS) + "\n")
+            for row in rows:
+                full = {c: "" for c in COLUMNS}
+                full.update(row, time=T0 + row["time"])
+                fh.write(",".join(str(full[c]) for c in COLUMNS) + "\n")
+    if finished:
+        (run / "summary.json").write_text("{}")
+    return run
+
+
+FAILED_TRAIN = "run failed: step 3, stage train: HTTPStatusError: HTTP 500 from train-0 (http://x/train_step): 500"
+
+
+def test_a_killed_server_is_the_root_not_the_batch_mismatch_it_causes_one_stage_later(tmp_path):
+    run = make_run(tmp_path, {
+        "controller-0": [(10.00, "WARNING", "rlhf.controller", "step 3: rollout-1 failed (RpcConnectionError: cannot "
+                                                               "reach rollout-1 (http://x/generate): Server disconnected); "
+                                                               "continuing with the samples of the other servers"),
+                         (10.05, "ERROR", "rlhf.controller", FAILED_TRAIN),
+                         (12.00, "ERROR", "rlhf.controller", "cleanup: stop job: RpcTimeout: no reply from scheduler-0 "
+                                                             "(http://x/jobs/rollout-0) within 5 s")],
+        "train-0": [(10.04, "ERROR", "rlhf.http", "train-0: POST /train_step failed at step 3: BatchSizeMismatch: "
+                                                  "global_rows=128 expected 256")],
+        "rollout-1": [(9.90, "WARNING", "rlhf.faults", "fault kill (process_kill) injected at rollout.generate")],
+    }, lives=[("rollout-1", DEAD_PID, 1.0, 10.2, -9, "scheduler-0", False),
+              ("train-0", DEAD_PID + 1, 0.0, 12.5, 1, "train-0", False)])
+    d = diagnose(str(run))
+    assert d.verdict == "failed"
+    assert (d.root.process, d.root.stage, d.root.step, d.root.category) == ("rollout-1", "rollout", 3, "process_death")
+    assert "SIGKILL" in d.root.summary and d.root.source.startswith("exits.jsonl")
+    assert d.chain[-1].message.startswith("run failed") and d.chain[0].subject == "rollout-1"
+    masked = {m["process"]: m["why"] for m in d.masked}
+    assert "after the run had already failed" in masked["controller-0"]  # the cleanup timeout ranks below
+    assert "train-0" in masked  # the mismatch is a consequence
+    assert all("fault" not in e.message for e in d.root.evidence)  # the injector's own lines are never evidence
+
+
+def test_the_oom_outranks_the_cleanup_timeout_that_is_the_last_error_line(tmp_path):
+    run = make_run(tmp_path, {
+        "controller-0": [(5.001, "ERROR", "rlhf.controller", "run failed: step 5, stage train: HTTPStatusError: "
+                                                             "HTTP 500 from train-1 (http://x/train_step): 500"),
+                         (10.0, "ERROR", "rlhf.controller", "cleanup: stop job: RpcTimeout: no reply from scheduler-0 "
+                                                            "(http://x/jobs/rollout-1) within 5 s")],
+        "train-1": [(5.0, "ERROR", "rlhf.http", "train-1: POST /train_step failed at step 5: OutOfMemoryError: CUDA out "
+                                                "of memory. Tried to allocate 1.50 GiB")],
+    })
+    d = diagnose(str(run))
+    assert (d.root.process, d.root.stage, d.root.step, d.root.category) == ("train-1", "train", 5, "oom_device")
+    assert d.root.source.endswith("train-1.log:1")
+    assert any(m["process"] == "controller-0" and "scheduler-0" in m["message"] for m in d.masked)
+    assert d.headline().startswith("root cause: train-1") and "oom_device" in d.headline()
+
+
+def test_a_timeout_whose_request_never_arrived_blames_the_sender(tmp_path):
+    logs = {"controller-0": [(12.0, "WARNING", "rlhf.controller", "step 3: event rollout_start to train-0 not "
+                                                                  "delivered (RpcTimeout: no reply from train-0 "
+                                                                  "(http://x/events) within 2 s); continuing"),
+                             (30.0, "ERROR", "rlhf.controller", "run failed: step 3, stage reference: "
+                                                                "InvalidTensorShape: sample 0 has shape [0]")],
+            "rollout-0": [(12.1, "ERROR", "rlhf.rollout_server", "generate: allocating the KV cache failed: device 0: "
+                                                                 "out of memory — held by train-0 pid 1")]}
+    idle = {"train-0": [{"time": t, "pid": 1, "activity": "idle", "activity_step": 3, "activity_age_s": 1}
+                        for t in range(5, 31)]}
+    d = diagnose(str(make_run(tmp_path, logs, metrics=idle)))
+    assert (d.root.process, d.root.stage, d.root.category) == ("controller-0", "events", "timeout")
+    assert abs(d.root.time - (T0 + 10.0)) < 0.01  # the onset: the deadline minus the wait
+    assert "never arrived" in d.root.summary
+    # the same report, but train-0's heartbeat shows it inside /events: then train-0 is the one that hung
+    busy = {"train-0": [{"time": t, "pid": 1, "activity": "POST /events", "activity_step": 3,
+                         "activity_age_s": t - 10} for t in range(10, 31)]}
+    d = diagnose(str(make_run(tmp_path / "b", logs, metrics=busy)))
+    assert (d.root.process, d.root.category) == ("train-0", "timeout")
+
+
+def test_a_straggler_still_inside_its_request_is_named_from_its_heartbeat(tmp_path):
+    logs = {"rollout-0": [(8.0, "ERROR", "rlhf.http", "rollout-0: POST /update_weights_from_meta failed at step 3: "
+                                                      "HTTPStatusError: HTTP 504 from metaserver-0 (http://x/weights/3/"
+                                                      "manifest): {\"error\": \"incomplete\", \"have\": [\"rank0\"], "
+                                                      "\"expected\": 2}")],
+            "controller-0": [(8.01, "ERROR", "rlhf.controller", "run failed: step 3, stage weights_update: "
+                                                                "HTTPStatusError: HTTP 500 from rollout-0 (http://x/"
+                                                                "update_weights_from_meta): 500")]}
+    metrics = {"train-1": [{"time": t, "pid": 7, "activity": "POST /upload_weights", "activity_step": 3,
+                            "activity_age_s": t - 0.2} for t in range(1, 9)]}
+    d = diagnose(str(make_run(tmp_path, logs, metrics=metrics)))
+    assert (d.root.process, d.root.stage, d.root.step) == ("train-1", "weights_update", 3)
+    assert d.root.category == "timeout" and "POST /upload_weights" in d.root.summary
+    assert d.stalls and "train-1" in d.stalls[0]
+
+
+def test_a_process_that_vanished_without_an_exit_record_was_killed(tmp_path):
+    logs = {"train-1": [(4.0, "ERROR", "rlhf.http", "train-1: POST /train_step failed at step 4: RuntimeError: [gloo] "
+                                                    "Connection closed by peer [127.0.0.1]:9135")]}
+    metrics = {"train-0": [{"time": t, "pid": DEAD_PID, "activity": "POST /train_step", "activity_step": 4,
+                            "activity_age_s": 0.1} for t in (1, 2, 3)]}
+    run = make_run(tmp_path, logs, lives=[("train-0", DEAD_PID, 0.0, None, None, "", None),
+                                          ("train-1", DEAD_PID + 1, 0.0, 4.5, 0, "train-1", False)], metrics=metrics)
+    d = diagnose(str(run))
+    assert (d.root.process, d.root.category, d.root.step) == ("train-0", "process_death", 4)
+    assert "no exit record" in d.root.summary and d.root.pid == DEAD_PID
+
+
+def test_a_clean_run_has_no_root_cause_and_the_command_exits_zero(tmp_path):
+    run = make_run(tmp_path, {"controller-0": [(1.0, "INFO", "rlhf.controller", "step 1 done"),
+                                               (2.0, "WARNING", "rlhf.faults", "fault x injected at train.step; failed")]},
+                   lives=[("train-0", DEAD_PID, 0.0, 3.0, 0, "train-0", True)], finished=True)
+    d = diagnose(str(run))
+    assert d.verdict == "no failure" and d.root is None and "no failure" in d.headline()
+    out = subprocess.run([sys.executable, "-m", "rlhf.cli", "diagnose", str(run)], capture_output=True, text=True,
+                         cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "no failure" in out.stdout and (run / "diagnosis.json").exists()
+
+
+def test_diagnosis_json_and_the_command_on_a_failed_run(tmp_path):
+    run = make_run(tmp_path, {"train-0": [(3.0, "ERROR", "rlhf.http", "train-0: POST /save failed at step 3: OSError: "
+                                                                      "[Errno 28] No space left on device")],
+                              "controller-0": [(3.01, "ERROR", "rlhf.controller", "run failed: step 3, stage "
+                                                                                  "latest_recover_save: HTTPStatusError:"
+                                                                                  " HTTP 500 from train-0 (http://x/save)")]})
+    data = json.loads(open(write(diagnose(str(run)))).read())
+    assert data["root_cause"]["process"] == "train-0" and data["root_cause"]["category"] == "disk"
+    assert data["root_cause"]["stage"] == "latest_recover_save" and data["verdict"] == "failed"
+    assert data["propagation"][0]["source"].endswith("train-0.log:1")
+    out = subprocess.run([sys.executable, "-m", "rlhf.cli", "diagnose", str(run)], capture_output=True, text=True,
+                         cwd=ROOT, timeout=60)
+    assert out.returncode == 1 and "root cause: train-0" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "rlhf.cli", "diagnose", str(tmp_path / "nope")], capture_output=True,
+                         text=True, cwd=ROOT, timeout=60)
+    assert bad.returncode == 2 and "not a run directory" in bad.stderr
+
+
+def test_categories_of_typical_messages():
+    assert categorize("OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB") == "oom_device"
+    assert categorize("MemoryError: cannot allocate") == "oom_host"
+    assert categorize("OSError: [Errno 28] No space left on device") == "disk"
+    assert categorize("SafetensorError: incomplete metadata, file not fully covered") == "disk"
+    assert categorize("SyncStall: train-0 has been inside all_reduce(gradients) for 5.4 s") == "hang"
+    assert categorize("RpcTimeout: no reply from rollout-1 (http://x/generate) within 6 s") == "timeout"
+    assert categorize("cannot reach metaserver-0: ServerDisconnectedError: Server disconnected") == "network"
+    assert categorize("BatchSizeMismatch: global_rows=128") == "data_mismatch"
+    assert categorize("job rollout-1 (role rollout, pid 4) died: killed by SIGKILL") == "process_death"
+    assert categorize("ValueError: bad value") == "exception"
+
+
+def test_servers_that_died_with_their_killed_scheduler_are_consequences(tmp_path):
+    logs = {"controller-0": [(5.2, "ERROR", "rlhf.controller", "run failed: step 4, stage rollout: RpcConnectionError: "
+                                                              "cannot reach rollout-0 (http://x/generate): Connect call "
+                                                              "failed"),
+                             (6.5, "ERROR", "rlhf.controller", "scheduler-0 (pid 9) died: killed by SIGKILL")]}
+    heartbeat = {name: [{"time": t, "pid": DEAD_PID + i, "activity": "idle", "activity_step": 4, "activity_age_s": 1}
+                        for t in (1, 2, 3, 4)] for i, name in enumerate(("scheduler-0", "rollout-0", "rollout-1"))}
+    lives = [("scheduler-0", DEAD_PID, 0.0, 6.5, -9, "controller-0", False),
+             ("rollout-0", DEAD_PID + 1, 1.0, None, None, "", None),
+             ("rollout-1", DEAD_PID + 2, 1.0, None, None, "", None)]
+    d = diagnose(str(make_run(tmp_path, logs, lives=lives, metrics=heartbeat)))
+    assert (d.root.process, d.root.category) == ("scheduler-0", "process_death"), d.render()
+    assert "SIGKILL" in d.root.summary
+    assert {m["process"] for m in d.masked if "with its parent scheduler-0" in m["why"]} == {"rollout-0", "rollout-1"}
+
+
+def test_rlhf_trace_lists_the_processes_that_did_not_end_normally(tmp_path):
+    from rlhf.tracing.cli import process_ends
+    from rlhf.tracing.read import TraceSet
+
+    run = make_run(tmp_path, {}, lives=[("rollout-1", DEAD_PID, 0.0, 5.0, -9, "scheduler-0", False),
+                                        ("train-1", DEAD_PID + 1, 0.0, None, None, "", None),
+                                        ("train-0", DEAD_PID + 2, 0.0, 6.0, 0, "train-0", True)])
+    lines = process_ends(str(run), TraceSet([]))
+    text = "\n".join(lines)
+    assert "rollout-1 (pid" in text and "killed by SIGKILL, seen by scheduler-0" in text
+    assert "train-1 (pid" in text and "no exit record" in text
+    assert "train-0" not in text  # a normal end is not listed
+
+
+def test_the_rank_missing_from_a_collective_is_named_not_the_one_waiting_in_it(tmp_path):
+    logs = {"controller-0": [(40.0, "ERROR", "rlhf.controller", "run failed: step 3, stage train: RpcTimeout: no reply "
+                                                               "from train-0 (http://x/train_step) within 30 s")]}
+    metrics = {"train-0": [{"time": t, "pid": 1, "activity": "all_reduce(gradients)", "activity_step": 3,
+                            "activity_age_s": t - 10.5} for t in range(11, 41)],
+               "train-1": [{"time": t, "pid": 2, "activity": "POST /train_step", "activity_step": 3,
+                            "activity_age_s": t - 10.0} for t in range(11, 41)]}
+    d = diagnose(str(make_run(tmp_path, logs, metrics=metrics)))
+    assert (d.root.process, d.root.stage, d.root.category) == ("train-1", "train", "hang"), d.render()
+    assert "missing from all_reduce(gradients)" in d.root.summary and "train-0 waited inside it" in d.root.summary
+
+
+def test_the_stall_watchdog_names_the_rank_the_waiter_waits_for(tmp_path):
+    logs = {"controller-0": [(20.0, "ERROR", "rlhf.controller", "run failed: train: SyncStall: train-0 has been inside "
+                                                               "all_reduce(gradients) for 5.4 s at its step 27 (loop), "
+                                                               "while train-1 is in done at its step 26")]}
+    metrics = {"train-0": [{"time": t, "pid": 1, "activity": "all_reduce(gradients)", "activity_step": 27,
+                            "activity_age_s": t - 14.6} for t in range(15, 21)]}
+    d = diagnose(str(make_run(tmp_path, logs, metrics=metrics)))
+    assert (d.root.process, d.root.stage, d.root.category) == ("train-1", "train", "hang"), d.render()
+    assert abs(d.root.time - (T0 + 14.6)) < 0.05  # missing since the waiter entered the collective

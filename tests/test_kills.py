@@ -1,0 +1,44 @@
+"""kill -9 of each process kind: the run's last log line names the dead process and its signal.
+
+Real SIGKILLs through the process_kill fault (rank 1 at its train step, the scheduler while it serves a
+lease renewal, a rollout server in generate); the root cause comes from exit records and heartbeats.
+Marked slow (about 40 s each): `pytest -m slow tests/test_kills.py`.
+"""
+
+import subprocess
+import sys
+
+import pytest
+
+from rlhf.diagnosis import diagnose
+from tests.conftest import ROOT
+from tests.test_runtime import assert_none_left, free_port
+
+KILLS = {
+    "rank 1": ("{role: train, rank: 1}", "train.step", "{step: 2}", "train-1"),
+    "scheduler": ("{role: scheduler, peer: /lease}", "rpc.server.handle", "{after_s: 12}", "scheduler-0"),
+    "rollout server": ("{role: rollout, rank: 0}", "rollout.generate", "{step: 2}", "rollout-0"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("who", sorted(KILLS))
+def test_a_sigkilled_process_is_named_with_its_signal_as_the_root_cause(who, tmp_path):
+    target, point, when, name = KILLS[who]
+    faults = tmp_path / "kill.yaml"
+    faults.write_text(f"config:\n  steps: 30\n  rollout: {{servers: 2}}\n  runtime: {{cleanup_timeout_s: 5}}\n"
+                      f"faults:\n  - name: kill\n    kind: process_kill\n    point: {point}\n"
+                      f"    target: {target}\n    when: {when}\n    params: {{signal: KILL}}\n")
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", f"{ROOT}/examples/grpo_trainer.py", "--run-dir", str(run_dir),
+           "--faults", str(faults), "--sft.max_steps", "0"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert_none_left(run_dir)
+    assert out.returncode != 0
+    last = (run_dir / "logs" / "controller-0.log").read_text().splitlines()[-1]
+    assert f"root cause: {name}" in last and "process_death" in last, last
+    assert "SIGKILL" in last, last
+    assert f"root cause: {name}" in out.stderr  # torchrun's closing block quotes it
+    d = diagnose(str(run_dir))
+    assert (d.root.process, d.root.category) == (name, "process_death"), d.render()
