@@ -1,4 +1,4 @@
-"""kill -9 of each process kind: the run's last log line names the dead process and its signal.
+"""Live diagnosis: kill -9 of each process kind names the dead process and its signal; raised errors their category.
 
 Real SIGKILLs through the process_kill fault (rank 1 at its train step, the scheduler while it serves a
 lease renewal, a rollout server in generate); the root cause comes from exit records and heartbeats.
@@ -42,3 +42,31 @@ def test_a_sigkilled_process_is_named_with_its_signal_as_the_root_cause(who, tmp
     assert f"root cause: {name}" in out.stderr  # torchrun's closing block quotes it
     d = diagnose(str(run_dir))
     assert (d.root.process, d.root.category) == (name, "process_death"), d.render()
+
+
+RAISES = {  # the categories the scenario tests do not reach live
+    "exception": ("{role: train, rank: 1}", "reference.compute", "RuntimeError", ("train-1", "reference", "exception")),
+    "oom_host": ("{role: rollout, rank: 0}", "rollout.generate", "MemoryError", ("rollout-0", "rollout", "oom_host")),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("category", sorted(RAISES))
+def test_a_raised_error_is_named_live_with_its_category(category, tmp_path):
+    target, point, error, expected = RAISES[category]
+    faults = tmp_path / "raise.yaml"
+    faults.write_text(f"config:\n  steps: 5\n  rollout: {{servers: 2}}\n  runtime: {{cleanup_timeout_s: 5}}\n"
+                      f"faults:\n  - name: boom\n    kind: exception\n    point: {point}\n"
+                      f"    target: {target}\n    when: {{step: 2}}\n    params: {{error: {error}}}\n")
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", f"{ROOT}/examples/grpo_trainer.py", "--run-dir", str(run_dir),
+           "--faults", str(faults), "--sft.max_steps", "0"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert_none_left(run_dir)
+    assert out.returncode != 0
+    last = (run_dir / "logs" / "controller-0.log").read_text().splitlines()[-1]
+    process, stage, cat = expected
+    assert f"root cause: {process}" in last and f"stage {stage}: {cat}:" in last, last
+    d = diagnose(str(run_dir))
+    assert (d.root.process, d.root.stage, d.root.category) == expected, d.render()
