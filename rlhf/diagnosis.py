@@ -484,6 +484,11 @@ def _transit_evidence(spans: list[SpanRecord]) -> list[Evidence]:
     return out
 
 
+def _route(message: str) -> str:
+    m = re.search(r"(?:POST|GET|DELETE) (/\S+)", message)
+    return m.group(0) if m else ""
+
+
 def _int(value: Any) -> int:
     try:
         return int(float(value))
@@ -501,8 +506,9 @@ def _spans(run_dir: str) -> list[SpanRecord]:
 def _never_arrived(e: Evidence, servers: list[SpanRecord], metrics: dict[str, list[dict[str, Any]]]) -> bool:
     """A timeout report whose request left no trace at its peer: no server span, no heartbeat in it."""
     m = re.search(r"\((?:https?://[^/\s]+)?(/[\w/]+)", e.message)
-    if e.category != "timeout" or e.local or m is None:
-        return False
+    if e.category != "timeout" or e.local or m is None or not re.search(
+            rf"no reply from {re.escape(e.subject)}\b|{re.escape(e.subject)} timed out", e.message):
+        return False  # only a request sent to the subject itself can have failed to reach it
     path = m.group(1)
     lo, hi = e.onset - 0.1, e.time - 0.01  # while the request was outstanding (a retry comes after it)
     for s in servers:
@@ -567,6 +573,10 @@ def diagnose(run_dir: str) -> Diagnosis:
     if surfaced is not None:
         dead = {e.subject for e in evidence if e.kind in ("exit", "vanished") and e.onset <= surfaced.time}
         busy = _busy_evidence(metrics, surfaced, dead)
+        # a process that logged the failure of that request has left it: its heartbeat row is older than its error
+        busy = [b for b in busy if not any(
+            e.reporter == b.reporter and e.time >= b.onset and _route(b.message) and _route(b.message) in e.message
+            for e in logs)]
         stall_reports = [e for e in logs if e.category == "hang" and not e.local]
         for b in busy:  # a watchdog named who the waiter in a collective waits for: the waiter is its victim
             for r in stall_reports:

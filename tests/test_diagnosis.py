@@ -234,3 +234,20 @@ def test_the_stall_watchdog_names_the_rank_the_waiter_waits_for(tmp_path):
     d = diagnose(str(make_run(tmp_path, logs, metrics=metrics)))
     assert (d.root.process, d.root.stage, d.root.category) == ("train-1", "train", "hang"), d.render()
     assert abs(d.root.time - (T0 + 14.6)) < 0.05  # missing since the waiter entered the collective
+
+
+def test_a_process_that_logged_its_request_failing_is_not_still_inside_it(tmp_path):
+    """Its last heartbeat row (1 Hz) predates its error reply: the straggler is the one that never answered."""
+    logs = {"rollout-0": [(8.0, "ERROR", "rlhf.http", "rollout-0: POST /update_weights_from_meta failed at step 3: "
+                                                      "HTTPStatusError: HTTP 504 from metaserver-0 (http://x/weights/3/"
+                                                      "manifest): incomplete")],
+            "controller-0": [(8.01, "ERROR", "rlhf.controller", "run failed: step 3, stage weights_update: "
+                                                                "HTTPStatusError: HTTP 500 from rollout-0 (http://x/"
+                                                                "update_weights_from_meta): 500")]}
+    metrics = {"rollout-0": [{"time": t, "pid": 5, "activity": "POST /update_weights_from_meta", "activity_step": 3,
+                              "activity_age_s": t - 0.1} for t in range(1, 9)],
+               "train-1": [{"time": t, "pid": 7, "activity": "POST /upload_weights", "activity_step": 3,
+                            "activity_age_s": t - 0.1} for t in range(1, 9)]}
+    d = diagnose(str(make_run(tmp_path, logs, metrics=metrics)))
+    assert d.root.process == "train-1", d.render()
+    assert all("rollout-0" not in s for s in d.stalls)
