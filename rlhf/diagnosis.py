@@ -533,6 +533,19 @@ def _refine_stage(e: Evidence, servers: list[SpanRecord]) -> None:
             return
 
 
+def _peer_of_network_error(e: Evidence, spans: list[SpanRecord]) -> None:
+    """A connection error that names no peer ("Server disconnected"): the failed client span says which it was."""
+    if e.category != "network" or not e.local:
+        return
+    for s in spans:
+        peer = s.attributes.get("rlhf.peer")
+        if s.kind == "client" and s.error and s.service == e.reporter and peer and peer != e.reporter \
+                and abs(s.end_ns / 1e9 - e.time) < 0.5:
+            e.subject, e.local = str(peer), False
+            e.message += f" [its failed call: {s.name} → {peer}]"
+            return
+
+
 def _controller_stage_at(t: float, spans: list[SpanRecord]) -> tuple[str, int]:
     """The controller's stage and step at time t, from its stage spans."""
     best: tuple[float, str, int] = (0.0, "", -1)
@@ -561,6 +574,7 @@ def diagnose(run_dir: str) -> Diagnosis:
     servers = [s for s in spans if s.kind == "server"]
     for e in logs:
         _refine_stage(e, servers)
+        _peer_of_network_error(e, spans)
     failed = [e for e in logs if e.reporter == "controller-0" and e.message.startswith("run failed")]
     surfaced = failed[-1] if failed else None
     evidence = logs + _life_evidence(run_dir, metrics)
