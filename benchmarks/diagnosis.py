@@ -22,7 +22,6 @@ accepts for this world and that fail a run when they fire.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import glob
 import json
 import os
@@ -41,12 +40,11 @@ sys.path.insert(0, ROOT)
 import yaml  # noqa: E402
 
 from rlhf.analysis import injections, stage_of_point  # noqa: E402
-from rlhf.diagnosis import diagnose, stage_of_route  # noqa: E402
+from rlhf.diagnosis import LOG_LINE, diagnose, stage_of_route, stamp  # noqa: E402
 from rlhf.faults.spec import FaultSpecError, check_world, parse_fault_dicts  # noqa: E402
 
 # slow a run down, never fail it: contention, and memory pressure (capped at half the free memory)
 BACKGROUND_SLOWDOWNS = {"cpu_contention", "io_contention", "memory_pressure"}
-_LINE = re.compile(r"^(?P<ts>\S+) (?P<proc>[a-z]+-\d+) (?P<level>[A-Z]+) (?P<logger>[\w.]+): (?P<msg>.*)$")
 _PROC = re.compile(r"\b(train|rollout|scheduler|metaserver|controller)-\d+\b")
 
 # A 2-rank run with the scenario files' scaled-down timeouts and a short SFT warm start
@@ -117,10 +115,10 @@ def _errors(run_dir: str) -> list[tuple[float, str, str]]:
     for path in glob.glob(os.path.join(run_dir, "logs", "*.log")):
         with open(path, encoding="utf-8", errors="replace") as fh:
             for line in fh:
-                m = _LINE.match(line.rstrip("\n"))
+                m = LOG_LINE.match(line.rstrip("\n"))
                 if m and m.group("level") == "ERROR" and not m.group("logger").startswith(("rlhf.diagnosis",
                                                                                            "rlhf.faults")):
-                    t = dt.datetime.strptime(m.group("ts"), "%Y-%m-%dT%H:%M:%S.%f").timestamp()
+                    t = stamp(m.group("ts"))
                     out.append((t, m.group("proc"), m.group("msg")))
     return sorted(out)
 
@@ -147,9 +145,9 @@ def diagnosis_time(run_dir: str) -> float | None:
         return None
     with open(path, encoding="utf-8", errors="replace") as fh:
         for line in fh:
-            m = _LINE.match(line.rstrip("\n"))
+            m = LOG_LINE.match(line.rstrip("\n"))
             if m and m.group("logger") == "rlhf.diagnosis":
-                return dt.datetime.strptime(m.group("ts"), "%Y-%m-%dT%H:%M:%S.%f").timestamp()
+                return stamp(m.group("ts"))
     return None
 
 

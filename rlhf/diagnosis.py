@@ -62,8 +62,9 @@ _RULES = [  # first match wins; applied to the message and its traceback's last 
                 r"Connection closed by peer|ClientConnector|gaierror|Name or service not known|name resolution|"
                 r"RpcConnectionError|Broken pipe|ECONNRESET|ConnectionError"),
 ]
-_LINE = re.compile(r"^(?P<ts>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}) (?P<proc>[a-z]+-\d+) (?P<level>[A-Z]+) "
-                   r"(?P<logger>[\w.]+): (?P<msg>.*)$")
+LOG_LINE = re.compile(  # one line of logs/<role>-<rank>.log
+    r"^(?P<ts>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}) (?P<proc>[a-z]+-\d+) (?P<level>[A-Z]+) "
+    r"(?P<logger>[\w.]+): (?P<msg>.*)$")
 _PROC = re.compile(r"\b(train|rollout|scheduler|metaserver|controller)-(\d+)\b")
 _FAILURE_WARNING = re.compile(r"failed|timed out|not delivered|\bdied\b|lapsed|cannot reach|unreachable|[Ee]rror")
 _NOT_EVIDENCE = re.compile(r"^first failure of this run|^diagnosis failed|^fault \S+ never fired|^fault audit:|^stopping job|still running|^removed shared-memory|"
@@ -187,7 +188,7 @@ def _clock(t: float) -> str:
     return dt.datetime.fromtimestamp(t).strftime("%H:%M:%S.%f")[:-3]
 
 
-def _stamp(text: str) -> float:
+def stamp(text: str) -> float:
     return dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%S.%f").timestamp()
 
 
@@ -245,7 +246,7 @@ def _log_evidence(run_dir: str) -> list[Evidence]:
             lines = fh.read().splitlines()
         current: Evidence | None = None
         for i, line in enumerate(lines, 1):
-            m = _LINE.match(line)
+            m = LOG_LINE.match(line)
             if m is None:
                 exc = _EXC_LINE.match(line.strip())
                 if current is not None and exc:  # a traceback under an ERROR line: its last exception refines it
@@ -259,7 +260,7 @@ def _log_evidence(run_dir: str) -> list[Evidence]:
                 continue
             if level not in ("ERROR", "CRITICAL") and not (level == "WARNING" and _FAILURE_WARNING.search(msg)):
                 continue
-            t = _stamp(m.group("ts"))
+            t = stamp(m.group("ts"))
             subject, local = _subject(proc, msg)
             category = categorize(msg)
             onset = t
@@ -298,10 +299,10 @@ def _pid_alive(pid: int | None) -> bool:
         return False
 
 
-def _life_evidence(run_dir: str, metrics: dict[str, list[dict[str, Any]]]) -> list[Evidence]:
+def _life_evidence(lives: list[dict[str, Any]], metrics: dict[str, list[dict[str, Any]]]) -> list[Evidence]:
     """Deaths from exit statuses, and processes that vanished without one."""
     out = []
-    for life in exits.all_lives(run_dir):
+    for life in lives:
         name, pid = life["process"], life["pid"]
         rows = [r for r in metrics.get(name, []) if str(r.get("pid")) == str(pid)]
         last_row = rows[-1] if rows else None
@@ -444,12 +445,12 @@ def _unfinished_writes(run_dir: str, evidence: list[Evidence]) -> list[Evidence]
         open_writes: dict[str, tuple[float, int, int]] = {}
         with open(path, encoding="utf-8", errors="replace") as fh:
             for i, line in enumerate(fh, 1):
-                m, w = _LINE.match(line.rstrip("\n")), _WRITE.search(line)
+                m, w = LOG_LINE.match(line.rstrip("\n")), _WRITE.search(line)
                 if m is None or w is None:
                     continue
                 if w.group("what") == "started":
                     step_m = _STEP.search(line)
-                    open_writes[w.group("dir")] = (_stamp(m.group("ts")), int(step_m.group(1)) if step_m else -1, i)
+                    open_writes[w.group("dir")] = (stamp(m.group("ts")), int(step_m.group(1)) if step_m else -1, i)
                 else:
                     open_writes.pop(w.group("dir"), None)
         name = os.path.basename(path)[:-4]
@@ -558,8 +559,8 @@ def _controller_stage_at(t: float, spans: list[SpanRecord]) -> tuple[str, int]:
     return best[1], best[2]
 
 
-def _pids(run_dir: str) -> dict[str, int]:
-    pids = {life["process"]: life["pid"] for life in exits.all_lives(run_dir)}
+def _pids(lives: list[dict[str, Any]]) -> dict[str, int]:
+    pids = {life["process"]: life["pid"] for life in lives}
     if "train-0" in pids:  # rank 0's process is also the controller and hosts the MetaServer
         pids.setdefault("controller-0", pids["train-0"])
         pids.setdefault("metaserver-0", pids["train-0"])
@@ -577,7 +578,8 @@ def diagnose(run_dir: str) -> Diagnosis:
         _peer_of_network_error(e, spans)
     failed = [e for e in logs if e.reporter == "controller-0" and e.message.startswith("run failed")]
     surfaced = failed[-1] if failed else None
-    evidence = logs + _life_evidence(run_dir, metrics)
+    lives = exits.all_lives(run_dir)
+    evidence = logs + _life_evidence(lives, metrics)
     evidence += _holder_evidence(evidence, metrics, servers) + _transit_evidence(spans)
     evidence += _unfinished_writes(run_dir, evidence)
     finished = os.path.exists(os.path.join(run_dir, "summary.json"))
@@ -620,7 +622,7 @@ def diagnose(run_dir: str) -> Diagnosis:
     hyps: dict[str, list[Evidence]] = {}
     for e in sorted(window, key=lambda e: (e.onset, e.time)):
         hyps.setdefault(e.subject, []).append(e)
-    pids = _pids(run_dir)
+    pids = _pids(lives)
     ranked = [_hypothesis(name, evs, pids, spans) for name, evs in hyps.items()]
     ranked.sort(key=lambda h: h.time)
     root = ranked[0]

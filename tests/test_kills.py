@@ -14,6 +14,22 @@ from rlhf.diagnosis import diagnose
 from tests.conftest import ROOT
 from tests.test_runtime import assert_none_left, free_port
 
+
+def run_with_fault(tmp_path, steps, fault):
+    """A 2-rank, 2-server GRPO run (no warm start) with one fault; returns the run dir, the result, its last log line."""
+    faults = tmp_path / "fault.yaml"
+    faults.write_text(f"config:\n  steps: {steps}\n  rollout: {{servers: 2}}\n  runtime: {{cleanup_timeout_s: 5}}\n"
+                      f"faults:\n  - name: f\n{fault}")
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", f"{ROOT}/examples/grpo_trainer.py", "--run-dir", str(run_dir),
+           "--faults", str(faults), "--sft.max_steps", "0"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert_none_left(run_dir)
+    assert out.returncode != 0
+    return run_dir, out, (run_dir / "logs" / "controller-0.log").read_text().splitlines()[-1]
+
+
 KILLS = {
     "rank 1": ("{role: train, rank: 1}", "train.step", "{step: 2}", "train-1"),
     "scheduler": ("{role: scheduler, peer: /lease}", "rpc.server.handle", "{after_s: 12}", "scheduler-0"),
@@ -25,18 +41,8 @@ KILLS = {
 @pytest.mark.parametrize("who", sorted(KILLS))
 def test_a_sigkilled_process_is_named_with_its_signal_as_the_root_cause(who, tmp_path):
     target, point, when, name = KILLS[who]
-    faults = tmp_path / "kill.yaml"
-    faults.write_text(f"config:\n  steps: 30\n  rollout: {{servers: 2}}\n  runtime: {{cleanup_timeout_s: 5}}\n"
-                      f"faults:\n  - name: kill\n    kind: process_kill\n    point: {point}\n"
-                      f"    target: {target}\n    when: {when}\n    params: {{signal: KILL}}\n")
-    run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", f"{ROOT}/examples/grpo_trainer.py", "--run-dir", str(run_dir),
-           "--faults", str(faults), "--sft.max_steps", "0"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert_none_left(run_dir)
-    assert out.returncode != 0
-    last = (run_dir / "logs" / "controller-0.log").read_text().splitlines()[-1]
+    run_dir, out, last = run_with_fault(tmp_path, 30, f"    kind: process_kill\n    point: {point}\n    target: {target}\n"
+                                                      f"    when: {when}\n    params: {{signal: KILL}}\n")
     assert f"root cause: {name}" in last and "process_death" in last, last
     assert "SIGKILL" in last, last
     assert f"root cause: {name}" in out.stderr  # torchrun's closing block quotes it
@@ -54,18 +60,8 @@ RAISES = {  # the categories the scenario tests do not reach live
 @pytest.mark.parametrize("category", sorted(RAISES))
 def test_a_raised_error_is_named_live_with_its_category(category, tmp_path):
     target, point, error, expected = RAISES[category]
-    faults = tmp_path / "raise.yaml"
-    faults.write_text(f"config:\n  steps: 5\n  rollout: {{servers: 2}}\n  runtime: {{cleanup_timeout_s: 5}}\n"
-                      f"faults:\n  - name: boom\n    kind: exception\n    point: {point}\n"
-                      f"    target: {target}\n    when: {{step: 2}}\n    params: {{error: {error}}}\n")
-    run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", f"{ROOT}/examples/grpo_trainer.py", "--run-dir", str(run_dir),
-           "--faults", str(faults), "--sft.max_steps", "0"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert_none_left(run_dir)
-    assert out.returncode != 0
-    last = (run_dir / "logs" / "controller-0.log").read_text().splitlines()[-1]
+    run_dir, _, last = run_with_fault(tmp_path, 5, f"    kind: exception\n    point: {point}\n    target: {target}\n"
+                                                   f"    when: {{step: 2}}\n    params: {{error: {error}}}\n")
     process, stage, cat = expected
     assert f"root cause: {process}" in last and f"stage {stage}: {cat}:" in last, last
     d = diagnose(str(run_dir))
