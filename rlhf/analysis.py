@@ -15,8 +15,9 @@ Definitions (all times in seconds after the fault's onset = its first `inject` m
   log_files_to_read       log files holding an ERROR or WARNING line (what a person reads to diagnose)
   last_error_line         the last ERROR line of the controller's log (where people start reading)
 
-Our own root-cause line (logger rlhf.diagnosis, the run's last line) is not counted as an error here:
-these measures describe how the failure propagated, as the seeds' system logged it.
+Our own root-cause line (logger rlhf.diagnosis, the run's last line) and the stall watchdog's report when
+it only reports (resilience.stall_stops_run off) are not counted as errors here: these measures describe
+how the failure propagated, as the seeds' system logged it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ POINT_STAGE = [
 ]
 
 DIAGNOSIS = " rlhf.diagnosis: "  # our root-cause line: not one of the errors the seeds' system would have logged
+WATCHDOG_REPORT_ONLY = "the run goes on waiting (resilience.stall_stops_run off)"  # ends the watchdog's report
+
+
+def ours(line: str) -> bool:
+    """A line our diagnosis added beside the run (root cause, a watchdog that only reports)."""
+    return DIAGNOSIS in line or WATCHDOG_REPORT_ONLY in line
 _FAILED = re.compile(r"run failed: (?:step (?P<step>\d+), stage (?P<stage>[a-z_]+)|(?P<where>[a-z_]+)): (?P<what>.*)")
 
 
@@ -95,7 +102,7 @@ def measure_run(run_dir: str, exit_code: int | None = None) -> dict[str, Any]:
         "target": f"{injects[0]['role']}-{injects[0]['rank']}" if injects else "",
     }
     errors = sorted(((t, proc, line) for proc, lines in logs.items() for line in lines
-                     if " ERROR " in line and DIAGNOSIS not in line and (t := _stamp(line)) is not None),
+                     if " ERROR " in line and not ours(line) and (t := _stamp(line)) is not None),
                     key=lambda e: e[0])
     controller = logs.get("controller-0", []) or logs.get("trainer-0", [])
     failed = next(((_stamp(line), line) for line in controller if "run failed" in line), (None, ""))
@@ -113,7 +120,7 @@ def measure_run(run_dir: str, exit_code: int | None = None) -> dict[str, Any]:
     row["hops"] = len(before - {"controller-0", "trainer-0"})
     row["processes_with_errors"] = " ".join(order)
     row["log_files_to_read"] = sum(1 for lines in logs.values() if any(" ERROR " in x or " WARNING " in x for x in lines))
-    ctrl_errors = [line for line in controller if " ERROR " in line and DIAGNOSIS not in line]
+    ctrl_errors = [line for line in controller if " ERROR " in line and not ours(line)]
     row["last_error_line"] = _message(ctrl_errors[-1])[:240] if ctrl_errors else ""
     finished = os.path.exists(os.path.join(run_dir, "summary.json"))
     row["run_outcome"] = "finished" if finished and not failed[1] else (

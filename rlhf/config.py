@@ -287,7 +287,7 @@ class RuntimeConfig:
     startup_timeout_s: float = 120.0
     """How long to wait for a rollout server or the scheduler to come up, seconds."""
     watchdog_stall_s: float = 5.0
-    """Stall watchdog: a rank inside one collective this long while another rank has left its loop is reported (and the run stopped); 0 disables."""
+    """Stall watchdog: a train rank inside one collective this long while another rank is blocked elsewhere (no CPU use, no disk wait), or a rank blocked in a call 2x this long after the others answered, is named in seconds (resilience.stall_stops_run: and the run stopped); 0 disables."""
 
     def __post_init__(self) -> None:
         for name in ("rpc_timeout_s", "rollout_timeout_s", "event_timeout_s", "lease_timeout_s", "cleanup_timeout_s",

@@ -299,7 +299,14 @@ def _pid_alive(pid: int | None) -> bool:
         return False
 
 
-def _life_evidence(lives: list[dict[str, Any]], metrics: dict[str, list[dict[str, Any]]]) -> list[Evidence]:
+def _last_span(spans: list[SpanRecord], pid: int | None) -> SpanRecord | None:
+    """The last span a process exported (any of its roles): a dead process was alive when it ended."""
+    mine = [s for s in spans if pid and str(s.resource.get("process.pid")) == str(pid)]
+    return max(mine, key=lambda s: s.end_ns) if mine else None
+
+
+def _life_evidence(lives: list[dict[str, Any]], metrics: dict[str, list[dict[str, Any]]],
+                   spans: list[SpanRecord]) -> list[Evidence]:
     """Deaths from exit statuses, and processes that vanished without one."""
     out = []
     for life in lives:
@@ -311,9 +318,16 @@ def _life_evidence(lives: list[dict[str, Any]], metrics: dict[str, list[dict[str
                 continue
             t = (last_row["_time"] if last_row else life["start"] or 0.0)
             what = f"{name} (pid {pid}) vanished with no exit record: killed by SIGKILL or the kernel's OOM killer"
+            stage, step = _activity_stage(last_row), _activity_step(last_row)
             if last_row is not None:
                 what += f"; last heartbeat {last_row.get('activity', '?')} at step {last_row.get('activity_step', '?')}"
-            out.append(Evidence(t, t, name, name, "process_death", _activity_stage(last_row), _activity_step(last_row),
+            span = _last_span(spans, pid)
+            if span is not None and span.end_ns / 1e9 > t:  # spans go out every export period, heartbeats every second
+                t = span.end_ns / 1e9
+                stage = str(span.attributes.get("rlhf.stage") or "") or stage
+                step = int(span.attributes.get("rlhf.step", step))
+                what += f"; its last span: {span.name} (step {step}, stage {stage or '?'})"
+            out.append(Evidence(t, t, name, name, "process_death", stage, step,
                                 what, "exits.jsonl (no exit record)", "vanished", True, pid))
             out[-1].time = t + _NOTICE_LAG_S  # dead at most a heartbeat after its last row
             continue
@@ -579,7 +593,7 @@ def diagnose(run_dir: str) -> Diagnosis:
     failed = [e for e in logs if e.reporter == "controller-0" and e.message.startswith("run failed")]
     surfaced = failed[-1] if failed else None
     lives = exits.all_lives(run_dir)
-    evidence = logs + _life_evidence(lives, metrics)
+    evidence = logs + _life_evidence(lives, metrics, spans)
     evidence += _holder_evidence(evidence, metrics, servers) + _transit_evidence(spans)
     evidence += _unfinished_writes(run_dir, evidence)
     finished = os.path.exists(os.path.join(run_dir, "summary.json"))
@@ -597,7 +611,10 @@ def diagnose(run_dir: str) -> Diagnosis:
         for b in busy:  # a watchdog named who the waiter in a collective waits for: the waiter is its victim
             for r in stall_reports:
                 if b.category == "hang" and b.subject != r.subject and re.search(rf"\b{b.subject}\b(?!-)", r.message):
+                    b.message = f"{r.subject} is missing from what {b.subject} waits in: {b.message}"
                     b.subject, b.local = r.subject, False
+                elif b.subject == r.subject and b.category == "timeout":  # the watchdog saw it blocked: a hang
+                    b.category = "hang"
         evidence += busy
     for e in evidence:
         if _never_arrived(e, servers, metrics):
@@ -620,7 +637,7 @@ def diagnose(run_dir: str) -> Diagnosis:
     orphan_ids = {id(e) for e in orphans}
     window = [e for e in window if id(e) not in orphan_ids]  # they died with their parent (PDEATHSIG): a consequence
     hyps: dict[str, list[Evidence]] = {}
-    for e in sorted(window, key=lambda e: (e.onset, e.time)):
+    for e in sorted(window, key=lambda e: (e.onset, e.time, e.reporter != e.subject)):  # its own evidence first
         hyps.setdefault(e.subject, []).append(e)
     pids = _pids(lives)
     ranked = [_hypothesis(name, evs, pids, spans) for name, evs in hyps.items()]

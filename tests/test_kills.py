@@ -15,10 +15,12 @@ from tests.conftest import ROOT
 from tests.test_runtime import assert_none_left, free_port
 
 
-def run_with_fault(tmp_path, steps, fault):
-    """A 2-rank, 2-server GRPO run (no warm start) with one fault; returns the run dir, the result, its last log line."""
+def run_with_fault(tmp_path, steps, fault, config="  runtime: {cleanup_timeout_s: 5}\n"):
+    """A 2-rank, 2-server GRPO run (no warm start) with one fault; returns the run dir, the result, its last log line.
+
+    config: the rest of the file's config section (lines indented by two spaces)."""
     faults = tmp_path / "fault.yaml"
-    faults.write_text(f"config:\n  steps: {steps}\n  rollout: {{servers: 2}}\n  runtime: {{cleanup_timeout_s: 5}}\n"
+    faults.write_text(f"config:\n  steps: {steps}\n  rollout: {{servers: 2}}\n{config}"
                       f"faults:\n  - name: f\n{fault}")
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
@@ -48,6 +50,21 @@ def test_a_sigkilled_process_is_named_with_its_signal_as_the_root_cause(who, tmp
     assert f"root cause: {name}" in out.stderr  # torchrun's closing block quotes it
     d = diagnose(str(run_dir))
     assert (d.root.process, d.root.category) == (name, "process_death"), d.render()
+
+
+@pytest.mark.slow
+def test_a_sigkilled_rank_0_is_named_by_torchruns_block_and_by_rlhf_diagnose(tmp_path):
+    """Rank 0 holds the controller and the MetaServer: nothing of ours is left to print. torchrun's closing block
+    names rank 0 and SIGKILL, the scheduler and rollout servers go (PDEATHSIG, checked by run_with_fault), and the
+    diagnosis names train-0 from its missing exit record."""
+    run_dir, out, _ = run_with_fault(tmp_path, 30, "    kind: process_kill\n    point: train.step\n"
+                                                   "    target: {role: train, rank: 0}\n    when: {step: 2}\n"
+                                                   "    params: {signal: KILL}\n")
+    block = out.stderr[out.stderr.rindex("Root Cause (first observed failure)"):]
+    assert "rank      : 0 (local_rank: 0)" in block and "Signal 9 (SIGKILL)" in block, block
+    d = diagnose(str(run_dir))
+    assert (d.root.process, d.root.category, d.root.step) == ("train-0", "process_death", 2), d.render()
+    assert "vanished with no exit record" in d.root.summary
 
 
 RAISES = {  # the categories the scenario tests do not reach live

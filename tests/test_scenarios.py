@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from rlhf.analysis import measure_run
+from rlhf.analysis import WATCHDOG_REPORT_ONLY, measure_run
 from rlhf.diagnosis import diagnose
 from tests.conftest import ROOT
 from tests.test_runtime import assert_none_left, free_port
@@ -39,7 +39,7 @@ def log_lines(run_dir, name, level=None):
     """A process's log lines as the seeds' system would have written them: without our diagnosis (its root-cause
     lines and where-to-look block, which assert_diagnosed checks)."""
     lines = (run_dir / "logs" / f"{name}.log").read_text().splitlines()
-    ours = (" rlhf.diagnosis: ", " rlhf.controller: evidence: ", " rlhf.controller: logs: ")
+    ours = (" rlhf.diagnosis: ", " rlhf.controller: evidence: ", " rlhf.controller: logs: ", WATCHDOG_REPORT_ONLY)
     return [line for line in lines if (level is None or f" {level} " in line) and not any(o in line for o in ours)]
 
 

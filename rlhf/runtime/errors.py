@@ -71,3 +71,7 @@ class RpcConnectionError(ConnectionError):
     def __init__(self, url: str, cause: BaseException, peer: str = "") -> None:
         self.url, self.cause, self.peer = url, cause, peer
         super().__init__(f"cannot reach {_who(url, peer)}: {type(cause).__name__}: {cause}")
+
+
+class SyncStall(RuntimeError):
+    """Ranks are in different places and one waits in a collective (or a call) the others will never finish."""

@@ -21,6 +21,7 @@ import concurrent.futures
 import contextvars
 import logging
 import threading
+import time
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
@@ -56,6 +57,7 @@ class Service:
         self.stage, self.step = "", -1
         self.untraced_paths: set[str] = set()
         self.inflight = 0  # handlers running now on the worker thread
+        self.running: tuple[str, int, float] | None = None  # (request, step, since) on the worker thread (heartbeat)
         self._inflight_lock = threading.Lock()
 
     @web.middleware
@@ -82,7 +84,11 @@ class Service:
                     return response
             finally:
                 tracing.otel_context.detach(token)
-                ACTIVITY.set("idle", step)
+                running = self.running  # an inline request (health) ends while a handler still runs: that shows
+                if running is not None and running[0] != name:
+                    ACTIVITY.name, ACTIVITY.step, ACTIVITY.since = running
+                else:
+                    ACTIVITY.set("idle", step)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Callable) -> web.StreamResponse:
@@ -147,6 +153,7 @@ class Service:
                     def call() -> Any:
                         with self._inflight_lock:  # counted on the worker thread: a cancelled request still runs
                             self.inflight += 1
+                        self.running = (f"{method} {path}", step, time.time())
                         try:
                             return fn(args or {}, tensors)
                         except Exception as exc:
@@ -155,6 +162,7 @@ class Service:
                             self._log_error(exc, method, path, stage, step)
                             raise
                         finally:
+                            self.running = None
                             with self._inflight_lock:
                                 self.inflight -= 1
 

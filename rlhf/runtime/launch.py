@@ -105,7 +105,7 @@ def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
         # Ctrl-C: the user wants out, do not wait for a busy handler (an SFT warm start runs for minutes). Any
         # other end (a peer died, torchrun's SIGTERM) gives the handler time to fail and log why.
         interrupted = isinstance(sys.exc_info()[1], KeyboardInterrupt)
-        server.stop(timeout_s=1.0 if busy and interrupted else 30.0)
+        server.stop(timeout_s=1.0 if busy and interrupted else worker.shutdown_grace_s)
         worker.close()
         if not busy:
             shutdown_distributed()

@@ -12,7 +12,6 @@ One step: train (every rank: its share of the batch, all-reduced gradients) → 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import Any
@@ -22,10 +21,6 @@ from rlhf.runtime import checkpoint as ckpt
 from rlhf.runtime.control.lifecycle import RunLifecycle, TrackedClock
 
 log = logging.getLogger("rlhf.controller")
-
-
-class SyncStall(RuntimeError):
-    """Ranks are in different places and one waits in a collective the others will never join."""
 
 
 SFT_COLUMNS = ["step", "seconds", "loss", "grad_norm", "tokens", "val_accuracy", "train_s", "latest_recover_save_s"]
@@ -75,41 +70,11 @@ class SFTController(RunLifecycle):
         return {"mode": "sft"}
 
     def run_per_rank(self) -> int:
-        """Every rank trains on its own clock; a watchdog polls heartbeats and names a rank stuck in a collective."""
-        cfg = self.cfg
+        """Every rank trains on its own clock; the stall watchdog (runtime.watchdog_stall_s) reads the ranks'
+        heartbeats meanwhile and names a rank that keeps another waiting in a collective."""
         self.where.update(step=-1, stage="train")
-        stall_s = cfg.runtime.watchdog_stall_s
-
-        async def supervise() -> list:
-            calls = [asyncio.ensure_future(c.call("/sft_run_for", {"duration_s": cfg.sft.duration_s}, stage="train",
-                                                  timeout_s=cfg.runtime.rpc_timeout_s)) for c in self.workers.clients]
-            while True:
-                done, pending = await asyncio.wait(calls, timeout=0.5, return_when=asyncio.FIRST_EXCEPTION)
-                if not pending:
-                    return [c.result()[0] for c in calls]
-                for c in done:
-                    if c.exception() is not None:
-                        raise c.exception()
-                if not stall_s:
-                    continue
-                beats = await asyncio.gather(*[c.call("/heartbeat", method="GET", timeout_s=5, traced=False)
-                                               for c in self.workers.clients])
-                beats = [b for b, _ in beats]
-                stuck = [b for b in beats if b["collective"] and b["collective_s"] >= stall_s]
-                elsewhere = [b for b in beats if b["phase"] != beats[0]["phase"] or b["step"] != beats[0]["step"]]
-                if stuck and elsewhere:
-                    s = stuck[0]
-                    others = "; ".join(f"train-{b['rank']} is in {b['phase']} at its step {b['step']}"
-                                       + (f" ({b['collective']} for {b['collective_s']:.1f} s)" if b["collective"] else "")
-                                       for b in beats if b["rank"] != s["rank"])
-                    for c in calls:
-                        c.cancel()
-                    raise SyncStall(f"train-{s['rank']} has been inside {s['collective']} for {s['collective_s']:.1f} s "
-                                    f"at its step {s['step']} ({s['phase']}), while {others}: the ranks disagree about "
-                                    "when to stop (each decides on its own clock)")
-
-        replies = self.loop.run(supervise())
-        steps = [r["steps"] for r in replies]
+        replies = self.workers.call("sft_run_for", {"duration_s": self.cfg.sft.duration_s}, stage="train")
+        steps = [r["steps"] for r, _ in replies]
         log.info("per-rank duration: steps per rank %s", steps)
         return max(steps)
 

@@ -39,6 +39,7 @@ from rlhf.runtime.dist import GlooDataParallel
 from rlhf.runtime.http import Service
 from rlhf.runtime.metaserver import push_shard
 from rlhf.tasks import build_task, reward_fn
+from rlhf.tracing.metrics import ACTIVITY
 from rlhf.train.engine import TrainEngine
 from rlhf.trainers.sft import run_sft
 from rlhf.weights import checksum, encode_shard, export_state, import_state, save_state_dir, write_shard
@@ -82,7 +83,15 @@ class TrainWorker:
         self._writes: queue.Queue = queue.Queue()
         self._writer: threading.Thread | None = None
         self.service.route("/heartbeat", self.heartbeat, method="GET", inline=True)
-        self.service.route("/shutdown", lambda a, t: self.shutdown.set() or {"ok": True}, inline=True)
+        self.service.untraced_paths.add("/heartbeat")  # the watchdog polls it: no span, and what this rank does stays
+        self.shutdown_grace_s = 30.0  # how long a request still running at shutdown gets to finish (and log why)
+        self.service.route("/shutdown", self._shutdown, inline=True)
+
+    def _shutdown(self, args: dict, tensors: dict) -> dict:
+        """grace_s: what a request still running gets (the controller gives 1 s to ranks it found stalled)."""
+        self.shutdown_grace_s = float(args.get("grace_s", self.shutdown_grace_s))
+        self.shutdown.set()
+        return {"ok": True}
 
     # ------------------------------------------------------------------ helpers
 
@@ -172,7 +181,7 @@ class TrainWorker:
         self.loop_phase = "loop"
         while clock.now() - start < float(args["duration_s"]):
             step += 1
-            self.loop_step = step
+            self.loop_step = ACTIVITY.step = step  # the heartbeat row says which loop step a collective is in
             with tracing.at_step(step):
                 fault_point("train.step", step=step)
                 examples = self.sft_sampler.next(self.cfg.sft.batch_size)[self.rank::self.world_size]
@@ -183,10 +192,15 @@ class TrainWorker:
         return {"rank": self.rank, "steps": step, "steps_all_ranks": float(total[0])}
 
     def heartbeat(self, args: dict, tensors: dict) -> dict:
-        """What this rank is doing now: its loop phase and step, and the collective it is inside, for how long."""
-        inside = self.dp.in_collective
-        return {"rank": self.rank, "phase": self.loop_phase, "step": self.loop_step,
-                "collective": inside[0] if inside else "", "collective_s": time.monotonic() - inside[1] if inside else 0.0}
+        """What this rank is doing now: its SFT loop phase or the request it runs, at which step, the collective
+        it is inside and for how long, and whether it works (CPU seconds, threads in disk wait): the stall
+        watchdog tells a blocked rank from a busy one."""
+        inside, running = self.dp.in_collective, self.service.running
+        phase, step = (self.loop_phase, self.loop_step) if self.loop_phase != "idle" or running is None else \
+            (running[0], running[1])
+        return {"rank": self.rank, "phase": phase, "step": step,
+                "collective": inside[0] if inside else "", "collective_s": time.monotonic() - inside[1] if inside else 0.0,
+                "cpu_s": time.process_time(), "disk_wait_threads": disk_wait_threads()}
 
     def sft_eval(self, args: dict, tensors: dict) -> dict:
         if args.get("skip"):
@@ -333,3 +347,19 @@ class TrainWorker:
         if self.lease is not None:
             self.lease.release()
 
+
+def disk_wait_threads() -> int:
+    """Threads of this process in uninterruptible (disk) wait, state D in /proc (Linux; 0 elsewhere)."""
+    count = 0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/stat", encoding="ascii", errors="replace") as fh:
+                if fh.read().rsplit(")", 1)[1].split()[0] == "D":
+                    count += 1
+        except (OSError, IndexError):
+            continue
+    return count

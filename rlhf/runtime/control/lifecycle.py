@@ -30,7 +30,9 @@ from rlhf.config import Config
 from rlhf.run_dir import StepsWriter, write_json
 from rlhf.runtime import checkpoint as ckpt
 from rlhf.runtime.client import Client, LoopThread
+from rlhf.runtime.control.watchdog import StallWatchdog
 from rlhf.runtime.control.workers import WorkerGroup
+from rlhf.runtime.errors import SyncStall
 from rlhf.stages import StageClock
 
 log = logging.getLogger("rlhf.controller")
@@ -49,6 +51,9 @@ class RunLifecycle:
         self.loop = LoopThread(self.loop_name)
         self.workers = WorkerGroup(worker_urls, token, self.loop, cfg.runtime.rpc_timeout_s,
                                    checksums=self.policy.stage_checksums)
+        self.workers.watchdog = StallWatchdog(self.workers.clients, cfg.runtime.watchdog_stall_s,
+                                              self.policy.stall_stops_run, on_report=self._stall_reported)
+        self.stalled = False  # the watchdog found a rank keeping the others waiting: cleanup does not wait for it
         self.where: dict[str, Any] = {"step": -1, "stage": "startup"}  # what runs now (for the first failure)
         self.first_failure = ""
         self.root_cause = ""  # the diagnosis's headline once the run has failed (the console's last line)
@@ -136,6 +141,7 @@ class RunLifecycle:
             self.interrupted = True  # the user's decision, not a failure: no ERROR, no ledger
             raise
         except BaseException as exc:
+            self.stalled = self.stalled or isinstance(exc, SyncStall)
             step, stage = self.where["step"], self.where["stage"]
             self.first_failure = (f"step {step}, stage {stage}" if step >= 0 else stage) + f": {type(exc).__name__}: {exc}"
             log.error("run failed: %s", self.first_failure)
@@ -209,6 +215,12 @@ class RunLifecycle:
             except OSError:
                 pass
 
+    def _stall_reported(self, found: str) -> None:
+        """The watchdog found a stall and the policy lets the run wait: the live diagnosis, beside the run."""
+        self.stalled = True
+        threading.Thread(target=self.report_root_cause, kwargs={"early": True}, name="stall-diagnosis",
+                         daemon=True).start()
+
     def report_unfired(self, last_step: int) -> list[dict[str, str]]:
         """Armed faults that never fired: a WARNING each (the experiment did not happen), with the likely reason."""
         if not self.cfg.faults:
@@ -268,7 +280,8 @@ class RunLifecycle:
             self.stop_services()
             errors = []
             try:
-                self.workers.call("shutdown", timeout_s=10, stage="cleanup")
+                # a stalled rank's request will not finish: it gets 1 s, not the usual 30 s, before its rank exits
+                self.workers.call("shutdown", {"grace_s": 1.0} if self.stalled else None, timeout_s=10, stage="cleanup")
             except (RuntimeError, OSError, TimeoutError) as exc:
                 errors.append(f"worker shutdown: {type(exc).__name__}: {exc}")
             faults.restore_all("run end")

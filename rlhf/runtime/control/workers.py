@@ -6,6 +6,7 @@ import asyncio
 from typing import Any
 
 from rlhf.runtime.client import Client, LoopThread
+from rlhf.runtime.control.watchdog import StallWatchdog
 
 
 class WorkerGroup:
@@ -15,6 +16,7 @@ class WorkerGroup:
         """checksums: send per-tensor digests with the batches (the policy's stage_checksums)."""
         self.clients = [Client(u, token, timeout_s, peer=f"train-{r}", checksums=checksums) for r, u in enumerate(urls)]
         self.loop = loop
+        self.watchdog: StallWatchdog | None = None  # set by the controller: reads heartbeats while a call runs
 
     def __len__(self) -> int:
         return len(self.clients)
@@ -23,10 +25,11 @@ class WorkerGroup:
                     stage: str = "", timeout_s: float | None = None) -> list[tuple[Any, dict]]:
         per_rank_args = args if isinstance(args, list) else [args or {}] * len(self.clients)
         per_rank_tensors = tensors or [None] * len(self.clients)
-        return list(await asyncio.gather(*[
-            c.call(f"/{method}", a, t, timeout_s=timeout_s, stage=stage, step=step)
-            for c, a, t in zip(self.clients, per_rank_args, per_rank_tensors)
-        ]))
+        calls = [asyncio.ensure_future(c.call(f"/{method}", a, t, timeout_s=timeout_s, stage=stage, step=step))
+                 for c, a, t in zip(self.clients, per_rank_args, per_rank_tensors)]
+        if self.watchdog is None or stage == "cleanup":
+            return list(await asyncio.gather(*calls))
+        return list(await self.watchdog.supervise(calls, f"/{method}", step, stage))
 
     def call(self, method: str, args: Any = None, tensors: list[dict] | None = None, step: int = -1, stage: str = "",
              timeout_s: float | None = None) -> list[tuple[Any, dict]]:
