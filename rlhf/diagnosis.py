@@ -36,6 +36,7 @@ import glob
 import json
 import os
 import re
+import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -44,9 +45,11 @@ import psutil
 from rlhf import exits
 from rlhf.tracing.read import SpanRecord, load_spans
 
-# CPU or IO starvation is not concluded yet: a starved process shows as the timeout it causes
+# CPU or IO starvation refines a timeout or hang: the subject's heartbeat shows it starved meanwhile
 CATEGORIES = ("process_death", "oom_device", "oom_host", "disk", "hang", "timeout", "network", "data_mismatch",
-              "exception")
+              "exception", "cpu_starvation", "io_starvation")
+STARVED_CPU_WAIT = 50.0  # % of wall time a process's threads waited runnable for a CPU (run-queue wait)
+STARVED_IO_PRESSURE = 10.0  # % of time some task waited for IO (PSI), with a thread of the subject in disk wait
 HARD = {"process_death", "oom_device", "oom_host", "disk", "hang"}
 
 _RULES = [  # first match wins; applied to the message and its traceback's last line
@@ -640,7 +643,8 @@ def diagnose(run_dir: str) -> Diagnosis:
     for e in sorted(window, key=lambda e: (e.onset, e.time, e.reporter != e.subject)):  # its own evidence first
         hyps.setdefault(e.subject, []).append(e)
     pids = _pids(lives)
-    ranked = [_hypothesis(name, evs, pids, spans) for name, evs in hyps.items()]
+    ranked = [_starvation(_hypothesis(name, evs, pids, spans), metrics, surfaced) for name, evs in hyps.items()]
+    ranked = _cpu_hog(ranked, metrics, surfaced, pids)
     ranked.sort(key=lambda h: h.time)
     root = ranked[0]
     for h in ranked[1:]:  # a hard cause noticed just after a softer report about something else still wins
@@ -680,6 +684,71 @@ def diagnose(run_dir: str) -> Diagnosis:
                             "why": "after the run had already failed (cleanup or a consequence)"})
     diag.stalls = [e.message for e in evidence if e.kind == "busy"]
     return diag
+
+
+def _num(row: dict[str, Any], key: str) -> float:
+    try:
+        return float(row.get(key) or 0.0)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def _starvation(h: Hypothesis, metrics: dict[str, list[dict[str, Any]]], surfaced: Evidence | None) -> Hypothesis:
+    """A timeout or hang whose process was starved meanwhile: its heartbeat rows from the onset to the failure
+    show its threads waiting for a CPU most of the time, or for a disk under IO pressure."""
+    if h.category not in ("timeout", "hang") or surfaced is None:
+        return h
+    rows = [r for r in metrics.get(h.process, []) if h.time <= r["_time"] <= surfaced.time + 1.0]
+    if not rows:
+        return h
+    wait = statistics.median(_num(r, "cpu_wait_percent") for r in rows)
+    io = statistics.median(_num(r, "io_pressure_percent") for r in rows)
+    disk = statistics.median(_num(r, "disk_wait_threads") for r in rows)
+    row = rows[len(rows) // 2]
+    where = f"metrics/{h.process}.csv:{row['_line']}"
+    if wait >= STARVED_CPU_WAIT:
+        children = statistics.median(_num(r, "children_cpu_percent") for r in rows)
+        h.category, h.source = "cpu_starvation", where
+        h.summary = (f"{h.process} was starved of CPU: its threads waited for a CPU {wait:.0f}% of the time "
+                     f"(run-queue wait, median of {len(rows)} heartbeats; system CPU "
+                     f"{statistics.median(_num(r, 'system_cpu_percent') for r in rows):.0f}%"
+                     + (f", its child processes {children:.0f}%" if children >= 50 else "") + f"): {h.summary}")[:300]
+    elif disk >= 1 and io >= STARVED_IO_PRESSURE:
+        h.category, h.source = "io_starvation", where
+        h.summary = (f"{h.process} was starved of IO: a thread of it waited on the disk in most heartbeats while "
+                     f"some task waited for IO {io:.0f}% of the time (PSI): {h.summary}")[:300]
+    return h
+
+
+def _cpu_hog(ranked: list[Hypothesis], metrics: dict[str, list[dict[str, Any]]], surfaced: Evidence | None,
+             pids: dict[str, int]) -> list[Hypothesis]:
+    """Processes starved of CPU are victims of the process whose children burnt the CPU meanwhile (a worker pool,
+    a compiler, a burner): that process, when there is one, is the root cause."""
+    starved = [h for h in ranked if h.category == "cpu_starvation"]
+    if not starved or surfaced is None:
+        return ranked
+    start = min(h.time for h in starved)
+    best: tuple[float, str, dict[str, Any] | None] = (0.0, "", None)
+    for name, rows in metrics.items():
+        window = [r for r in rows if start - 1.0 <= r["_time"] <= surfaced.time + 1.0]
+        if window:
+            burnt = statistics.median(_num(r, "children_cpu_percent") for r in window)
+            if burnt > best[0]:
+                best = (burnt, name, window[len(window) // 2])
+    burnt, name, row = best
+    if burnt < 50 or row is None:
+        return ranked
+    hog = next((h for h in ranked if h.process == name), None)
+    if hog is None:
+        hog = Hypothesis(name, pids.get(name), starved[0].stage, starved[0].step, start, "cpu_starvation", "")
+        ranked.append(hog)
+    victims = ", ".join(h.process for h in starved if h is not hog) or name
+    hog.category, hog.time, hog.source = "cpu_starvation", min(hog.time, start) - 1e-3, f"metrics/{name}.csv:{row['_line']}"
+    hog.summary = (f"the child processes of {name} used {burnt:.0f}% CPU (median of its heartbeats from the first "
+                   f"starved request to the failure) while {victims} waited for a CPU: {name} starved them")[:300]
+    hog.evidence.insert(0, Evidence(row["_time"], hog.time, name, name, "cpu_starvation", hog.stage, hog.step,
+                                    hog.summary, hog.source, "metrics", True, hog.pid))
+    return ranked
 
 
 def _told_to_stop(e: Evidence) -> bool:

@@ -251,3 +251,39 @@ def test_a_process_that_logged_its_request_failing_is_not_still_inside_it(tmp_pa
     d = diagnose(str(make_run(tmp_path, logs, metrics=metrics)))
     assert d.root.process == "train-1", d.render()
     assert all("rollout-0" not in s for s in d.stalls)
+
+
+ROLLOUT_TIMEOUT = "run failed: step 2, stage rollout: RpcTimeout: no reply from rollout-0 (http://x/generate) within 4 s"
+
+
+def _beats(t0, n, **values):
+    return [{"time": t0 + i, "activity": "POST /generate", "activity_step": 2, **values} for i in range(n)]
+
+
+def test_a_timeout_whose_process_waited_for_a_cpu_is_cpu_starvation(tmp_path):
+    run = make_run(tmp_path, {"controller-0": [(14.0, "ERROR", "rlhf.controller", ROLLOUT_TIMEOUT)]},
+                   metrics={"rollout-0": _beats(10.5, 4, cpu_wait_percent=85.0, system_cpu_percent=100.0)})
+    d = diagnose(str(run))
+    assert (d.root.process, d.root.stage, d.root.category) == ("rollout-0", "rollout", "cpu_starvation"), d.render()
+    assert "waited for a CPU 85% of the time" in d.root.summary and d.root.source.startswith("metrics/rollout-0.csv")
+    run = make_run(tmp_path / "calm", {"controller-0": [(14.0, "ERROR", "rlhf.controller", ROLLOUT_TIMEOUT)]},
+                   metrics={"rollout-0": _beats(10.5, 4, cpu_wait_percent=5.0, system_cpu_percent=100.0)})
+    assert diagnose(str(run)).root.category == "timeout"  # busy, not starved: a plain timeout
+
+
+def test_the_process_whose_children_burnt_the_cpu_is_the_root_of_the_starvation(tmp_path):
+    run = make_run(tmp_path, {"controller-0": [(14.0, "ERROR", "rlhf.controller", ROLLOUT_TIMEOUT.replace(
+        "rollout-0", "rollout-1"))]},
+        metrics={"rollout-1": _beats(10.5, 4, cpu_wait_percent=85.0),
+                 "rollout-0": [{"time": 9.8 + i, "activity": "idle", "children_cpu_percent": 160.0} for i in range(5)],
+                 "train-1": [{"time": 9.9 + i, "activity": "idle", "children_cpu_percent": 0.0} for i in range(5)]})
+    d = diagnose(str(run))
+    assert (d.root.process, d.root.category) == ("rollout-0", "cpu_starvation"), d.render()
+    assert "child processes of rollout-0 used 160% CPU" in d.root.summary and "rollout-1" in d.root.summary
+
+
+def test_a_timeout_in_disk_wait_under_io_pressure_is_io_starvation(tmp_path):
+    run = make_run(tmp_path, {"controller-0": [(14.0, "ERROR", "rlhf.controller", ROLLOUT_TIMEOUT)]},
+                   metrics={"rollout-0": _beats(10.5, 4, disk_wait_threads=1, io_pressure_percent=45.0)})
+    d = diagnose(str(run))
+    assert d.root.category == "io_starvation" and "waited for IO 45%" in d.root.summary, d.render()

@@ -18,9 +18,11 @@ from tests.test_runtime import assert_none_left, free_port
 def run_with_fault(tmp_path, steps, fault, config="  runtime: {cleanup_timeout_s: 5}\n"):
     """A 2-rank, 2-server GRPO run (no warm start) with one fault; returns the run dir, the result, its last log line.
 
-    config: the rest of the file's config section (lines indented by two spaces)."""
+    config: the rest of the file's config section (lines indented by two spaces; 2 rollout servers unless it
+    has a rollout line)."""
     faults = tmp_path / "fault.yaml"
-    faults.write_text(f"config:\n  steps: {steps}\n  rollout: {{servers: 2}}\n{config}"
+    rollout = "" if "rollout:" in config else "  rollout: {servers: 2}\n"
+    faults.write_text(f"config:\n  steps: {steps}\n{rollout}{config}"
                       f"faults:\n  - name: f\n{fault}")
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
@@ -83,3 +85,17 @@ def test_a_raised_error_is_named_live_with_its_category(category, tmp_path):
     assert f"root cause: {process}" in last and f"stage {stage}: {cat}:" in last, last
     d = diagnose(str(run_dir))
     assert (d.root.process, d.root.stage, d.root.category) == expected, d.render()
+
+
+@pytest.mark.slow
+def test_cpu_burnt_by_a_servers_children_is_named_as_cpu_starvation(tmp_path):
+    """Real burner processes (cpu_contention) under rollout-0 slow both servers' generate past a 4 s timeout: the
+    root cause is the process whose children burnt the CPU, not the first server that timed out."""
+    config = ("  rollout: {servers: 2, max_new_tokens: 96, ignore_eos: true}\n"
+              "  runtime: {rollout_timeout_s: 4, cleanup_timeout_s: 5}\n")
+    run_dir, _, last = run_with_fault(tmp_path, 4, "    kind: cpu_contention\n    point: rollout.generate\n"
+                                                   "    target: {role: rollout, rank: 0}\n    when: {step: 2, max_hits: 1}\n"
+                                                   "    duration_s: 30\n    params: {burners: 8, load: 1.0}\n", config)
+    assert "root cause: rollout-0" in last and "cpu_starvation" in last, last
+    d = diagnose(str(run_dir))
+    assert (d.root.process, d.root.stage, d.root.category) == ("rollout-0", "rollout", "cpu_starvation"), d.render()

@@ -39,7 +39,7 @@ from rlhf.runtime.dist import GlooDataParallel
 from rlhf.runtime.http import Service
 from rlhf.runtime.metaserver import push_shard
 from rlhf.tasks import build_task, reward_fn
-from rlhf.tracing.metrics import ACTIVITY
+from rlhf.tracing.metrics import ACTIVITY, disk_wait_threads
 from rlhf.train.engine import TrainEngine
 from rlhf.trainers.sft import run_sft
 from rlhf.weights import checksum, encode_shard, export_state, import_state, save_state_dir, write_shard
@@ -347,19 +347,3 @@ class TrainWorker:
         if self.lease is not None:
             self.lease.release()
 
-
-def disk_wait_threads() -> int:
-    """Threads of this process in uninterruptible (disk) wait, state D in /proc (Linux; 0 elsewhere)."""
-    count = 0
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return 0
-    for tid in tasks:
-        try:
-            with open(f"/proc/self/task/{tid}/stat", encoding="ascii", errors="replace") as fh:
-                if fh.read().rsplit(")", 1)[1].split()[0] == "D":
-                    count += 1
-        except (OSError, IndexError):
-            continue
-    return count

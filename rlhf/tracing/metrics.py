@@ -24,7 +24,48 @@ log = logging.getLogger("rlhf.metrics")
 
 COLUMNS = ["time", "role", "rank", "pid", "cpu_percent", "children_cpu_percent", "system_cpu_percent", "rss_bytes",
            "threads", "open_fds", "io_read_bytes", "io_write_bytes", "activity", "activity_step", "activity_age_s", "gpu_util_percent", "gpu_mem_used_bytes",
-           "gpu_power_w", "gpu_temp_c", "device_mem_process_bytes"]
+           "gpu_power_w", "gpu_temp_c", "device_mem_process_bytes", "cpu_wait_percent", "disk_wait_threads",
+           "io_pressure_percent"]
+
+
+def _tasks() -> list[str]:
+    try:
+        return os.listdir("/proc/self/task")
+    except OSError:  # not Linux
+        return []
+
+
+def disk_wait_threads() -> int:
+    """Threads of this process in uninterruptible (disk) wait, state D in /proc (Linux; 0 elsewhere)."""
+    count = 0
+    for tid in _tasks():
+        try:
+            with open(f"/proc/self/task/{tid}/stat", encoding="ascii", errors="replace") as fh:
+                count += fh.read().rsplit(")", 1)[1].split()[0] == "D"
+        except (OSError, IndexError):
+            continue
+    return count
+
+
+def runqueue_wait_ns() -> dict[str, int]:
+    """Per thread of this process: nanoseconds it spent runnable but waiting for a CPU (/proc schedstat)."""
+    out = {}
+    for tid in _tasks():
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat", encoding="ascii") as fh:
+                out[tid] = int(fh.read().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def io_pressure() -> float | str:
+    """The share of the last 10 s in which some task waited for IO, % (Linux PSI, system-wide); '' without PSI."""
+    try:
+        with open("/proc/pressure/io", encoding="ascii") as fh:
+            return float(fh.readline().split()[1].split("=")[1])
+    except (OSError, IndexError, ValueError):
+        return ""
 
 
 class Activity:
@@ -74,6 +115,12 @@ class _Gpu:
                 "gpu_temp_c": nvml.nvmlDeviceGetTemperature(self.handle, nvml.NVML_TEMPERATURE_GPU)}
 
 
+def _is_service(proc: psutil.Process) -> bool:
+    """One of our own services (scheduler, rollout server): it samples itself."""
+    cmdline = proc.cmdline()
+    return any(arg.startswith("rlhf.runtime.") for arg in cmdline[1:3])
+
+
 class ResourceSampler:
     def __init__(self, run_dir: str, role: str, rank: int, interval_s: float = 1.0) -> None:
         self.path = os.path.join(run_dir, "metrics", f"{role}-{rank}.csv")
@@ -82,6 +129,8 @@ class ResourceSampler:
         self.proc = psutil.Process()
         self._stop = threading.Event()
         self._children: dict[int, psutil.Process] = {}
+        self._waits: dict[str, int] = {}
+        self._waits_at = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"metrics-{role}-{rank}", daemon=True)
 
     def start(self) -> "ResourceSampler":
@@ -109,6 +158,9 @@ class ResourceSampler:
             }
         row["children_cpu_percent"] = round(self._children_cpu(), 1)
         row["system_cpu_percent"] = psutil.cpu_percent(None)
+        row["cpu_wait_percent"] = round(self._cpu_wait(), 1)
+        row["disk_wait_threads"] = disk_wait_threads()
+        row["io_pressure_percent"] = io_pressure()
         row.update({"activity": ACTIVITY.name, "activity_step": ACTIVITY.step,
                     "activity_age_s": round(time.time() - ACTIVITY.since, 3)})
         return row
@@ -126,16 +178,33 @@ class ResourceSampler:
                 total += int(float(leak.get("leaked_mb", 0)) * (1 << 20))
         return total
 
+    def _cpu_wait(self) -> float:
+        """Run-queue wait of this process's threads since the last sample, % of wall time (starved of CPU when
+        high: its threads were ready to run and no CPU was free); it may exceed 100 with several threads."""
+        now, waits = time.monotonic(), runqueue_wait_ns()
+        waited = sum(w - self._waits.get(tid, 0) for tid, w in waits.items() if tid in self._waits)
+        elapsed = now - self._waits_at
+        self._waits, self._waits_at = waits, now
+        return max(0.0, waited / 1e9 / elapsed * 100) if elapsed > 0 else 0.0
+
     def _children_cpu(self) -> float:
-        """CPU % of this process's children (fault burners and writers it started show here)."""
+        """CPU % of the processes this one started that are not our services (fault burners and writers, worker
+        pools, compilers show here; a rollout server under the scheduler has its own row), with their children."""
         total, seen = 0.0, set()
-        for child in self.proc.children(recursive=True):
-            seen.add(child.pid)
-            known = self._children.setdefault(child.pid, child)
+        for child in self.proc.children():
             try:
-                total += known.cpu_percent(None)  # 0.0 on the first sample of a child
+                if _is_service(child):
+                    continue
+                family = [child, *child.children(recursive=True)]
             except psutil.Error:
                 continue
+            for proc in family:
+                seen.add(proc.pid)
+                known = self._children.setdefault(proc.pid, proc)
+                try:
+                    total += known.cpu_percent(None)  # 0.0 on the first sample of a process
+                except psutil.Error:
+                    continue
         for pid in set(self._children) - seen:
             del self._children[pid]
         return total
