@@ -21,6 +21,8 @@ import signal
 import time
 from typing import Any
 
+from rlhf import stacks
+
 FILE = "exits.jsonl"
 
 
@@ -58,6 +60,9 @@ def _append(run_dir: str, record: dict[str, Any]) -> None:
 
 
 def record_start(run_dir: str, process: str, pid: int | None = None) -> None:
+    """pid None: this process's own start; it also arms its stacks dump (rlhf.stacks, hang forensics)."""
+    if pid is None:
+        stacks.arm(run_dir, process)
     _append(run_dir, {"event": "start", "process": process, "pid": pid or os.getpid(), "time": time.time()})
 
 

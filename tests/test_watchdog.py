@@ -91,6 +91,11 @@ def test_hardened_stops_a_collective_hang_in_seconds_naming_the_missing_rank(tmp
     failed = next(line for line in _lines(run_dir) if "run failed" in line)
     assert "SyncStall" in failed and "train-1 is missing from all_reduce" in failed, failed
     assert _stamp(last) - onset <= 15.0  # cleanup gave the stalled handlers 1 s, not 30
+    stuck = run_dir / "stacks" / "train-1.txt"  # hang forensics: every live process dumped its threads' stacks
+    assert f"its stacks: {stuck}" in failed
+    assert "rlhf/faults/kinds/hang.py" in stuck.read_text()  # where rank 1 is blocked
+    assert "all_reduce" in (run_dir / "stacks" / "train-0.txt").read_text()  # rank 0 waits inside the collective
+    assert (run_dir / "stacks" / "rollout-0.txt").stat().st_size > 0
     d = diagnose(str(run_dir))
     assert (d.root.process, d.root.stage, d.root.category) == ("train-1", "train", "hang"), d.render()
 

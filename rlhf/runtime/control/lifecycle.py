@@ -25,7 +25,7 @@ import time
 import traceback
 from typing import Any
 
-from rlhf import diagnosis, faults, tracing
+from rlhf import diagnosis, faults, stacks, tracing
 from rlhf.config import Config
 from rlhf.run_dir import StepsWriter, write_json
 from rlhf.runtime import checkpoint as ckpt
@@ -52,7 +52,7 @@ class RunLifecycle:
         self.workers = WorkerGroup(worker_urls, token, self.loop, cfg.runtime.rpc_timeout_s,
                                    checksums=self.policy.stage_checksums)
         self.workers.watchdog = StallWatchdog(self.workers.clients, cfg.runtime.watchdog_stall_s,
-                                              self.policy.stall_stops_run, on_report=self._stall_reported)
+                                              self.policy.stall_stops_run, run_dir, on_report=self._stall_reported)
         self.stalled = False  # the watchdog found a rank keeping the others waiting: cleanup does not wait for it
         self.where: dict[str, Any] = {"step": -1, "stage": "startup"}  # what runs now (for the first failure)
         self.first_failure = ""
@@ -296,6 +296,7 @@ class RunLifecycle:
                 log.log(self.cleanup_level, "cleanup: %s", e)
             self.loop.gather(*[c.close() for c in self.clients()], return_exceptions=True)
             self.loop.close()
+            stacks.tidy(self.run_dir)  # the stacks files no watchdog asked for
 
 
 def resume_command(run_dir: str) -> str:

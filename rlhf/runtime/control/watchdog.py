@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from rlhf import stacks
 from rlhf.analysis import WATCHDOG_REPORT_ONLY
 from rlhf.runtime.client import Client
 from rlhf.runtime.errors import SyncStall
@@ -75,8 +77,20 @@ class RankView:
         return text + " (computing)"
 
 
+class Finding(str):
+    """The watchdog's sentence, and the rank it names as missing."""
+
+    missing: int = -1
+
+    @classmethod
+    def of(cls, text: str, missing: int) -> Finding:
+        found = cls(text)
+        found.missing = missing
+        return found
+
+
 def find_stall(views: list[RankView], stall_s: float, now: float, answered: dict[int, float] | None = None,
-               method: str = "") -> str | None:
+               method: str = "") -> Finding | None:
     """The stall in these heartbeats, as a sentence naming the missing rank; None when there is none yet.
 
     answered: rank -> monotonic time it answered the current call (ranks that have left it)."""
@@ -89,9 +103,9 @@ def find_stall(views: list[RankView], stall_s: float, now: float, answered: dict
         stuck = [v for v in missing if v.silent or (v.beat and v.beat.get("collective")) or v.blocked_for(now) >= 1.0]
         if stuck:
             m, w = stuck[0], waiter.beat
-            return (f"train-{waiter.rank} has been inside {what} for {w['collective_s']:.1f} s at its step "
-                    f"{w.get('step', -1)} ({w.get('phase', '?')}), while train-{m.rank} is in {m.where(now)}; "
-                    f"train-{m.rank} is missing from {what}")
+            return Finding.of(f"train-{waiter.rank} has been inside {what} for {w['collective_s']:.1f} s at its "
+                              f"step {w.get('step', -1)} ({w.get('phase', '?')}), while train-{m.rank} is in "
+                              f"{m.where(now)}; train-{m.rank} is missing from {what}", m.rank)
     if answered and len(answered) < len(views):
         first_rank, first = min(answered.items(), key=lambda kv: kv[1])
         for v in views:
@@ -99,17 +113,19 @@ def find_stall(views: list[RankView], stall_s: float, now: float, answered: dict
                 continue
             waited = now - first
             if waited >= 2 * stall_s and (v.silent or v.blocked_for(now) >= 2 * stall_s):
-                return (f"train-{first_rank} answered {method} {waited:.1f} s ago, while train-{v.rank} is in "
-                        f"{v.where(now)}: train-{v.rank} is stuck")
+                return Finding.of(f"train-{first_rank} answered {method} {waited:.1f} s ago, while train-{v.rank} is "
+                                  f"in {v.where(now)}: train-{v.rank} is stuck", v.rank)
     return None
 
 
 class StallWatchdog:
     """Supervises one fan-out call to the train ranks (see the module docstring)."""
 
-    def __init__(self, clients: list[Client], stall_s: float, stops_run: bool,
+    def __init__(self, clients: list[Client], stall_s: float, stops_run: bool, run_dir: str = "",
                  on_report: Callable[[str], None] | None = None) -> None:
+        """run_dir: where every live process dumps its stacks when a stall is found (rlhf.stacks); '' skips it."""
         self.clients, self.stall_s, self.stops_run, self.on_report = clients, stall_s, stops_run, on_report
+        self.run_dir = run_dir
 
     async def _beat(self, client: Client) -> dict[str, Any] | None:
         try:
@@ -117,6 +133,18 @@ class StallWatchdog:
             return beat
         except Exception:  # noqa: BLE001 — a rank that cannot answer its heartbeat is evidence, not an error here
             return None
+
+    async def _stacks(self, found: Finding) -> str:
+        """Every live process dumps its Python stacks; the stuck rank's file is named in the finding."""
+        if not self.run_dir:
+            return ""
+        written = await asyncio.get_running_loop().run_in_executor(None, stacks.dump, self.run_dir,
+                                                                   f"stall watchdog: {found}")
+        if not written:
+            return ""
+        stuck = written.get(f"train-{found.missing}")
+        return (f"; its stacks: {stuck}" if stuck else "") + f" ({len(written)} processes dumped theirs to " \
+            f"{os.path.dirname(next(iter(written.values())))})"
 
     async def supervise(self, calls: list[asyncio.Future], method: str, step: int, stage: str) -> list[Any]:
         """The calls' results in rank order, as asyncio.gather would give them, unless a stall is found first."""
@@ -145,6 +173,7 @@ class StallWatchdog:
             if found is None:
                 continue
             where = f"step {step}, stage {stage}" if step >= 0 else f"stage {stage}"
+            found = Finding.of(found + await self._stacks(found), found.missing)
             if self.stops_run:
                 gathered.cancel()
                 raise SyncStall(f"stall watchdog ({where}, {method}): {found}")

@@ -1,0 +1,74 @@
+"""Hang forensics: the Python stacks of every live process of a run, on demand, with no debugger.
+
+    each process at its start (exits.record_start):  faulthandler on SIGUSR2 → RUN_DIR/stacks/<process>.txt
+    the stall watchdog (or anyone):                   stacks.dump(run_dir, why) → SIGUSR2 to every live process
+
+faulthandler writes from its C signal handler, so a process whose threads are stuck in C code (a collective,
+a lock, a read) or hold the GIL still dumps every thread. Files that stayed empty are removed at the run's end.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import time
+from typing import IO
+
+SIGNAL = signal.SIGUSR2
+_FILE: IO[str] | None = None  # kept open for the process's life: faulthandler writes to its descriptor
+
+
+def path_of(run_dir: str, process: str) -> str:
+    return os.path.join(run_dir, "stacks", f"{process}.txt")
+
+
+def arm(run_dir: str, process: str) -> None:
+    """This process dumps the stacks of all its threads to RUN_DIR/stacks/<process>.txt on SIGUSR2."""
+    global _FILE
+    os.makedirs(os.path.join(run_dir, "stacks"), exist_ok=True)
+    _FILE = open(path_of(run_dir, process), "a", encoding="utf-8")  # stays open: faulthandler keeps its fd
+    faulthandler.register(SIGNAL, file=_FILE, all_threads=True, chain=False)
+
+
+def dump(run_dir: str, why: str, timeout_s: float = 2.0) -> dict[str, str]:
+    """Ask every live process of the run for its stacks; returns {process: file} of those that wrote them."""
+    from rlhf import exits  # exits arms this module at every process start
+
+    waiting: dict[str, tuple[str, int]] = {}
+    for life in exits.all_lives(run_dir):
+        name, pid = life["process"], life["pid"]
+        path = path_of(run_dir, name)
+        if life["end"] is not None or not pid or not os.path.exists(path):
+            continue
+        size = os.path.getsize(path)
+        try:
+            with open(path, "a", encoding="utf-8") as fh:
+                fh.write(f"\n=== stacks of {name} (pid {pid}) at {time.strftime('%Y-%m-%dT%H:%M:%S')}: {why}\n")
+            size = os.path.getsize(path)
+            os.kill(pid, SIGNAL)
+        except (OSError, ProcessLookupError):
+            continue
+        waiting[name] = (path, size)
+    written: dict[str, str] = {}
+    deadline = time.monotonic() + timeout_s
+    while waiting and time.monotonic() < deadline:
+        for name, (path, size) in list(waiting.items()):
+            if os.path.getsize(path) > size:
+                written[name] = path
+                del waiting[name]
+        time.sleep(0.05)
+    return written
+
+
+def tidy(run_dir: str) -> None:
+    """Remove the stacks files nobody asked for (and the folder when nothing is left)."""
+    folder = os.path.join(run_dir, "stacks")
+    try:
+        for name in os.listdir(folder):
+            path = os.path.join(folder, name)
+            if os.path.getsize(path) == 0:
+                os.remove(path)
+        os.rmdir(folder)
+    except OSError:
+        pass
