@@ -8,8 +8,9 @@ propagation.png   x: seconds since the fault's onset; y: one row per process. Th
                   (the controller's "run failed", a star) and the last error line of the controller
                   (a square), the root cause `rlhf diagnose` names from the evidence alone (a green
                   diamond) and arrows along its propagation chain, root cause → … → surfaced error.
-target_metrics.png  the faulted process's CPU (own and its children's), RSS and the system CPU,
-                  with the fault onset and the surfaced error marked.
+target_metrics.png  the faulted process's CPU (own, its children's, its threads' run-queue wait), RSS
+                  and the system CPU, with the fault onset and the surfaced error marked; without
+                  a fault, rank 0's process. A run with no failure says so instead of an empty plot.
 """
 
 from __future__ import annotations
@@ -17,8 +18,11 @@ from __future__ import annotations
 import argparse
 import csv
 import glob
+import json
 import os
+import re
 import sys
+import textwrap
 from typing import Any
 
 from rlhf.analysis import DIAGNOSIS, _stamp, injections, measure_run, read_markers
@@ -34,6 +38,34 @@ def _plt() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _caption(text: str, width: int = 120) -> str:
+    """A legend entry a reader can read whole: URLs dropped, wrapped onto at most two lines."""
+    text = re.sub(r" ?\(https?://[^)]*\)", "", text).strip()
+    lines = textwrap.wrap(text, width)
+    if len(lines) > 2:
+        lines = [lines[0], textwrap.shorten(" ".join(lines[1:]), width, placeholder=" …")]
+    return "\n".join(lines)
+
+
+def _legend_below(fig: Any, ax: Any, lines: int) -> None:
+    """The legend under the x-axis label, never over it (the figure grows to hold it when saved)."""
+    fig.tight_layout()
+    axes_h = ax.get_position().height * fig.get_size_inches()[1]  # inches
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.55 / axes_h), fontsize=8, frameon=False, ncol=1)
+
+
+def _outcome(run_dir: str) -> str:
+    """'the run finished its 4 steps; eval accuracy 0.227 → 0.488' (summary.json), or ''."""
+    try:
+        with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as fh:
+            summary = json.load(fh)
+    except (OSError, ValueError):
+        return ""
+    before, after = summary.get("eval_accuracy_before"), summary.get("eval_accuracy_after")
+    acc = f"; eval accuracy {before:.3f} → {after:.3f}" if isinstance(before, float) and isinstance(after, float) else ""
+    return f"the run finished its {summary.get('steps', '?')} steps{acc}"
 
 
 def _events(run_dir: str) -> tuple[float | None, list[dict], dict[str, list[float]], tuple[float, str] | None,
@@ -80,17 +112,17 @@ def propagation_figure(run_dir: str, out: str) -> str:
         ax.scatter([t - t0 for t in ts], [y[proc]] * len(ts), marker="x", s=60, color="black", zorder=3)
     if surfaced is not None:
         ax.scatter(surfaced[0] - t0, y[ctrl], marker="*", s=320, color="darkorange", zorder=4,
-                   label=f"surfaced: {surfaced[1][:90]}")
+                   label=_caption(f"surfaced: {surfaced[1]}"))
     if last is not None and (surfaced is None or last[0] != surfaced[0]):
         ax.scatter(last[0] - t0, y[ctrl], marker="s", s=90, facecolors="none", edgecolors="purple", zorder=4,
-                   label=f"last error line: {last[1][:90]}")
+                   label=_caption(f"last error line: {last[1]}"))
     arrow = dict(arrowstyle="->", color="gray", lw=1.2)
     # the arrows follow the diagnosis (the evidence alone), hop by hop, from its root cause to where the run
     # surfaced it; the fault markers (triangles) are drawn beside it as the answer key, never as its start
     if diag.root is not None:
         r = diag.root
         ax.scatter(r.time - t0, y[r.process], marker="D", s=150, facecolors="none", edgecolors="green", lw=2, zorder=5,
-                   label=f"root cause (rlhf diagnose): {r.process}, {r.stage}, {r.category}")
+                   label=_caption(f"root cause (rlhf diagnose): {r.process}, {r.stage}, {r.category}: {r.summary}"))
         hops = [(r.time, r.process)] + [(e.time, e.reporter) for e in diag.chain[1:] if e.reporter in y]
         for (ta, pa), (tb, pb) in zip(hops, hops[1:]):
             if (ta, pa) != (tb, pb):
@@ -100,14 +132,26 @@ def propagation_figure(run_dir: str, out: str) -> str:
     ax.set_ylim(-0.7, len(procs) - 0.3)
     ax.set_xlabel("seconds since the fault's onset" if onset is not None else "seconds")
     ax.grid(axis="x", alpha=0.3)
-    row = measure_run(run_dir)
-    ax.set_title(f"{os.path.basename(os.path.normpath(run_dir))}: fault in {row['fault_stage'] or '?'} "
-                 f"({row['target'] or '?'}), surfaced in {row['error_stage'] or '?'}", fontsize=11)
+    name = os.path.basename(os.path.normpath(run_dir))
+    if diag.root is None and not errors:  # nothing failed: say so instead of an empty plot
+        outcome = _outcome(run_dir) or "no error line in any log"
+        ax.text(0.5, 0.5, f"no failure: {outcome}" + (f"\n({len(injects)} fault injection(s), none surfaced as an "
+                                                     "error)" if injects else ""),
+                transform=ax.transAxes, ha="center", va="center", fontsize=12, color="darkgreen",
+                bbox=dict(boxstyle="round", facecolor="honeydew", edgecolor="darkgreen"))
+        ax.set_title(f"{name}: no failure", fontsize=11)
+        ax.set_xticks([])
+        ax.set_xlabel("")
+    else:
+        row = measure_run(run_dir)
+        ax.set_title(f"{name}: fault in {row['fault_stage'] or '?'} ({row['target'] or '?'}), surfaced in "
+                     f"{row['error_stage'] or '?'}" if injects else f"{name}: root cause and propagation", fontsize=11)
     if surfaced is not None or last is not None or diag.root is not None:
-        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.02 * len(procs)), fontsize=8, frameon=False)
-    fig.tight_layout()
+        _legend_below(fig, ax, 3)
+    else:
+        fig.tight_layout()
     path = os.path.join(out, "propagation.png")
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -118,11 +162,10 @@ def _order(proc: str) -> tuple[int, str]:
 
 
 def metrics_figure(run_dir: str, out: str) -> str | None:
+    """The faulted process's resources; without a fault, rank 0's process (controller, MetaServer, train-0)."""
     plt = _plt()
     onset, injects, _errors, surfaced, _last = _events(run_dir)
-    if not injects:
-        return None
-    target = f"{injects[0]['role']}-{injects[0]['rank']}"
+    target = f"{injects[0]['role']}-{injects[0]['rank']}" if injects else "train-0"
     name = "train-0" if target == "controller-0" else target
     path = os.path.join(run_dir, "metrics", f"{name}.csv")
     if not os.path.exists(path):
@@ -131,16 +174,21 @@ def metrics_figure(run_dir: str, out: str) -> str | None:
         rows = list(csv.DictReader(fh))
     if not rows:
         return None
+
+    def col(key: str) -> list[float]:
+        return [float(r.get(key) or 0) for r in rows]
+
     t0 = onset if onset is not None else float(rows[0]["time"])
     t = [float(r["time"]) - t0 for r in rows]
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(10, 5.5), sharex=True)
-    a1.plot(t, [float(r["cpu_percent"] or 0) for r in rows], label=f"{name} CPU %")
-    if "children_cpu_percent" in rows[0]:
-        a1.plot(t, [float(r["children_cpu_percent"] or 0) for r in rows], label="its children's CPU % (fault helpers)")
-        a1.plot(t, [float(r["system_cpu_percent"] or 0) * (os.cpu_count() or 1) for r in rows], alpha=0.5,
-                label="whole machine CPU % (x cores)")
+    a1.plot(t, col("cpu_percent"), label=f"{name} CPU %")
+    a1.plot(t, col("children_cpu_percent"), label="its children's CPU % (helpers it started, fault burners)")
+    a1.plot(t, [v * (os.cpu_count() or 1) for v in col("system_cpu_percent")], alpha=0.5,
+            label="whole machine CPU % (x cores)")
+    if "cpu_wait_percent" in rows[0]:
+        a1.plot(t, col("cpu_wait_percent"), ls=":", color="black", label="its threads' run-queue wait, % of time")
     a2.plot(t, [int(r["rss_bytes"]) / 2**20 for r in rows], color="teal", label=f"{name} RSS (MiB)")
-    device = _device_usage(run_dir, injects[0]["fault"])
+    device = _device_usage(run_dir, injects[0]["fault"]) if injects else []
     if device:  # the emulated device budget, from the fault's own verify markers
         a3 = a2.twinx()
         a3.plot([d[0] - t0 for d in device], [d[1] for d in device], "o-", color="slateblue",
@@ -148,18 +196,20 @@ def metrics_figure(run_dir: str, out: str) -> str | None:
         a3.set_ylabel("device MiB (emulated)", color="slateblue")
         a3.legend(fontsize=8, loc="lower right")
     for ax in (a1, a2):
-        ax.axvline(0.0, color="crimson", ls="--", label="fault onset")
+        if onset is not None:
+            ax.axvline(0.0, color="crimson", ls="--", label="fault onset")
         if surfaced is not None:
             ax.axvline(surfaced[0] - t0, color="darkorange", ls="-.", label="surfaced error")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="upper left")
     a1.set_ylabel("CPU %")
     a2.set_ylabel("MiB")
-    a2.set_xlabel("seconds since the fault's onset")
-    a1.set_title(f"{name}: the faulted process ({injects[0]['fault']}, {injects[0]['kind']})", fontsize=11)
+    a2.set_xlabel("seconds since the fault's onset" if onset is not None else "seconds since the first sample")
+    a1.set_title(f"{name}: the faulted process ({injects[0]['fault']}, {injects[0]['kind']})" if injects else
+                 f"{name}: rank 0's process (controller, MetaServer, train-0); no fault injected", fontsize=11)
     fig.tight_layout()
     out_path = os.path.join(out, "target_metrics.png")
-    fig.savefig(out_path, dpi=110)
+    fig.savefig(out_path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return out_path
 

@@ -47,3 +47,4 @@ class StageClock:
             self.current = ""
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+            tracing.flush_soon()  # a stage boundary: what ended is exported now, not at the next export period

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from rlhf.diagnosis import diagnose
+from rlhf.diagnosis import _spans, diagnose
 from tests.conftest import ROOT
 from tests.test_runtime import assert_none_left, free_port
 
@@ -52,6 +52,9 @@ def test_a_sigkilled_process_is_named_with_its_signal_as_the_root_cause(who, tmp
     assert f"root cause: {name}" in out.stderr  # torchrun's closing block quotes it
     d = diagnose(str(run_dir))
     assert (d.root.process, d.root.category) == (name, "process_death"), d.render()
+    if who == "rank 1":  # spans go out at every request's end: the killed rank's step-2 requests are in the trace
+        spans = [s for s in _spans(str(run_dir)) if s.service == "train-1"]
+        assert any(s.attributes.get("rlhf.step") == 2 and s.name == "POST /compute_logprobs" for s in spans)
 
 
 @pytest.mark.slow

@@ -99,7 +99,16 @@ def test_two_ranks_two_servers_finish_with_verified_weights_and_role_logs(tmp_pa
         for line in text.splitlines():
             assert re.match(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3} " + re.escape(tag) + " ", line), (name, line)
     assert (run_dir / "checkpoints" / "latest_odd" / "meta.json").exists()
+    assert not (run_dir / "stacks").exists()  # no watchdog asked for stacks: the empty files are tidied away
     assert_none_left(run_dir)
+    from matplotlib import image
+
+    from rlhf.report import report_main
+
+    assert report_main([str(run_dir)]) == 0  # a clean run: a "no failure" panel and rank 0's resources, not blanks
+    for name in ("propagation.png", "target_metrics.png"):
+        img = image.imread(run_dir / "report" / name)
+        assert img.shape[0] > 100 and img.shape[1] > 800 and img.std() > 0.05, name
 
 
 @pytest.mark.parametrize("extra", [["--weights.mode", "disk"], ["--colocate"]])

@@ -244,3 +244,32 @@ def test_metrics_sampler_writes_rows_with_the_heartbeat(tmp_path):
     assert all(int(r["rss_bytes"]) > 10_000_000 and int(r["threads"]) >= 2 for r in rows)
     assert rows[-1]["activity"] == "rollout" and rows[-1]["activity_step"] == "5"
     assert rows[-1]["gpu_util_percent"] == ""  # no GPU here: skipped, not failed
+
+
+KILLED_AFTER_A_STAGE = """
+import os, signal, sys, time
+from rlhf import tracing
+from rlhf.config import TracingConfig
+from rlhf.stages import StageClock
+tracing.setup_tracing(sys.argv[1], "controller", 0, TracingConfig(export_delay_ms=60000))
+clock = StageClock(step=3)
+with clock.stage("rollout"):
+    pass
+path = os.path.join(sys.argv[1], "traces", "controller-0.jsonl")
+deadline = time.monotonic() + 5
+while time.monotonic() < deadline and not (os.path.exists(path) and os.path.getsize(path)):
+    time.sleep(0.01)  # the process under test waits for its own exporter, then dies without any cleanup
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_stage_span_is_exported_at_its_boundary_so_a_sigkill_cannot_lose_it(tmp_path):
+    """The export period is 60 s here: only the flush at the stage boundary can have written the span."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", KILLED_AFTER_A_STAGE, str(tmp_path)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == -9, out.stderr
+    spans = load_spans(str(tmp_path)).spans
+    assert [(s.name, s.attributes.get("rlhf.step")) for s in spans] == [("rollout", 3)]

@@ -84,6 +84,7 @@ class Service:
                     return response
             finally:
                 tracing.otel_context.detach(token)
+                tracing.flush_soon()  # the request's span is exported now: a SIGKILL later cannot lose it
                 running = self.running  # an inline request (health) ends while a handler still runs: that shows
                 if running is not None and running[0] != name:
                     ACTIVITY.name, ACTIVITY.step, ACTIVITY.since = running

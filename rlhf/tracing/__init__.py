@@ -135,6 +135,39 @@ def flush() -> None:
         provider.force_flush(5000)
 
 
+class _Flusher(threading.Thread):
+    """Exports this process's ended spans on its own thread as soon as asked (bursts coalesce into one flush),
+    so a SIGKILL loses at most the spans of the stage or request that was running, not an export period."""
+
+    def __init__(self) -> None:
+        super().__init__(name="span-flush", daemon=True)
+        self.wanted = threading.Event()
+
+    def run(self) -> None:
+        while True:
+            self.wanted.wait()
+            self.wanted.clear()
+            try:
+                flush()
+            except Exception as exc:  # noqa: BLE001 — a failed export is the exporter's to report; keep going
+                log.debug("span flush: %s: %s", type(exc).__name__, exc)
+
+
+_FLUSHER: list[_Flusher] = []
+
+
+def flush_soon() -> None:
+    """Export the spans ended so far, in the background (at every stage boundary and after every request)."""
+    if not _state.providers:
+        return
+    if not _FLUSHER:
+        with _state.lock:
+            if not _FLUSHER:
+                _FLUSHER.append(_Flusher())
+                _FLUSHER[0].start()
+    _FLUSHER[0].wanted.set()
+
+
 # ---------------------------------------------------------------------------- API helpers
 
 
