@@ -27,6 +27,7 @@ import json
 import os
 import random
 import re
+import shutil
 import socket
 import statistics
 import subprocess
@@ -172,6 +173,7 @@ def score(run_dir: str, faults: list[dict], label: str) -> dict:
 
 
 def run(run_dir: str, fault_file: str, resilience: str, restart: bool = False) -> list[int]:
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: a kept one would resume, and mix old logs in
     codes = []
     for _ in range(2 if restart else 1):
         if codes and codes[-1] == 0:

@@ -19,6 +19,7 @@ faults at points only RL has (weights_update.*, rollout.*, scheduler.stop_job) a
 import argparse
 import csv
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -62,6 +63,7 @@ def run_one(n: str, mode: str, resilience: str, out_dir: str) -> dict:
            "--master_port=PORT", os.path.join(ROOT, "examples", script), "--run-dir", run_dir,
            "--faults", os.path.join(ROOT, "examples", "faults", f"scenario{n}.yaml"), "--resilience", resilience]
     print(f"[scenarios] scenario {n} {mode} {resilience} → {run_dir}", file=sys.stderr, flush=True)
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: a kept one would resume, and mix old logs in
     t0 = time.perf_counter()
     codes = []
     for _ in range(2 if n in RESTART and mode == "rl" and resilience == "faithful" else 1):

@@ -123,3 +123,45 @@ def test_data_cut_in_transit_is_silent_without_checksums_and_caught_with_them(se
                 loop.run(client.call("/compute_logprobs", {}, t))
     finally:
         faults.disarm()
+
+
+def test_only_idempotent_requests_are_retried_after_a_transient_failure(served, caplog):
+    """A 503 the first time: /compute_logprobs (idempotent) is sent again and succeeds, with a WARNING and a span
+    event; /train_step (an optimizer step) never is; without the policy's retry_idempotent neither is."""
+    from aiohttp import web
+
+    _, loop = served
+    svc = Service("train", 3, token="secret")
+    hits = {"/compute_logprobs": 0, "/train_step": 0}
+
+    def flaky(path):
+        async def handler(request):
+            hits[path] += 1
+            if hits[path] == 1:
+                return web.Response(status=503, text="busy")
+            return web.json_response({"ok": True, "attempt": hits[path]})
+        return handler
+
+    for path in hits:
+        svc.raw_route("POST", path, flaky(path))
+    svc_thread = ServiceThread(svc)
+    svc_thread.start()
+    try:
+        _retries(svc_thread, loop, hits, caplog)
+    finally:
+        svc_thread.stop()
+
+
+def _retries(svc_thread, loop, hits, caplog):
+    client = Client(svc_thread.url, "secret", timeout_s=5, retries=True)
+    with caplog.at_level("WARNING", logger="rlhf.client"):
+        args, _ = loop.run(client.call("/compute_logprobs", {}))
+    assert args == {"ok": True, "attempt": 2}
+    assert any("retrying POST /compute_logprobs" in r.message and "attempt 2 of 3" in r.message for r in caplog.records)
+    with pytest.raises(HTTPStatusError) as err:
+        loop.run(client.call("/train_step", {}))
+    assert err.value.status == 503 and hits["/train_step"] == 1  # not repeated
+    hits["/compute_logprobs"] = 0
+    with pytest.raises(HTTPStatusError):
+        loop.run(Client(svc_thread.url, "secret", timeout_s=5).call("/compute_logprobs", {}))
+    assert hits["/compute_logprobs"] == 1

@@ -212,7 +212,6 @@ def test_sync_stall_per_rank_clocks_stall_and_the_watchdog_names_the_stuck_rank(
     assert m, stall
     assert 5.0 <= float(m.group(1)) < 9.0  # named within seconds of the watchdog's threshold
     assert int(m.group(2)) == int(m.group(3)) + 1  # rank 0 started one more step than rank 1 finished
-    assert int(m.group(2)) == int(m.group(3)) + 1  # rank 0 started one more step than rank 1 finished
     assert_diagnosed(run_dir, "train-1", "train", "hang")  # the rank missing from the collective, not the waiter
 
 
@@ -323,19 +322,20 @@ def test_scenario8_truncated_reference_reply_fails_train_in_the_kl_term(tmp_path
     assert shape and "/train_step" in shape[0]
     row = measure_run(str(run_dir), out.returncode)
     assert (row["fault_stage"], row["target"], row["error_stage"]) == ("reference", "train-1", "train")
-    assert (row["fault_stage"], row["target"], row["error_stage"]) == ("reference", "train-1", "train")
     assert_diagnosed(run_dir, "train-1", "reference", "data_mismatch")  # sent and received shapes differ
 
 
-def test_scenario8_hardened_checksums_reject_the_reply_where_it_arrives(tmp_path):
+def test_scenario8_hardened_checksums_reject_the_reply_where_it_arrives_and_the_retry_survives(tmp_path):
     run_dir, out = run_scenario(tmp_path, 8, "--resilience", "hardened")
-    assert out.returncode != 0
-    errors = log_lines(run_dir, "controller-0", "ERROR")
-    first = next(line for line in errors if "run failed" in line)
-    assert "step 3, stage reference: CorruptPayload" in first and "train-1" in first and "checksum" in first
+    assert out.returncode == 0, out.stderr[-2000:]  # /compute_logprobs is idempotent: sent again, the run finishes
+    retry = [line for line in log_lines(run_dir, "controller-0", "WARNING") if "retrying POST /compute_logprobs" in line]
+    assert len(retry) == 1 and "to train-1" in retry[0] and "CorruptPayload" in retry[0] and "checksum" in retry[0]
+    assert "attempt 2 of 3" in retry[0]
     assert not any("must match the size" in line for line in log_lines(run_dir, "train-1"))  # train never ran on it
-    assert not any("must match the size" in line for line in log_lines(run_dir, "train-1"))  # train never ran on it
-    assert_diagnosed(run_dir, "train-1", "reference", "data_mismatch")
+    assert json.loads(out.stdout.strip().splitlines()[-1])["steps"] == 4
+    d = diagnose(str(run_dir))  # survived, and still on record: what was retried, where, and why
+    assert d.verdict == "finished with errors"
+    assert (d.root.process, d.root.stage, d.root.step, d.root.category) == ("train-1", "reference", 3, "data_mismatch")
 
 
 def test_scenario9_io_hang_in_a_periodic_save_breaks_the_restart_after_a_crash(tmp_path):

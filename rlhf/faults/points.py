@@ -53,6 +53,21 @@ ROUTES: dict[str, tuple[str, ...]] = {
     "scheduler": ("/jobs", "/jobs/{name}", "/lease", "/health"),
 }
 
+# Which requests may be repeated with the same effect (idempotent): the client retries only these (the policy's
+# retry_idempotent). Every GET (health, heartbeat, checksums, shard pulls, model info) and every DELETE (stop a
+# job, drop a weights version) is; of the POSTs, only these:
+#   /compute_logprobs   a pure function of the weights and the batch it carries
+# Never retried blindly: /train_step, /sft_step (an optimizer step each), /generate (new samples; migration is
+# its own behaviour), /upload_weights, /save, /load, /update_weights_* (they move state), /events (the policy's
+# acked_events delivers them, versioned, with its own attempts), /jobs (starts a process), /lease (its own loop).
+IDEMPOTENT_POSTS = frozenset({"/compute_logprobs"})
+
+
+def idempotent(method: str, path: str) -> bool:
+    """Whether repeating this request has the effect of sending it once."""
+    return method in ("GET", "HEAD", "DELETE") or path.split("?", 1)[0] in IDEMPOTENT_POSTS
+
+
 # What `target.peer` names at each point ({r}: any rank of the run); points not listed have no peer.
 POINT_PEERS: dict[str, tuple[str, ...]] = {
     "rpc.client.send": ("train-{r}", "rollout-{r}", "metaserver-0", "scheduler-0"),

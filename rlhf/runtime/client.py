@@ -8,26 +8,41 @@ without one), RpcTimeout, RpcConnectionError (reset, refused, cut mid-body) — 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
+import time
 from typing import Any, Awaitable
 
 import aiohttp
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from rlhf import tracing
 from rlhf.faults import afault_point
+from rlhf.faults.points import idempotent
 from rlhf.runtime import wire
 from rlhf.runtime.errors import ErrorInfo, HTTPStatusError, RemoteError, RpcConnectionError, RpcTimeout
 from rlhf.runtime.http import STAGE_HEADER, STEP_HEADER, TOKEN_HEADER
+
+log = logging.getLogger("rlhf.client")
+ATTEMPTS = 3  # of an idempotent request, all within its one timeout
+
+
+def transient(exc: BaseException) -> bool:
+    """A failure in transit, which the same request may not meet again (not the handler's own error)."""
+    if isinstance(exc, (RpcConnectionError, wire.CorruptPayload)):
+        return True
+    return isinstance(exc, HTTPStatusError) and exc.status in (502, 503, 504)
 
 
 class Client:
     """Calls one service. Timeouts are per call; errors come back typed (RemoteError) when they can."""
 
     def __init__(self, base_url: str, token: str, timeout_s: float = 60.0, peer: str = "",
-                 checksums: bool = False) -> None:
-        """checksums: send per-tensor digests with request tensors (the policy's stage_checksums)."""
+                 checksums: bool = False, retries: bool = False) -> None:
+        """checksums: send per-tensor digests with request tensors (the policy's stage_checksums); retries: send
+        an idempotent request again after a transient failure (the policy's retry_idempotent)."""
         self.base_url, self.token, self.timeout_s = base_url.rstrip("/"), token, timeout_s
-        self.checksums = checksums
+        self.checksums, self.retries = checksums, retries
         self.peer = peer or self.base_url.split("//", 1)[-1]
         self._session: aiohttp.ClientSession | None = None
 
@@ -61,10 +76,35 @@ class Client:
         if step < 0:
             step = tracing.current_step()
         if not traced:
-            return await self._call(path, args, tensors, timeout_s, stage, step, method, points, raw)
+            return await self._attempts(path, args, tensors, timeout_s, stage, step, method, points, raw)
         with tracing.span(f"{method} {path.split('?', 1)[0]}", stage=stage or None, step=step,
                           kind=tracing.SpanKind.CLIENT, peer=self.peer, **{"server.address": self.base_url}):
+            return await self._attempts(path, args, tensors, timeout_s, stage, step, method, points, raw)
+
+    async def _attempts(self, path: str, args: Any, tensors: dict | None, timeout_s: float | None, stage: str,
+                        step: int, method: str, points: tuple[str, ...], raw: bool) -> tuple[Any, dict]:
+        """One request, or up to ATTEMPTS of an idempotent one, all inside its one timeout (nested timeouts stay
+        nested: each attempt gets what is left)."""
+        if not (self.retries and idempotent(method, path)):
             return await self._call(path, args, tensors, timeout_s, stage, step, method, points, raw)
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+
+        def again(state: RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome else None
+            what = f"{type(exc).__name__}: {exc}"[:300]
+            log.warning("retrying %s %s to %s (attempt %d of %d; idempotent) after %s", method, path, self.peer,
+                        state.attempt_number + 1, ATTEMPTS, what)
+            tracing.trace.get_current_span().add_event("retry", {"rlhf.attempt": state.attempt_number + 1,
+                                                                 "rlhf.error": what})
+
+        async for attempt in AsyncRetrying(
+                stop=stop_after_attempt(ATTEMPTS), wait=wait_exponential_jitter(multiplier=0.05, max=1.0, jitter=0.05),
+                retry=retry_if_exception(lambda e: transient(e) and deadline - time.monotonic() > 0.05),
+                before_sleep=again, reraise=True):
+            with attempt:
+                return await self._call(path, args, tensors, max(0.05, deadline - time.monotonic()), stage, step,
+                                        method, points, raw)
+        raise AssertionError("unreachable: tenacity reraises the last failure")
 
     async def _call(self, path: str, args: Any, tensors: dict | None, timeout_s: float | None, stage: str, step: int,
                     method: str, points: tuple[str, ...] = (), raw: bool = False) -> tuple[Any, dict]:

@@ -32,7 +32,7 @@ from rlhf.tracing.setup import stop_process_telemetry
 
 log = logging.getLogger("rlhf.launch")
 
-CONTROLLER_LOGGERS = ("rlhf.controller", "rlhf.metaserver", "rlhf.launch", "rlhf.diagnosis")
+CONTROLLER_LOGGERS = ("rlhf.controller", "rlhf.metaserver", "rlhf.launch", "rlhf.diagnosis", "rlhf.client")
 
 
 def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:

@@ -39,6 +39,8 @@ class Policy:
     """Disk-mode weights go to their own folder (weights/latest); off: rollout servers load the newest parity checkpoint, written in place."""
     device_busy_fails_fast: bool = True
     """A colocated rollout server that finds the device taken answers DeviceBusy naming the holder at once; off: it retries its allocation every second until lease_timeout_s."""
+    retry_idempotent: bool = True
+    """An idempotent request (GETs, DELETEs, /compute_logprobs) that fails in transit (connection reset or refused, a corrupt reply, HTTP 502-504) is sent again, 3 attempts within its timeout, exponential back-off with jitter, each retry a WARNING and a span event; off: the first failure is the call's."""
     stall_stops_run: bool = True
     """When the stall watchdog (runtime.watchdog_stall_s) finds a rank keeping the others waiting, the call fails at once with SyncStall naming it; off: the stall and the live diagnosis are logged and the run waits for the call's timeout, as the seeds' system did."""
     verify_release: bool = True

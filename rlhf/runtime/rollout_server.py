@@ -116,7 +116,7 @@ class RolloutServer:
     async def update_weights_from_meta(self, args: dict, tensors: dict) -> dict:
         version = str(args["weight_version"])
         await afault_point("weights_update.update", peer="metaserver-0")
-        client = Client(args["metaserver_url"], self.token, peer="metaserver-0")
+        client = Client(args["metaserver_url"], self.token, peer="metaserver-0", retries=self.policy.retry_idempotent)
         try:
             weights = await pull_weights(client, version, float(args.get("wait_s", 60)), float(args.get("timeout_s", 600)))
         finally:

@@ -244,7 +244,8 @@ class TrainWorker:
         t0 = time.perf_counter()
 
         async def put() -> None:
-            client = Client(args["metaserver_url"], self.token, peer="metaserver-0")
+            client = Client(args["metaserver_url"], self.token, peer="metaserver-0",
+                            retries=self.cfg.resilience.retry_idempotent)
             try:
                 await afault_point("weights_update.upload", peer="metaserver-0")
                 await push_shard(client, version, shard, body, float(args.get("timeout_s", 600)), path=path)

@@ -50,7 +50,7 @@ class RunLifecycle:
         self.cfg, self.run_dir, self.token, self.policy = cfg, run_dir, token, cfg.resilience
         self.loop = LoopThread(self.loop_name)
         self.workers = WorkerGroup(worker_urls, token, self.loop, cfg.runtime.rpc_timeout_s,
-                                   checksums=self.policy.stage_checksums)
+                                   checksums=self.policy.stage_checksums, retries=self.policy.retry_idempotent)
         self.workers.watchdog = StallWatchdog(self.workers.clients, cfg.runtime.watchdog_stall_s,
                                               self.policy.stall_stops_run, run_dir, on_report=self._stall_reported)
         self.stalled = False  # the watchdog found a rank keeping the others waiting: cleanup does not wait for it

@@ -58,7 +58,8 @@ class RolloutServices:
                                   colocate_with=f"train-{r}" if cfg.runtime.colocate else "")
             ready_files.append(ready)
         urls = [wait_for_file(f, cfg.runtime.startup_timeout_s) for f in ready_files]
-        self.rollout = [Client(u, self.token, cfg.runtime.rollout_timeout_s, peer=f"rollout-{r}")
+        self.rollout = [Client(u, self.token, cfg.runtime.rollout_timeout_s, peer=f"rollout-{r}",
+                               retries=cfg.resilience.retry_idempotent)
                         for r, u in enumerate(urls)]
         log.info("services up: metaserver %s, scheduler %s, %d rollout servers, %d train ranks",
                  self.metaserver_url, self.scheduler.url, len(urls), self.train_ranks)

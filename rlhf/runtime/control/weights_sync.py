@@ -57,7 +57,7 @@ class WeightSync:
 
     async def _update_meta(self, version: str, step: int) -> dict[str, float]:
         cfg, url = self.cfg, self.services.metaserver_url
-        meta = Client(url, self.token, peer="metaserver-0")
+        meta = Client(url, self.token, peer="metaserver-0", retries=self.cfg.resilience.retry_idempotent)
         try:
             await meta.call("/versions", {"version": version, "shards": len(self.workers)}, stage="weights_update",
                             step=step)

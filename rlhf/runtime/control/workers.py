@@ -12,9 +12,12 @@ from rlhf.runtime.control.watchdog import StallWatchdog
 class WorkerGroup:
     """RPC clients for every train rank; `call` runs a method on all of them concurrently."""
 
-    def __init__(self, urls: list[str], token: str, loop: LoopThread, timeout_s: float, checksums: bool = False) -> None:
-        """checksums: send per-tensor digests with the batches (the policy's stage_checksums)."""
-        self.clients = [Client(u, token, timeout_s, peer=f"train-{r}", checksums=checksums) for r, u in enumerate(urls)]
+    def __init__(self, urls: list[str], token: str, loop: LoopThread, timeout_s: float, checksums: bool = False,
+                 retries: bool = False) -> None:
+        """checksums: send per-tensor digests with the batches (the policy's stage_checksums); retries: the
+        policy's retry_idempotent (only /compute_logprobs and GETs are repeated)."""
+        self.clients = [Client(u, token, timeout_s, peer=f"train-{r}", checksums=checksums, retries=retries)
+                        for r, u in enumerate(urls)]
         self.loop = loop
         self.watchdog: StallWatchdog | None = None  # set by the controller: reads heartbeats while a call runs
 
