@@ -2,7 +2,7 @@
 """Runtime costs: where a GRPO step's time goes, and what a weights update costs.
 
 Part `stages` runs the real system (torchrun, 2 train ranks, 2 rollout servers) for --steps
-steps per weights mode and prints the median seconds of every stage of a step (DESIGN.md §2)
+steps per weights mode and prints the median seconds of every stage of a step
 with its share of the step, read from the run's steps.csv. `--from-run DIR` reads an existing
 run directory instead of starting one.
 

@@ -31,6 +31,9 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
                         help="also evaluate every N GRPO steps (default: 0, only before and after)")
     parser.add_argument("--colocate", action="store_true", default=None,
                         help="train rank r and rollout server r share device r (= --runtime.colocate)")
+    parser.add_argument("--preflight", action="store_true", default=None,
+                        help="time every train rank's matmul and all_gather before step 1 and name a straggler "
+                             "(= --preflight.enabled; --preflight.exclude refuses to start with one)")
     parser.add_argument("--resilience", choices=list(PRESET_NAMES),
                         help="resilience preset (= --resilience.preset); switch one behaviour with "
                              "--resilience.<behaviour> true|false (listed below)")
@@ -62,7 +65,7 @@ def parse_config(argv: list[str] | None, parser: argparse.ArgumentParser) -> tup
         cfg = build_config(
             preset=args.preset,
             config_file=args.config,
-            dotted=[("runtime.colocate", "true")] * bool(args.colocate)
+            dotted=[("runtime.colocate", "true")] * bool(args.colocate) + [("preflight.enabled", "true")] * bool(args.preflight)
             + [("resilience.preset", args.resilience)] * bool(args.resilience) + dotted,
             scenario=scenario,
             top_level={"seed": args.seed, "steps": args.steps, "run_dir": args.run_dir, "eval_every": args.eval_every},

@@ -313,6 +313,25 @@ class CheckpointConfig:
 
 
 @dataclass
+class PreflightConfig:
+    enabled: bool = False
+    """Before step 1 every train rank, pinned to its own CPU (or on its GPU), times a square matmul and an all_gather (DLRover's pre-flight check); a rank `threshold` times slower than the median of the others is named a straggler (log, summary.json)."""
+    exclude: bool = False
+    """A straggler stops the run before step 1 (PreflightStraggler naming it), like DLRover's --exclude-straggler."""
+    threshold: float = 2.0
+    """A rank whose matmul takes this many times the median of the other ranks' is a straggler."""
+    matmul_size: int = 256
+    """Side of the square fp32 matmul each rank times on its device."""
+    duration_s: float = 2.0
+    """Each rank times matmuls for this long (at least 10); the median counts, so a slowdown for most of it shows."""
+
+    def __post_init__(self) -> None:
+        _positive("preflight.threshold", self.threshold)
+        _positive("preflight.matmul_size", self.matmul_size)
+        _positive("preflight.duration_s", self.duration_s)
+
+
+@dataclass
 class TracingConfig:
     enabled: bool = True
     """OpenTelemetry spans in every process (off: the API's no-op tracer, nothing written)."""
@@ -321,7 +340,7 @@ class TracingConfig:
     otlp_endpoint: str = ""
     """Also send spans with OTLP over HTTP to this base URL (Jaeger: http://127.0.0.1:4318); empty = $OTEL_EXPORTER_OTLP_ENDPOINT if set."""
     export_delay_ms: int = 500
-    """Batch span processor delay between exports, milliseconds (spans of a SIGKILLed process newer than this are lost)."""
+    """Batch span processor delay between exports, milliseconds; spans also go out at every stage boundary and request end."""
     metrics_interval_s: float = 1.0
     """Resource sampler period (CPU, RSS, threads, fds, IO, GPU) into <run-dir>/metrics/<role>-<rank>.csv; 0 disables."""
 
@@ -353,10 +372,11 @@ class Config:
     weights: WeightsConfig = field(default_factory=WeightsConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    preflight: PreflightConfig = field(default_factory=PreflightConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
     resilience: Policy = field(default_factory=Policy)
     faults: list = field(default_factory=list)
-    """Armed faults (DESIGN.md §4), normally from --faults FILE; every process arms those that target it."""
+    """Armed faults (README: Faults), normally from --faults FILE; every process arms those that target it."""
 
     def __post_init__(self) -> None:
         _positive("steps", self.steps, allow_zero=True)

@@ -1,4 +1,4 @@
-"""The run directory (DESIGN.md §7): layout, logging, steps.csv, summary.json."""
+"""The run directory (README: the run directory): layout, logging, steps.csv, summary.json."""
 
 from __future__ import annotations
 

@@ -83,10 +83,13 @@ def steps(run_dir):
 
 def test_two_ranks_two_servers_finish_with_verified_weights_and_role_logs(tmp_path):
     run_dir = tmp_path / "run"
-    out = subprocess.run(torchrun(run_dir, "--steps", "3"), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = subprocess.run(torchrun(run_dir, "--steps", "3", "--preflight"), capture_output=True, text=True, timeout=300,
+                         cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["world_size"] == 2 and summary["rollout_servers"] == 2 and summary["steps"] == 3
+    assert set(summary["preflight"]["matmul_ms"]) == {"train-0", "train-1"}  # both ranks timed, and neither
+    assert summary["preflight"]["stragglers"] == []  # straggles: the check names no rank on a fault-free run
     rows = steps(run_dir)
     assert [r["step"] for r in rows] == ["1", "2", "3"]
     assert all(r["weights_verified"] == "1" for r in rows)  # version + checksum of both servers == trainer's

@@ -1,4 +1,4 @@
-"""Fault points and their lifecycle: arm → trigger → verify → record → restore (DESIGN.md §4).
+"""Fault points and their lifecycle: arm → trigger → verify → record → restore (README: Faults).
 
 Call sites are one line:
 

@@ -26,6 +26,7 @@ POINTS: dict[str, str] = {
     "scheduler.stop_job": "controller, before it asks the scheduler to stop a job (peer: scheduler)",
     "data.split": "controller, before DistributedBatchMemory splits the batch across ranks",
     "step.begin": "controller, at the start of every step (for faults that should start at a step)",
+    "preflight.check": "train rank, in the pre-flight check (--preflight), pinned to its own CPU, before it times its matmul",
 }
 
 # Which roles pass each point: a fault whose target.role never passes its point can never fire.
@@ -38,13 +39,14 @@ POINT_ROLES: dict[str, tuple[str, ...]] = {
     "metaserver.get": ("metaserver",), "events.notify": _CONTROLLER, "events.handle": ("train", "rollout"),
     "checkpoint.write": _TRAIN, "checkpoint.fsync": _TRAIN, "checkpoint.load": _TRAIN,
     "scheduler.stop_job": _CONTROLLER, "data.split": _CONTROLLER, "step.begin": _CONTROLLER,
+    "preflight.check": _TRAIN,
 }
 
 # The routes each service serves (rpc.server.handle's peer is the path); tests check them against the services.
 ROUTES: dict[str, tuple[str, ...]] = {
     "train": ("/sft_warm_start", "/begin_grpo", "/compute_logprobs", "/train_step", "/upload_weights",
               "/save_weights_dir", "/save", "/load", "/events", "/sft_begin", "/sft_step", "/sft_eval", "/sft_run_for",
-              "/health", "/weights_checksum", "/heartbeat", "/shutdown"),
+              "/health", "/weights_checksum", "/heartbeat", "/shutdown", "/preflight"),
     "rollout": ("/generate", "/update_weights_from_disk", "/update_weights_from_meta", "/release_memory_occupation",
                 "/resume_memory_occupation", "/events", "/abort_request", "/health", "/health_generate", "/model_info",
                 "/weights_checksum"),

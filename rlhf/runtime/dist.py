@@ -95,6 +95,16 @@ class GlooDataParallel:
         self._leave()
         return out.to(tensor.device)
 
+    def all_gather_values(self, values: list[float]) -> list[list[float]]:
+        """Every rank's `values` (the same length on every rank), in rank order."""
+        mine = torch.tensor(values, dtype=torch.float64, device=self.device)
+        out = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        self._enter("all_gather")
+        with tracing.span("collective.all_gather", numel=mine.numel()):
+            dist.all_gather(out, mine)
+        self._leave()
+        return [t.tolist() for t in out]
+
     def all_reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """Sum gradients over ranks in one flat buffer (the loss is already globally normalised)."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]

@@ -75,3 +75,7 @@ class RpcConnectionError(ConnectionError):
 
 class SyncStall(RuntimeError):
     """Ranks are in different places and one waits in a collective (or a call) the others will never finish."""
+
+
+class PreflightStraggler(RuntimeError):
+    """The pre-flight check found a rank much slower than the others and preflight.exclude refuses to start."""

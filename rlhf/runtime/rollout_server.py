@@ -1,4 +1,4 @@
-"""Rollout server: the native engine behind the sglang-compatible HTTP API (DESIGN.md §3).
+"""Rollout server: the native engine behind the sglang-compatible HTTP API.
 
     python -m rlhf.runtime.rollout_server --run-dir D --rank R --config D/config.yaml --ready-file F
     (token in the RLHF_TOKEN environment variable, never on the command line)

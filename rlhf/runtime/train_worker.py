@@ -73,7 +73,7 @@ class TrainWorker:
         self.service = Service("train", rank, token, cfg.resilience)
         for name in ("sft_warm_start", "begin_grpo", "compute_logprobs", "train_step", "upload_weights",
                      "save_weights_dir", "save", "load", "events", "sft_begin", "sft_step", "sft_eval",
-                     "sft_run_for"):
+                     "sft_run_for", "preflight"):
             self.service.route(f"/{name}", getattr(self, name))
         self.service.route("/health", lambda a, t: {"ok": True, "rank": self.rank, "pid": os.getpid()},
                            method="GET", inline=True)
@@ -190,6 +190,43 @@ class TrainWorker:
         total = self.dp.all_reduce_sum(torch.tensor([float(step)], dtype=torch.float64))  # a step count, like the loop's
         self.loop_phase = "done"
         return {"rank": self.rank, "steps": step, "steps_all_ranks": float(total[0])}
+
+    def preflight(self, args: dict, tensors: dict) -> dict:
+        """DLRover's pre-flight check: time a square fp32 matmul on this rank's device (on the CPU pinned to one
+        core of its own, as a rank has its own hardware on a real cluster), then an all_gather of every rank's
+        time. The controller names a rank much slower than the others."""
+        n, duration_s = int(args["size"]), float(args["duration_s"])
+        device = torch.device(self.device) if str(self.device).startswith("cuda") else torch.device("cpu")
+        pinned = previous = None
+        if device.type == "cpu" and hasattr(os, "sched_setaffinity"):
+            previous = sorted(os.sched_getaffinity(0))
+            pinned = previous[int(os.environ.get("LOCAL_RANK", self.rank)) % len(previous)]
+            os.sched_setaffinity(0, {pinned})  # this thread only: the matmul runs on it (one intra-op thread or more)
+        try:
+            fault_point("preflight.check")  # after pinning: a cpu_contention here burns this rank's core
+            a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+            start = time.perf_counter()
+            (a @ b).sum().item()  # warm-up; .item() waits for the device
+            # batches of >= 50 ms, each spanning many scheduler time slices: a rank that gets only a share of its
+            # CPU shows it (one short matmul mostly runs inside a single slice at full speed)
+            batch = max(1, int(0.05 / max(time.perf_counter() - start, 1e-6)))
+            times: list[float] = []
+            end = time.perf_counter() + duration_s
+            while len(times) < 5 or time.perf_counter() < end:
+                start = time.perf_counter()
+                for _ in range(batch):
+                    c = a @ b
+                c.sum().item()
+                times.append((time.perf_counter() - start) / batch)
+            matmul_s = sorted(times)[len(times) // 2]
+            start = time.perf_counter()
+            gathered = self.dp.all_gather_values([matmul_s])
+            gather_s = time.perf_counter() - start
+        finally:
+            if previous is not None:
+                os.sched_setaffinity(0, previous)
+        return {"rank": self.rank, "matmul_s": matmul_s, "all_gather_s": gather_s, "cpu": pinned,
+                "matmul_s_all_ranks": gathered}
 
     def heartbeat(self, args: dict, tensors: dict) -> dict:
         """What this rank is doing now: its SFT loop phase or the request it runs, at which step, the collective

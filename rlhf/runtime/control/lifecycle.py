@@ -32,7 +32,7 @@ from rlhf.runtime import checkpoint as ckpt
 from rlhf.runtime.client import Client, LoopThread
 from rlhf.runtime.control.watchdog import StallWatchdog
 from rlhf.runtime.control.workers import WorkerGroup
-from rlhf.runtime.errors import SyncStall
+from rlhf.runtime.errors import PreflightStraggler, SyncStall
 from rlhf.stages import StageClock
 
 log = logging.getLogger("rlhf.controller")
@@ -118,6 +118,7 @@ class RunLifecycle:
         try:
             with tracing.span("startup", new_trace=True, world_size=len(self.workers)):
                 self.startup()
+                preflight = self.preflight()
             now = self.evaluate()
             log.info("eval accuracy %s: %.3f%s", "at resume" if self.resumed else f"before {self.label}", now,
                      self.eval_note())
@@ -134,6 +135,7 @@ class RunLifecycle:
                        "step_time_median_s": statistics.median(times) if times else 0.0, "seed": self.cfg.seed,
                        "world_size": len(self.workers), "resilience": self.policy.describe(),
                        **self.summary_extras(rows), **({"faults_never_fired": unfired} if self.cfg.faults else {}),
+                       **({"preflight": preflight} if preflight else {}),
                        "run_dir": self.run_dir}
             write_json(os.path.join(self.run_dir, "summary.json"), summary)
             return summary
@@ -167,6 +169,30 @@ class RunLifecycle:
                 log.error("first failure of this run: %s", self.first_failure)
             if self.first_failure and not self.interrupted:
                 self.report_root_cause()
+
+    def preflight(self) -> dict[str, Any] | None:
+        """preflight.enabled: every rank times a matmul and an all_gather; a much slower rank is named, and with
+        preflight.exclude the run does not start."""
+        pf = self.cfg.preflight
+        if not pf.enabled:
+            return None
+        replies = [r for r, _ in self.workers.call("preflight", {"size": pf.matmul_size, "duration_s": pf.duration_s},
+                                                   stage="startup")]
+        times = {r["rank"]: r["matmul_s"] for r in replies}
+        slow = stragglers(times, pf.threshold)
+        log.info("preflight: %dx%d matmul %s; all_gather %s", pf.matmul_size, pf.matmul_size,
+                 ", ".join(f"train-{r} {t * 1e3:.2f} ms" for r, t in sorted(times.items())),
+                 ", ".join(f"train-{r['rank']} {r['all_gather_s'] * 1e3:.1f} ms" for r in replies))
+        named = []
+        for rank, ratio, others in slow:
+            named.append(f"train-{rank} is a straggler: its matmul took {times[rank] * 1e3:.2f} ms, {ratio:.1f}x the "
+                         f"median of the other ranks ({others * 1e3:.2f} ms; threshold {pf.threshold:g}x)")
+            log.warning("preflight: %s", named[-1])
+        if named and pf.exclude:
+            raise PreflightStraggler("; ".join(named) + " — preflight.exclude: the run does not start")
+        return {"matmul_ms": {f"train-{r}": round(t * 1e3, 3) for r, t in sorted(times.items())},
+                "all_gather_ms": {f"train-{r['rank']}": round(r["all_gather_s"] * 1e3, 3) for r in replies},
+                "stragglers": [f"train-{rank}" for rank, _, _ in slow]}
 
     def _defer_sigterm(self) -> None:
         """torchrun's SIGTERM during cleanup must not cut it short (processes, files and the diagnosis depend on it)."""
@@ -297,6 +323,20 @@ class RunLifecycle:
             self.loop.gather(*[c.close() for c in self.clients()], return_exceptions=True)
             self.loop.close()
             stacks.tidy(self.run_dir)  # the stacks files no watchdog asked for
+
+
+def stragglers(times: dict[int, float], threshold: float) -> list[tuple[int, float, float]]:
+    """(rank, its time / the median of the others', that median) of every rank at least `threshold` times slower
+    than the median of the other ranks (leave-one-out, so two ranks compare with each other)."""
+    out = []
+    for rank, t in sorted(times.items()):
+        others = sorted(v for r, v in times.items() if r != rank)
+        if not others:
+            continue
+        median = statistics.median(others)
+        if median > 0 and t / median >= threshold:
+            out.append((rank, t / median, median))
+    return out
 
 
 def resume_command(run_dir: str) -> str:
