@@ -325,11 +325,14 @@ def _life_evidence(lives: list[dict[str, Any]], metrics: dict[str, list[dict[str
             if last_row is not None:
                 what += f"; last heartbeat {last_row.get('activity', '?')} at step {last_row.get('activity_step', '?')}"
             span = _last_span(spans, pid)
-            if span is not None and span.end_ns / 1e9 > t:  # spans go out every export period, heartbeats every second
+            if span is not None and span.end_ns / 1e9 > t:  # spans go out at each stage's end, heartbeats every second
                 t = span.end_ns / 1e9
-                stage = str(span.attributes.get("rlhf.stage") or "") or stage
                 step = int(span.attributes.get("rlhf.step", step))
-                what += f"; its last span: {span.name} (step {step}, stage {stage or '?'})"
+                what += (f"; its last span: {span.name} (step {step}, stage "
+                         f"{span.attributes.get('rlhf.stage') or '?'})")
+                # it died after that span, in a later stage: the stage comes from its peers' reports (a request
+                # to it that failed), or the controller's stage at that moment
+                stage = ""
             out.append(Evidence(t, t, name, name, "process_death", stage, step,
                                 what, "exits.jsonl (no exit record)", "vanished", True, pid))
             out[-1].time = t + _NOTICE_LAG_S  # dead at most a heartbeat after its last row

@@ -1,5 +1,6 @@
 """The pre-flight straggler check (--preflight): the rule, and a live run whose rank 1 shares its core with
-burner processes (a real cpu_contention fault at preflight.check)."""
+burner processes (a real cpu_contention fault at preflight.check; slow: `pytest -m slow tests/test_preflight.py`).
+A fault-free 2-rank run with --preflight naming no straggler is in tests/test_runtime.py."""
 
 import subprocess
 import sys
@@ -20,15 +21,12 @@ def test_a_rank_twice_as_slow_as_the_median_of_the_others_is_a_straggler():
     assert stragglers({0: 1.0}, 2.0) == []  # nothing to compare with
 
 
+@pytest.mark.slow
 def test_preflight_exclude_refuses_to_start_with_a_starved_rank(tmp_path):
-    faults = tmp_path / "burn.yaml"
-    faults.write_text("config:\n  steps: 2\n  sft: {max_steps: 0}\nfaults:\n  - name: burn-rank1\n"
-                      "    kind: cpu_contention\n    point: preflight.check\n    target: {role: train, rank: 1}\n"
-                      "    duration_s: 6\n    params: {burners: 6, load: 1.0}\n")
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", f"{ROOT}/examples/grpo_trainer.py", "--run-dir", str(run_dir),
-           "--faults", str(faults), "--preflight", "--preflight.exclude"]
+           "--faults", "straggler.yaml", "--preflight", "--preflight.exclude"]  # the bundled file
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert_none_left(run_dir)
     assert out.returncode != 0

@@ -205,19 +205,18 @@ class TrainWorker:
         try:
             fault_point("preflight.check")  # after pinning: a cpu_contention here burns this rank's core
             a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-            start = time.perf_counter()
             (a @ b).sum().item()  # warm-up; .item() waits for the device
-            # batches of >= 50 ms, each spanning many scheduler time slices: a rank that gets only a share of its
-            # CPU shows it (one short matmul mostly runs inside a single slice at full speed)
-            batch = max(1, int(0.05 / max(time.perf_counter() - start, 1e-6)))
+            # the mean matmul time of each 100 ms window, many scheduler time slices each: a rank that gets only a
+            # share of its CPU shows it (one short matmul mostly runs inside a single slice at full speed)
             times: list[float] = []
             end = time.perf_counter() + duration_s
             while len(times) < 5 or time.perf_counter() < end:
-                start = time.perf_counter()
-                for _ in range(batch):
+                start, count = time.perf_counter(), 0
+                while time.perf_counter() - start < 0.1:
                     c = a @ b
+                    count += 1
                 c.sum().item()
-                times.append((time.perf_counter() - start) / batch)
+                times.append((time.perf_counter() - start) / count)
             matmul_s = sorted(times)[len(times) // 2]
             start = time.perf_counter()
             gathered = self.dp.all_gather_values([matmul_s])
