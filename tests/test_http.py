@@ -154,6 +154,15 @@ def test_only_idempotent_requests_are_retried_after_a_transient_failure(served, 
 
 def _retries(svc_thread, loop, hits, caplog):
     client = Client(svc_thread.url, "secret", timeout_s=5, retries=True)
+    plain = Client(svc_thread.url, "secret", timeout_s=5)
+    try:
+        _check_retries(client, plain, loop, hits, caplog)
+    finally:
+        loop.run(client.close())
+        loop.run(plain.close())
+
+
+def _check_retries(client, plain, loop, hits, caplog):
     with caplog.at_level("WARNING", logger="rlhf.client"):
         args, _ = loop.run(client.call("/compute_logprobs", {}))
     assert args == {"ok": True, "attempt": 2}
@@ -163,5 +172,5 @@ def _retries(svc_thread, loop, hits, caplog):
     assert err.value.status == 503 and hits["/train_step"] == 1  # not repeated
     hits["/compute_logprobs"] = 0
     with pytest.raises(HTTPStatusError):
-        loop.run(Client(svc_thread.url, "secret", timeout_s=5).call("/compute_logprobs", {}))
+        loop.run(plain.call("/compute_logprobs", {}))
     assert hits["/compute_logprobs"] == 1
