@@ -41,13 +41,12 @@ def dump(run_dir: str, why: str, timeout_s: float = 2.0) -> dict[str, str]:
         path = path_of(run_dir, name)
         if life["end"] is not None or not pid or not os.path.exists(path):
             continue
-        size = os.path.getsize(path)
         try:
             with open(path, "a", encoding="utf-8") as fh:
                 fh.write(f"\n=== stacks of {name} (pid {pid}) at {time.strftime('%Y-%m-%dT%H:%M:%S')}: {why}\n")
-            size = os.path.getsize(path)
+            size = os.path.getsize(path)  # the dump is what comes after the header
             os.kill(pid, SIGNAL)
-        except (OSError, ProcessLookupError):
+        except OSError:  # gone since (ProcessLookupError), or its file went away
             continue
         waiting[name] = (path, size)
     written: dict[str, str] = {}

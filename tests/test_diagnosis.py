@@ -112,14 +112,18 @@ def test_a_timeout_whose_request_never_arrived_blames_the_sender(tmp_path):
     assert (d.root.process, d.root.category) == ("train-0", "timeout")
 
 
-def test_a_straggler_still_inside_its_request_is_named_from_its_heartbeat(tmp_path):
-    logs = {"rollout-0": [(8.0, "ERROR", "rlhf.http", "rollout-0: POST /update_weights_from_meta failed at step 3: "
+def _update_failed(body):
+    """rollout-0's weights update fails at step 3 on the MetaServer's 504 (`body`), and the run with it."""
+    return {"rollout-0": [(8.0, "ERROR", "rlhf.http", "rollout-0: POST /update_weights_from_meta failed at step 3: "
                                                       "HTTPStatusError: HTTP 504 from metaserver-0 (http://x/weights/3/"
-                                                      "manifest): {\"error\": \"incomplete\", \"have\": [\"rank0\"], "
-                                                      "\"expected\": 2}")],
+                                                      f"manifest): {body}")],
             "controller-0": [(8.01, "ERROR", "rlhf.controller", "run failed: step 3, stage weights_update: "
                                                                 "HTTPStatusError: HTTP 500 from rollout-0 (http://x/"
                                                                 "update_weights_from_meta): 500")]}
+
+
+def test_a_straggler_still_inside_its_request_is_named_from_its_heartbeat(tmp_path):
+    logs = _update_failed('{"error": "incomplete", "have": ["rank0"], "expected": 2}')
     metrics = {"train-1": [{"time": t, "pid": 7, "activity": "POST /upload_weights", "activity_step": 3,
                             "activity_age_s": t - 0.2} for t in range(1, 9)]}
     d = diagnose(str(make_run(tmp_path, logs, metrics=metrics)))
@@ -238,12 +242,7 @@ def test_the_stall_watchdog_names_the_rank_the_waiter_waits_for(tmp_path):
 
 def test_a_process_that_logged_its_request_failing_is_not_still_inside_it(tmp_path):
     """Its last heartbeat row (1 Hz) predates its error reply: the straggler is the one that never answered."""
-    logs = {"rollout-0": [(8.0, "ERROR", "rlhf.http", "rollout-0: POST /update_weights_from_meta failed at step 3: "
-                                                      "HTTPStatusError: HTTP 504 from metaserver-0 (http://x/weights/3/"
-                                                      "manifest): incomplete")],
-            "controller-0": [(8.01, "ERROR", "rlhf.controller", "run failed: step 3, stage weights_update: "
-                                                                "HTTPStatusError: HTTP 500 from rollout-0 (http://x/"
-                                                                "update_weights_from_meta): 500")]}
+    logs = _update_failed("incomplete")
     metrics = {"rollout-0": [{"time": t, "pid": 5, "activity": "POST /update_weights_from_meta", "activity_step": 3,
                               "activity_age_s": t - 0.1} for t in range(1, 9)],
                "train-1": [{"time": t, "pid": 7, "activity": "POST /upload_weights", "activity_step": 3,

@@ -41,12 +41,17 @@ KILLS = {
 }
 
 
+def sigkill(target, point, when):
+    """A fault file's entry that SIGKILLs `target` at `point` when `when` holds."""
+    return (f"    kind: process_kill\n    point: {point}\n    target: {target}\n    when: {when}\n"
+            "    params: {signal: KILL}\n")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("who", sorted(KILLS))
 def test_a_sigkilled_process_is_named_with_its_signal_as_the_root_cause(who, tmp_path):
     target, point, when, name = KILLS[who]
-    run_dir, out, last = run_with_fault(tmp_path, 30, f"    kind: process_kill\n    point: {point}\n    target: {target}\n"
-                                                      f"    when: {when}\n    params: {{signal: KILL}}\n")
+    run_dir, out, last = run_with_fault(tmp_path, 30, sigkill(target, point, when))
     assert f"root cause: {name}" in last and "process_death" in last, last
     assert "SIGKILL" in last, last
     assert f"root cause: {name}" in out.stderr  # torchrun's closing block quotes it
@@ -62,9 +67,7 @@ def test_a_sigkilled_rank_0_is_named_by_torchruns_block_and_by_rlhf_diagnose(tmp
     """Rank 0 holds the controller and the MetaServer: nothing of ours is left to print. torchrun's closing block
     names rank 0 and SIGKILL, the scheduler and rollout servers go (PDEATHSIG, checked by run_with_fault), and the
     diagnosis names train-0 from its missing exit record."""
-    run_dir, out, _ = run_with_fault(tmp_path, 30, "    kind: process_kill\n    point: train.step\n"
-                                                   "    target: {role: train, rank: 0}\n    when: {step: 2}\n"
-                                                   "    params: {signal: KILL}\n")
+    run_dir, out, _ = run_with_fault(tmp_path, 30, sigkill("{role: train, rank: 0}", "train.step", "{step: 2}"))
     block = out.stderr[out.stderr.rindex("Root Cause (first observed failure)"):]
     assert "rank      : 0 (local_rank: 0)" in block and "Signal 9 (SIGKILL)" in block, block
     d = diagnose(str(run_dir))
