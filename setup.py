@@ -25,7 +25,10 @@ setup(
         "matplotlib>=3.7",  # rlhf report
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6", "ruff>=0.5"],
+        # msgspec, pybase64, ipython, requests: what sglang's client and API contract modules import
+        # (tests/test_sglang_contract.py; sglang itself: pip install --no-deps -r tests/sglang-contract.txt)
+        "test": ["pytest>=8", "hypothesis>=6", "ruff>=0.5", "requests>=2.28", "msgspec>=0.18", "pybase64>=1.3",
+                 "ipython>=8"],
         # Never installed by the default commands: GPU-only and multi-GB.
         "gpu": ["sglang", "megatron-core", "nvidia-ml-py"],
     },

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import importlib.util
 import inspect
 import textwrap
 import typing
@@ -33,6 +34,9 @@ class ConfigError(ValueError):
 
 
 MOVED_KEYS = {"runtime.resilience": "resilience.preset (or --resilience faithful|hardened)"}
+
+
+SGLANG_SERVER_MODULES = ("sglang", "sgl_kernel", "fastapi", "uvicorn", "zmq")  # what sglang.launch_server imports
 
 
 def _choice(key: str, value: Any, choices: typing.Iterable[Any]) -> None:
@@ -133,8 +137,32 @@ class RolloutConfig:
     """Rollout server processes (jobs of the scheduler) when run under the distributed runtime."""
     ignore_eos: bool = False
     """Generate max_new_tokens for every sample, past EOS (benchmarks: fixed work per step)."""
+    backend: str = "native"
+    """Rollout servers: 'native' (our engine, with our extensions: MetaServer pulls, /events, checksums) or
+    'sglang' (a real sglang server per job, driven through sglang's own routes only; needs weights.mode disk
+    and model.path)."""
+    sglang_launcher: str = "sglang.launch_server"
+    """With backend sglang: the module the scheduler runs as `python -m MODULE --config FILE` (sglang's launch
+    flags in a YAML file, the API key among them). rlhf.runtime.sglang_launch is our engine behind exactly
+    sglang's routes (tests, CPU machines)."""
+    mem_fraction: float = 0.85
+    """With backend sglang: --mem-fraction-static, the share of GPU memory sglang takes for weights and KV cache."""
+    tp_size: int = 1
+    """With backend sglang: --tp-size, GPUs per rollout server (tensor parallel)."""
 
     def __post_init__(self) -> None:
+        _choice("rollout.backend", self.backend, ("native", "sglang"))
+        _positive("rollout.tp_size", self.tp_size)
+        if not 0 < self.mem_fraction <= 1:
+            raise ConfigError(f"rollout.mem_fraction: must be in (0, 1], got {self.mem_fraction!r}")
+        if self.backend == "sglang" and self.sglang_launcher.split(".")[0] == "sglang":
+            missing = [m for m in SGLANG_SERVER_MODULES if importlib.util.find_spec(m) is None]
+            if missing:
+                raise ConfigError(
+                    f"rollout.backend: 'sglang' needs the sglang server, and {', '.join(missing)} "
+                    f"{'is' if len(missing) == 1 else 'are'} not installed. On a GPU machine: pip install "
+                    f"'sglang[all]'; or use --rollout.backend native, "
+                    "or --rollout.sglang_launcher rlhf.runtime.sglang_launch (our engine behind sglang's API)")
         _positive("rollout.servers", self.servers)
         _positive("rollout.group_size", self.group_size)
         _positive("rollout.prompts_per_step", self.prompts_per_step)
@@ -381,6 +409,13 @@ class Config:
     def __post_init__(self) -> None:
         _positive("steps", self.steps, allow_zero=True)
         _positive("eval_every", self.eval_every, allow_zero=True)
+        if self.rollout.backend == "sglang":
+            if self.weights.mode != "disk":
+                raise ConfigError(f"weights.mode: {self.weights.mode!r} needs rollout.backend native (the MetaServer "
+                                  "pull is our extension); with rollout.backend sglang use --weights.mode disk")
+            if not self.model.path:
+                raise ConfigError("model.path: rollout.backend sglang loads a Hugging Face model directory; the "
+                                  f"embedded {self.model.name!r} has no tokenizer sglang can read")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

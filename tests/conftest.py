@@ -11,6 +11,20 @@ if ROOT not in sys.path:
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+def wait_until(condition, timeout_s: float, what: str, poll_s: float = 0.05):
+    """Poll `condition()` until it returns something true (returned), failing after timeout_s with `what`."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(poll_s)
+
+
 @pytest.fixture(scope="session")
 def tiny():
     """A random-init tiny Llama and the char tokenizer (session-wide; tests must not mutate it)."""
@@ -52,3 +66,39 @@ def diverse_model(preset: str = "tiny-llama", seed: int = 0):
 @pytest.fixture(scope="session")
 def diverse():
     return diverse_model("tiny-llama", seed=0)
+
+
+SGLANG_KEY = "sglang-k3y"
+
+
+@pytest.fixture(scope="module")
+def sglang_server(tmp_path_factory):
+    """(url, model_dir): `python -m rlhf.runtime.sglang_launch` with an API key, as `sglang.launch_server` runs."""
+    import requests
+
+    from rlhf.models.hf_dir import write_model_dir
+    from rlhf.procs import spawn, stop_group
+    from rlhf.runtime.control.services import free_port
+
+    tmp = tmp_path_factory.mktemp("sglang")
+    model_dir = write_model_dir(str(tmp / "model"))
+    port = free_port()
+    proc = spawn([sys.executable, "-m", "rlhf.runtime.sglang_launch", "--model-path", model_dir, "--port", str(port),
+                  "--api-key", SGLANG_KEY, "--random-seed", "3"], env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT,
+                 log_path=str(tmp / "server.out"))
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy():
+        assert proc.poll() is None, (tmp / "server.out").read_text()[-2000:]
+        try:
+            return requests.get(url + "/health", timeout=1).status_code == 200
+        except requests.ConnectionError:
+            return False
+
+    try:
+        wait_until(healthy, 120, "the server to answer /health")
+        yield url, model_dir
+    finally:
+        stop_group(proc)
+
+

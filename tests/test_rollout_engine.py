@@ -117,3 +117,53 @@ def test_bad_sampling_params_are_named():
         SamplingParams.from_dict({"temprature": 1.0})
     with pytest.raises(ValueError, match="out of range"):
         SamplingParams.from_dict({"top_p": 0.0})
+
+
+def test_min_new_tokens_masks_the_stop_token_until_then():
+    model, tok = diverse_model("tiny-llama", seed=3)
+    engine = RolloutEngine(model, tok)
+    prompt_ids = encode_prompts(tok, PROMPTS[:1])
+    first = engine.generate(prompt_ids, {"max_new_tokens": 1, "temperature": 0})[0]["output_ids"][0]
+    now = engine.generate(prompt_ids, {"max_new_tokens": 8, "temperature": 0, "stop_token_ids": [first]})
+    assert now[0]["output_ids"] == [first]  # it stops at once
+    held = engine.generate(prompt_ids, {"max_new_tokens": 8, "temperature": 0, "stop_token_ids": [first],
+                                        "min_new_tokens": 3})[0]["output_ids"]
+    assert len(held) > 3 and first not in held[:3]  # three tokens before a stop may be drawn, as in sglang
+
+
+def test_step_control_finishes_rows_with_its_reason():
+    from rlhf.rollout.engine import StepControl
+
+    model, tok = diverse_model("tiny-llama", seed=3)
+    engine = RolloutEngine(model, tok)
+
+    class AbortSecondPromptAtStep(StepControl):
+        wants_tokens = True
+
+        def __init__(self):
+            self.seen = []
+
+        def step(self, t, rows, tokens):
+            self.seen.append((t, list(rows)))
+            return {2: {"type": "abort", "message": "test"}, 3: {"type": "abort", "message": "test"}} if t == 2 else {}
+
+    control = AbortSecondPromptAtStep()
+    out = engine.generate(encode_prompts(tok, PROMPTS[:2]), {"max_new_tokens": 6, "n": 2, "ignore_eos": True},
+                          control=control)
+    assert [len(r["output_ids"]) for r in out] == [6, 6, 3, 3]
+    assert [r["meta_info"]["finish_reason"]["type"] for r in out] == ["length", "length", "abort", "abort"]
+    assert control.seen[0] == (0, [0, 1, 2, 3]) and all(2 not in rows for t, rows in control.seen if t > 2)
+
+
+def test_top_logprobs_rank_the_distribution_the_sample_came_from():
+    model, tok = diverse_model("tiny-llama", seed=3)
+    engine = RolloutEngine(model, tok, seed=1)
+    out = engine.generate(encode_prompts(tok, PROMPTS[:2]), {"max_new_tokens": 5, "ignore_eos": True},
+                          return_logprob=True, top_logprobs_num=4)
+    for r in out:
+        for (lp, token, _), top in zip(r["meta_info"]["output_token_logprobs"], r["meta_info"]["output_top_logprobs"]):
+            values = [v for v, _i, _ in top]
+            assert values == sorted(values, reverse=True) and len(top) == 4
+            assert lp <= values[0] + 1e-6
+            if token in [i for _v, i, _ in top]:
+                assert abs(dict((i, v) for v, i, _ in top)[token] - lp) < 1e-5

@@ -108,8 +108,9 @@ def test_meta_update_fails_when_a_shard_never_arrives(rollout_server):
 
 ROLLOUT_ENDPOINTS = [("POST", "/generate"), ("POST", "/update_weights_from_disk"), ("POST", "/update_weights_from_meta"),
                      ("POST", "/release_memory_occupation"), ("POST", "/resume_memory_occupation"), ("POST", "/events"),
-                     ("POST", "/abort_request"), ("GET", "/health"), ("GET", "/health_generate"), ("GET", "/model_info"),
-                     ("GET", "/weights_checksum")]
+                     ("POST", "/abort_request"), ("GET", "/model_info"), ("GET", "/get_model_info"),
+                     ("GET", "/server_info"), ("POST", "/flush_cache"), ("POST", "/pause_generation"),
+                     ("POST", "/continue_generation"), ("POST", "/update_weight_version"), ("GET", "/weights_checksum")]
 META_ENDPOINTS = [("POST", "/versions"), ("PUT", "/weights/1/rank0"), ("GET", "/weights/1/manifest"),
                   ("GET", "/weights/1/rank0"), ("DELETE", "/weights/1"), ("GET", "/health")]
 
@@ -138,6 +139,9 @@ def test_every_endpoint_rejects_a_request_without_the_token(rollout_server):
         assert loop.run(statuses(url, ROLLOUT_ENDPOINTS, "")) == [401] * len(ROLLOUT_ENDPOINTS)
         assert loop.run(statuses(meta_url, META_ENDPOINTS, "nope")) == [401] * len(META_ENDPOINTS)
         assert loop.run(statuses(url, [("GET", "/health")], TOKEN)) == [200]
+        # sglang leaves its probes open, and so does ours (they tell liveness, nothing else)
+        assert loop.run(statuses(url, [("GET", "/health"), ("GET", "/health_generate"), ("GET", "/ready")], "")) == \
+            [200, 200, 200]
     finally:
         meta.stop()
 

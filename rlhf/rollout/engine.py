@@ -41,6 +41,7 @@ engine's (the model config's and generation config's EOS ids and the tokenizer's
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from dataclasses import dataclass
@@ -69,6 +70,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     n: int = 1
     ignore_eos: bool = False
+    min_new_tokens: int = 0  # stop tokens cannot be drawn before this many tokens
+    min_p: float = 0.0  # drop tokens whose probability is below min_p x the most likely one's
+    sampling_seed: int | None = None  # this call draws from its own generator, seeded so
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> SamplingParams:
@@ -80,15 +84,25 @@ class SamplingParams:
         if "stop_token_ids" in params:
             params["stop_token_ids"] = tuple(params["stop_token_ids"] or ())
         sp = cls(**params)
-        if sp.max_new_tokens < 1 or sp.n < 1 or sp.temperature < 0 or not 0 < sp.top_p <= 1:
-            raise ValueError(f"sampling_params out of range: {sp}")
+        problems = [f"{name} {value!r} ({rule})" for name, value, ok, rule in [
+            ("max_new_tokens", sp.max_new_tokens, sp.max_new_tokens >= 1, "at least 1"),
+            ("n", sp.n, sp.n >= 1, "at least 1"),
+            ("temperature", sp.temperature, sp.temperature >= 0, "at least 0"),
+            ("top_p", sp.top_p, 0 < sp.top_p <= 1, "in (0, 1]"),
+            ("top_k", sp.top_k, sp.top_k == -1 or sp.top_k >= 1, "-1 (all) or at least 1"),
+            ("min_p", sp.min_p, 0 <= sp.min_p <= 1, "in [0, 1]"),
+            ("min_new_tokens", sp.min_new_tokens, 0 <= sp.min_new_tokens <= sp.max_new_tokens,
+             "between 0 and max_new_tokens")] if not ok]
+        if problems:
+            raise ValueError("sampling_params out of range: " + "; ".join(problems))
         return sp
 
 
 def sample_tokens(
-    logits: torch.Tensor, sp: SamplingParams, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row. logits: (B, V) float32. Returns (tokens (B,), logprobs (B,)).
+    logits: torch.Tensor, sp: SamplingParams, generator: torch.Generator | None, top: int = 0
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pick one token per row. logits: (B, V) float32. Returns (tokens (B,), logprobs (B,)), and with
+    top > 0 also the `top` most likely tokens' logprobs and ids, (B, top) each.
 
     One normalisation over the vocabulary (log_softmax); sampling is argmax(logprobs + Gumbel),
     which draws from softmax(logprobs) without a second softmax or a multinomial.
@@ -96,9 +110,12 @@ def sample_tokens(
     if sp.temperature == 0:
         logprobs = torch.log_softmax(logits, dim=-1)  # (B, V)
         tokens = logits.argmax(dim=-1)  # (B,)
-        return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+        return _with_top(tokens, logprobs, top)
     logprobs = torch.log_softmax(logits / sp.temperature, dim=-1)  # (B, V)
     filtered = logprobs
+    if sp.min_p > 0:
+        floor = logprobs.max(dim=-1, keepdim=True).values + math.log(sp.min_p)  # (B, 1)
+        filtered = filtered.masked_fill(filtered < floor, float("-inf"))
     if 0 < sp.top_k < logits.shape[-1]:
         kth = torch.topk(filtered, sp.top_k, dim=-1).values[:, -1:]  # (B, 1)
         filtered = filtered.masked_fill(filtered < kth, float("-inf"))
@@ -109,7 +126,30 @@ def sample_tokens(
         filtered = filtered.masked_fill(torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted), float("-inf"))
     uniform = torch.rand(filtered.shape, generator=generator, device=filtered.device)  # (B, V) in [0, 1)
     tokens = (filtered - (-uniform.log()).log()).argmax(dim=-1)  # Gumbel-max: -log(-log u) ~ Gumbel(0, 1)
-    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+    return _with_top(tokens, logprobs, top)
+
+
+def _with_top(tokens: torch.Tensor, logprobs: torch.Tensor, top: int) -> Any:
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    if top <= 0:
+        return tokens, chosen
+    values, ids = logprobs.topk(min(top, logprobs.shape[-1]), dim=-1)  # (B, top)
+    return tokens, chosen, values, ids
+
+
+class StepControl:
+    """What a caller may do between decode steps: the rollout server's abort, pause, stop strings and streaming.
+
+    `step` runs after every decode step on the engine's thread (it may block: a pause in place). It returns the
+    rows that finish with this step's token, each with its finish reason (sglang's: {"type": "abort", ...} or
+    {"type": "stop", "matched": "<stop string>"}). Rows are a call's output rows, prompt-major (prompt i's n
+    samples are rows i*n .. i*n+n-1).
+    """
+
+    wants_tokens = False  # pass each step's new tokens to `step` (one host transfer a step)
+
+    def step(self, t: int, rows: list[int] | None, tokens: list[int] | None) -> dict[int, dict[str, Any]]:
+        return {}
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -184,16 +224,23 @@ class RolloutEngine:
         input_ids: list[list[int]],
         sampling_params: dict[str, Any] | SamplingParams | None = None,
         return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        control: StepControl | None = None,
+        detokenize: bool = True,
     ) -> list[dict[str, Any]]:
+        """top_logprobs_num: also return each step's most likely tokens (meta_info output_top_logprobs);
+        control: abort, pause, stop strings, streaming between steps; detokenize=False leaves `text` empty."""
         sp = sampling_params if isinstance(sampling_params, SamplingParams) else SamplingParams.from_dict(sampling_params)
         if not input_ids or any(len(p) == 0 for p in input_ids):
             raise ValueError("generate: every prompt needs at least one token")
         with self.lock, torch.inference_mode():
-            out_tokens, out_logprobs, finish = self._decode([list(p) for p in input_ids], sp)
+            out_tokens, out_logprobs, finish, tops = self._decode([list(p) for p in input_ids], sp,
+                                                                  top=top_logprobs_num if return_logprob else 0,
+                                                                  control=control)
             version = self.weight_version
         prompts = [p for p in input_ids for _ in range(sp.n)]  # groups adjacent
         results = []
-        for prompt, toks, lps, fin in zip(prompts, out_tokens, out_logprobs, finish):
+        for row, (prompt, toks, lps, fin) in enumerate(zip(prompts, out_tokens, out_logprobs, finish)):
             meta: dict[str, Any] = {
                 "finish_reason": fin,
                 "prompt_tokens": len(prompt),
@@ -202,9 +249,12 @@ class RolloutEngine:
             }
             if return_logprob:
                 meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, toks)]
+                if tops is not None:
+                    meta["output_top_logprobs"] = [[[v, i, None] for v, i in zip(vals, ids)] for vals, ids in tops[row]]
             text = ""
-            if self.tokenizer is not None:
-                text = self.tokenizer.decode(toks[:-1] if fin["type"] == "stop" else toks, skip_special_tokens=True)
+            if self.tokenizer is not None and detokenize:
+                trim = fin["type"] == "stop" and isinstance(fin.get("matched"), int)  # a stop token, not a stop string
+                text = self.tokenizer.decode(toks[:-1] if trim else toks, skip_special_tokens=True)
             results.append({"text": text, "output_ids": toks, "meta_info": meta})
         self.tokens_generated += sum(len(t) for t in out_tokens)
         return results
@@ -365,7 +415,28 @@ class RolloutEngine:
 
         return replay
 
-    def _decode(self, prompts: list[list[int]], sp: SamplingParams, static: bool | None = None):
+    def prompt_logprobs(self, prompts: list[list[int]], start: int = 0, top: int = 0) -> list[dict[str, list]]:
+        """Each prompt's token logprobs under the model from position `start` (sglang's logprob_start_len):
+        {"input_token_logprobs": [[lp, id, None], ...]} (the first token of a prompt has lp None), and with
+        top > 0 "input_top_logprobs" (None at the first token)."""
+        out = []
+        with self.lock, torch.inference_mode():
+            for p in prompts:  # one at a time: prompt logprobs are a side path (no padding to get right)
+                ids = torch.tensor([p], device=self.device)
+                logp = torch.log_softmax(self.model(input_ids=ids).logits[0].float(), dim=-1)  # (P, V)
+                chosen = [None] + logp[:-1].gather(1, ids[0, 1:, None]).squeeze(1).tolist()
+                entry: dict[str, list] = {"input_token_logprobs": [[lp, t, None] for lp, t in
+                                                                   list(zip(chosen, p))[start:]]}
+                if top > 0:
+                    values, idx = logp[:-1].topk(min(top, logp.shape[-1]), dim=-1)
+                    rows = [None] + [[[v, i, None] for v, i in zip(vs, js)] for vs, js in zip(values.tolist(),
+                                                                                               idx.tolist())]
+                    entry["input_top_logprobs"] = rows[start:]
+                out.append(entry)
+        return out
+
+    def _decode(self, prompts: list[list[int]], sp: SamplingParams, static: bool | None = None, top: int = 0,
+                control: StepControl | None = None):
         device, dtype = self.device, next(self.model.parameters()).dtype
         if static is None:  # CUDA: static shapes and a captured decode step (RLHF_CUDA_GRAPHS=0 turns it off)
             static = device.type == "cuda" and os.environ.get("RLHF_CUDA_GRAPHS", "1") != "0"
@@ -408,12 +479,23 @@ class RolloutEngine:
         rows: torch.Tensor | None = None  # original rows being computed (None: all)
         idx: torch.Tensor | None = None  # their places in the cache layout (None: all of it)
         layout_pos = torch.arange(B, device=device)  # place of each original row in the cache layout
+        generator = self.generator if sp.sampling_seed is None else \
+            torch.Generator(device=device).manual_seed(int(sp.sampling_seed))
+        out_top = (torch.zeros(B, M, top, dtype=torch.float32, device=device),
+                   torch.zeros(B, M, top, dtype=torch.long, device=device)) if top > 0 else None
+        reasons: dict[int, dict[str, Any]] = {}  # rows the control finished, with its finish reason
         for t in range(M):
-            tokens, logprobs = sample_tokens(logits, sp, self.generator)  # (b,), (b,)
+            if stop_tensor is not None and t < sp.min_new_tokens:
+                logits = logits.index_fill(1, stop_tensor, float("-inf"))  # no stop before min_new_tokens
+            drawn = sample_tokens(logits, sp, generator, top)
+            tokens, logprobs = drawn[0], drawn[1]  # (b,), (b,)
             if rows is None:
                 out_tokens[:, t], out_logprobs[:, t] = tokens, logprobs
             else:
                 out_tokens[rows, t], out_logprobs[rows, t] = tokens, logprobs
+            if out_top is not None:
+                where = slice(None) if rows is None else rows
+                out_top[0][where, t], out_top[1][where, t] = drawn[2], drawn[3]
             if stop_tensor is not None:
                 sub = stop_at if rows is None else stop_at[rows]
                 sub = torch.where(torch.isin(tokens, stop_tensor) & (sub > M), t + 1, sub)
@@ -421,6 +503,16 @@ class RolloutEngine:
                     stop_at = sub
                 else:
                     stop_at[rows] = sub
+            if control is not None:
+                listed = (list(range(B)) if rows is None else rows.tolist()) if control.wants_tokens else None
+                finished = control.step(t, listed, tokens.tolist() if control.wants_tokens else None)
+                running_host = (stop_at > M).tolist() if finished else []
+                ended = [r for r in finished if running_host[r]]
+                if ended:
+                    reasons.update((r, finished[r]) for r in ended)
+                    stop_at[torch.tensor(ended, device=device)] = t + 1
+                    if stop_tensor is None:
+                        stop_tensor = torch.tensor([-1], device=device)  # rows can end now: track them (no id is -1)
             if t == M - 1:
                 break
             if stop_tensor is not None and static and t % 16 == 15 and not bool((stop_at > M).any()):
@@ -458,6 +550,10 @@ class RolloutEngine:
             L = lengths_host[r]
             out_t.append(tokens_host[r][:L])
             out_l.append(logprobs_host[r][:L])
-            finish.append({"type": "stop", "matched": tokens_host[r][L - 1]} if stopped[r]
-                          else {"type": "length", "length": M})
-        return out_t, out_l, finish
+            finish.append(reasons[r] if r in reasons else {"type": "stop", "matched": tokens_host[r][L - 1]}
+                          if stopped[r] else {"type": "length", "length": M})
+        tops = None
+        if out_top is not None:
+            values, ids = out_top[0].tolist(), out_top[1].tolist()
+            tops = [list(zip(values[r][:lengths_host[r]], ids[r][:lengths_host[r]])) for r in range(B)]
+        return out_t, out_l, finish, tops

@@ -119,7 +119,8 @@ class Client:
     async def _request(self, url: str, path: str, args: Any, tensors: dict | None, timeout: float, stage: str,
                        step: int, method: str, points: tuple[str, ...], raw: bool = False) -> tuple[Any, dict]:
         body, content_type = wire.encode(args, tensors, checksums=self.checksums)
-        headers = {TOKEN_HEADER: self.token, "Content-Type": content_type, STAGE_HEADER: stage, STEP_HEADER: str(step)}
+        headers = {TOKEN_HEADER: self.token, "Authorization": f"Bearer {self.token}",  # ours, and sglang's --api-key
+                   "Content-Type": content_type, STAGE_HEADER: stage, STEP_HEADER: str(step)}
         tracing.inject_headers(headers)
         session = await self.session()
         try:
@@ -132,6 +133,8 @@ class Client:
                 payload = await resp.read()
                 if resp.status == 200 and raw:
                     return payload, {}
+                if resp.status == 200 and resp.content_type not in (wire.JSON_TYPE, wire.TENSORS_TYPE):
+                    return (payload.decode(errors="replace") or None), {}  # sglang's plain-text and empty replies
                 if resp.status == 200:
                     try:
                         reply = wire.decode(payload, resp.content_type)
@@ -145,8 +148,12 @@ class Client:
                         err = wire.decode(payload, resp.content_type)[0]
                     except ValueError:
                         err = None
-                    if isinstance(err, dict) and isinstance(err.get("error"), dict):
-                        raise RemoteError(ErrorInfo(**err["error"]), url)
+                    body = err.get("error") if isinstance(err, dict) else None
+                    info = ErrorInfo.from_reply(body)
+                    if info is not None:
+                        raise RemoteError(info, url)
+                    if isinstance(body, dict) and "message" in body:  # sglang's {"error": {"message": ...}}
+                        raise HTTPStatusError(resp.status, str(body["message"]), url, self.peer)
                 raise HTTPStatusError(resp.status, payload.decode(errors="replace"), url, self.peer)
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:  # reset, refused, cut mid-body
             raise RpcConnectionError(url, exc, self.peer) from exc

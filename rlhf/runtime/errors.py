@@ -36,8 +36,22 @@ class ErrorInfo:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_reply(cls, error: Any) -> "ErrorInfo | None":
+        """Our typed error body's fields (other services' error bodies, sglang's {"message": ...}, give None)."""
+        names = set(cls.__dataclass_fields__)
+        if not isinstance(error, dict) or not {"error_class", "message", "role", "rank"} <= set(error):
+            return None
+        return cls(**{k: v for k, v in error.items() if k in names})
+
     def where(self) -> str:
         return f"{self.role}-{self.rank} (pid {self.pid} on {self.host}), stage {self.stage or '?'}, step {self.step}"
+
+
+class BadRequest(ValueError):
+    """A request the service cannot serve as sent (HTTP 400): the message names the field and the valid choices."""
+
+    http_status = 400
 
 
 class RemoteError(RuntimeError):

@@ -5,10 +5,14 @@ functions `handler(args: dict, tensors: dict) -> result | (result, tensors)`; se
 raw aiohttp (the MetaServer, the scheduler) add their routes with `raw_route` and get the same
 auth, spans, fault effects and error replies. Plain handlers
 run one at a time on one worker thread (torch work and collectives stay off the event loop and
-in order); `async def` handlers run on the event loop (for waits that must not block others). Every request must carry the run token in `X-RLHF-Token` (401 otherwise). An error in a
-handler is logged with its step and becomes a typed JSON reply {"error": ErrorInfo} with status
-500 — or, with the policy's typed_errors off, aiohttp's bare "500 Internal Server Error" text, as
-in the seeds' system. Faults that act on a request or reply reach this layer only as
+in order); `async def` handlers run on the event loop (for waits that must not block others); a
+handler may return an aiohttp response of its own (a status, plain text, a stream). Every request
+must carry the run token, in `X-RLHF-Token` or as `Authorization: Bearer <token>` (sglang's
+`--api-key` scheme), or gets 401; a service may leave probes open (`open_paths`: the rollout
+server's /health, /health_generate and /ready, as sglang does). An error in a handler is logged
+with its step and becomes a typed JSON reply {"error": ErrorInfo} with status 500 (400 for a
+BadRequest: input the service cannot serve, as sglang answers it) — or, with the policy's
+typed_errors off, aiohttp's bare "500 Internal Server Error" text, as in the seeds' system. Faults that act on a request or reply reach this layer only as
 TransportEffects (`replace_reply`, `reply_tensors`): it knows no fault name.
 
 The client side (`Client`, `LoopThread`) is in client.py.
@@ -19,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
+import hmac
 import logging
 import threading
 import time
@@ -56,6 +61,7 @@ class Service:
         self.app = web.Application(middlewares=[self._trace, self._auth], client_max_size=1 << 34)
         self.stage, self.step = "", -1
         self.untraced_paths: set[str] = set()
+        self.open_paths: tuple[str, ...] = ()  # path prefixes served without the token (health probes)
         self.inflight = 0  # handlers running now on the worker thread
         self.running: tuple[str, int, float] | None = None  # (request, step, since) on the worker thread (heartbeat)
         self._inflight_lock = threading.Lock()
@@ -93,7 +99,7 @@ class Service:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Callable) -> web.StreamResponse:
-        if request.headers.get(TOKEN_HEADER) != self.token:
+        if not request.path.startswith(self.open_paths or ("\0",)) and not self._authorized(request):
             return web.json_response({"error": "missing or wrong run token"}, status=401)
         stage, step = request.headers.get(STAGE_HEADER, ""), _int(request.headers.get(STEP_HEADER, "-1"))
         try:  # faults that act on this request or its reply come back as effects; this layer knows no fault name
@@ -114,6 +120,14 @@ class Service:
         finally:
             _EFFECTS.reset(token)
 
+    def _authorized(self, request: web.Request) -> bool:
+        given = request.headers.get(TOKEN_HEADER)
+        if given is None:
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer":
+                return False
+        return hmac.compare_digest(given.encode(), self.token.encode())
+
     def _log_error(self, exc: BaseException, method: str, path: str, stage: str, step: int) -> ErrorInfo:
         """Log and trace a handler's exception once, where it happened."""
         info = ErrorInfo.from_exception(exc, self.role, self.rank, stage, step)
@@ -128,19 +142,29 @@ class Service:
         return info
 
     def _error_reply(self, exc: BaseException, method: str, path: str, stage: str, step: int) -> web.Response:
+        status = int(getattr(exc, "http_status", 500))
+        if status < 500:  # the caller's input, not this service's failure: a warning, no traceback
+            info = ErrorInfo(type(exc).__name__, str(exc), self.role, self.rank, stage=stage, step=step)
+            log.warning("%s-%d: %s %s refused (%d): %s", self.role, self.rank, method, path, status, exc)
+            return web.json_response({"error": {**info.to_dict(), "code": status}}, status=status)
         info = self._log_error(exc, method, path, stage, step)
-        if not self.policy.typed_errors:
+        if status == 500 and not self.policy.typed_errors:
             return web.Response(status=500, text=BARE_500)
-        return web.json_response({"error": info.to_dict()}, status=500)
+        return web.json_response({"error": {**info.to_dict(), "code": status}}, status=status)
 
     def raw_route(self, method: str, path: str, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> None:
         """An aiohttp handler behind the same middleware: an exception in it is logged and answered typed."""
         self.app.router.add_route(method, path, handler)
 
-    def route(self, path: str, fn: Handler, method: str = "POST", inline: bool = False) -> None:
-        """Expose fn at path. Coroutine fns and inline=True run on the event loop (never block there)."""
+    def route(self, path: str, fn: Handler, method: str | tuple[str, ...] = "POST", inline: bool = False) -> None:
+        """Expose fn at path (one method or several). Coroutine fns and inline=True run on the event loop
+        (never block there)."""
+        if not isinstance(method, str):
+            for m in method:
+                self.route(path, fn, m, inline)
+            return
 
-        async def handle(request: web.Request) -> web.Response:
+        async def handle(request: web.Request) -> web.StreamResponse:
             stage = request.headers.get(STAGE_HEADER, "")
             step = int(request.headers.get(STEP_HEADER, "-1"))
             body = await request.read()
@@ -171,6 +195,8 @@ class Service:
                     result = await asyncio.get_running_loop().run_in_executor(self.executor, ctx.run, call)
             except Exception as exc:  # every handler error becomes a reply; nothing is swallowed
                 return self._error_reply(exc, method, path, stage, step)
+            if isinstance(result, web.StreamResponse):  # the handler's own reply (a status, plain text)
+                return result
             out_tensors = None
             if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
                 result, out_tensors = result

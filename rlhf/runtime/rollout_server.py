@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
+import json
 import logging
 import os
 import signal
 import sys
+import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
+from aiohttp import web
 
 from rlhf import exits, faults, tracing
 from rlhf.config import build_config
@@ -29,10 +33,14 @@ from rlhf.faults import afault_point, fault_point
 from rlhf.models import build_model_and_tokenizer
 from rlhf.procs import set_pdeathsig, write_atomic
 from rlhf.rollout.engine import RolloutEngine
+from rlhf.rollout.sglang_api import SGLANG_VERSION, GenerateCall, RequestControl, parse_generate
+from rlhf.rollout.sglang_api import decode_text as sglang_decode
+from rlhf.rollout.sglang_api import reply as sglang_reply
 from rlhf.run_dir import setup_logging
 from rlhf.runtime.client import Client
 from rlhf.runtime.colocation import DeviceBusy, DeviceLease, device_name, fresh_allocation, read_leak
-from rlhf.runtime.http import DEFAULT_HOST, Service, serve_forever
+from rlhf.runtime.errors import BadRequest
+from rlhf.runtime.http import DEFAULT_HOST, STAGE_HEADER, Service, serve_forever
 from rlhf.runtime.metaserver import pull_weights
 from rlhf.runtime.resilience import HARDENED, Policy
 from rlhf.tracing.setup import start_process_telemetry, stop_process_telemetry
@@ -45,30 +53,183 @@ class DeviceMemoryNotReleased(RuntimeError):
 
 
 class RolloutServer:
+    """sglang's native API over the native engine (`sglang_only`: none of our extensions, as a real sglang)."""
+
     def __init__(self, engine: Any, rank: int, token: str, policy: Policy = HARDENED,
                  lease: DeviceLease | None = None, lease_timeout_s: float = 30.0, run_dir: str = "",
-                 verify_checksum: str = "sha256") -> None:
+                 verify_checksum: str = "sha256", sglang_only: bool = False, model_path: str = "") -> None:
         self.engine, self.rank, self.token, self.run_dir = engine, rank, token, run_dir
         self.verify_checksum = verify_checksum  # algorithm of /weights_checksum (weights.verify)
         self.device = device_name("rollout", rank, lease is not None)
         self.lease, self.lease_timeout_s = lease, lease_timeout_s
         self.service = Service("rollout", rank, token, policy)
-        self.policy = policy
+        self.service.open_paths = ("/health", "/ready")  # probes without the token, as sglang leaves them
+        self.policy, self.sglang_only = policy, sglang_only
+        self.model_path = model_path or (getattr(engine.model.config, "_name_or_path", "") if engine else "")
+        self.host, self.port = DEFAULT_HOST, 0
+        self.started = time.time()
+        self.active: list[RequestControl] = []  # engine calls running now (abort, pause)
+        self.queued: list[GenerateCall] = []  # calls waiting for the engine
+        self.pending_aborts: set[str] = set()  # rids aborted before their call started
+        self.paused = asyncio.Event()  # set while /pause_generation holds new calls
+        self.draining = False
+        self._state = threading.Lock()
         r = self.service.route
-        r("/generate", self.generate)
+        self.service.raw_route("POST", "/generate", self.generate_http)
+        self.service.raw_route("PUT", "/generate", self.generate_http)
         r("/update_weights_from_disk", self.update_weights_from_disk)
-        r("/update_weights_from_meta", self.update_weights_from_meta)
-        r("/release_memory_occupation", self.release_memory)
-        r("/resume_memory_occupation", self.resume_memory)
-        r("/events", self.events)
-        r("/abort_request", lambda a, t: {"aborted": 0}, inline=True)
+        r("/update_weight_version", self.update_weight_version, inline=True)
+        r("/release_memory_occupation", self.release_memory, method=("GET", "POST"))
+        r("/resume_memory_occupation", self.resume_memory, method=("GET", "POST"))
+        r("/abort_request", self.abort_request, inline=True)
+        r("/pause_generation", self.pause_generation)
+        r("/continue_generation", self.continue_generation, inline=True)
+        r("/flush_cache", lambda a, t: web.Response(text="Cache flushed.\nNo cache outlives a call in the native "
+                                                         "engine, so there was nothing to flush.\n"),
+          method=("GET", "POST"), inline=True)
         r("/health", lambda a, t: {"ok": True, "weight_version": self.engine.weight_version}, method="GET", inline=True)
         r("/health_generate", self.health_generate, method="GET")
-        r("/model_info", self.model_info, method="GET", inline=True)
-        r("/weights_checksum", lambda a, t: {"checksum": self.engine.weights_checksum(self.verify_checksum),
-                                             "weight_version": self.engine.weight_version}, method="GET")
+        r("/ready", lambda a, t: web.Response(status=503 if self.draining else 200), method="GET", inline=True)
+        for path in ("/model_info", "/get_model_info"):
+            r(path, self.model_info, method="GET", inline=True)
+        for path in ("/server_info", "/get_server_info"):
+            r(path, self.server_info, method="GET", inline=True)
+        if not sglang_only:  # our extensions (a real sglang server has none of them)
+            r("/update_weights_from_meta", self.update_weights_from_meta)
+            r("/events", self.events)
+            r("/weights_checksum", lambda a, t: {"checksum": self.engine.weights_checksum(self.verify_checksum),
+                                                 "weight_version": self.engine.weight_version}, method="GET")
 
-    def generate(self, args: dict, tensors: dict) -> Any:
+    # ------------------------------------------------------------------ /generate
+
+    async def generate_http(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        try:
+            args = json.loads(body) if body else None
+        except ValueError as exc:
+            raise BadRequest(f"the /generate body is not JSON: {exc}") from None
+        call = parse_generate(args, self.engine.tokenizer)
+        with self._state:
+            self.queued.append(call)
+        if self.paused.is_set():  # /pause_generation: new calls wait for /continue_generation
+            await self._unpaused()
+        loop = asyncio.get_running_loop()
+        ctx = contextvars.copy_context()  # the server span follows the work onto the engine thread
+        if not call.stream:
+            outputs = await loop.run_in_executor(self.service.executor, ctx.run, self._run_call, call, None)
+            return web.json_response(outputs if call.batch else outputs[0])
+        return await self._stream(request, call, loop, ctx)
+
+    async def _unpaused(self) -> None:
+        while self.paused.is_set():
+            await asyncio.sleep(0.05)
+
+    async def _stream(self, request: web.Request, call: GenerateCall, loop: asyncio.AbstractEventLoop,
+                      ctx: contextvars.Context) -> web.StreamResponse:
+        """Server-sent events as sglang sends them: one `data: {json}` per output every stream_interval tokens
+        (text and output_ids so far), the final outputs, then `data: [DONE]`."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        queue: asyncio.Queue = asyncio.Queue()
+        work = loop.run_in_executor(self.service.executor, ctx.run, self._run_call, call,
+                                    lambda chunk: loop.call_soon_threadsafe(queue.put_nowait, chunk))
+        work.add_done_callback(lambda _f: queue.put_nowait(None))
+        gone = False
+        while True:
+            chunk = await queue.get()
+            if chunk is None:
+                break
+            if not gone:
+                try:
+                    await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                except (ConnectionError, RuntimeError):  # the client left: abort its call, as sglang does
+                    gone = True
+                    self._abort(call.prompts, "the client disconnected")
+        try:
+            outputs = work.result()
+        except Exception as exc:
+            status = int(getattr(exc, "http_status", 500))
+            outputs = [{"error": {"message": f"{type(exc).__name__}: {exc}", "code": status}}]
+            if status == 500:
+                self.service._log_error(exc, "POST", "/generate", request.headers.get(STAGE_HEADER, ""), -1)
+        if not gone:
+            for index, out in enumerate(outputs):
+                await response.write(b"data: " + json.dumps({**out, "index": index}).encode() + b"\n\n")
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        return response
+
+    def _run_call(self, call: GenerateCall, on_chunk: Callable[[dict], None] | None) -> list[dict]:
+        """One /generate call on the engine thread: prompts with equal sampling in one engine call each."""
+        with self._state:
+            self.queued.remove(call)
+        self._check_lease()
+        fault_point("rollout.generate")
+        engine, tok = self.engine, self.engine.tokenizer
+        offsets, total = [], 0
+        for p in call.prompts:
+            offsets.append(total)
+            total += p.sampling.n
+        outputs: list[dict | None] = [None] * total
+        groups: dict[tuple, list[int]] = {}
+        for i, p in enumerate(call.prompts):
+            with self._state:
+                aborted = p.rid in self.pending_aborts
+                self.pending_aborts.discard(p.rid)
+            if aborted or p.prefill_only:
+                finish = {"type": "abort", "message": "aborted before it started"} if aborted else None
+                for j in range(p.sampling.n):
+                    result = {"output_ids": [], "meta_info": {"finish_reason": finish}} if finish else None
+                    outputs[offsets[i] + j] = sglang_reply(p, j, result, engine.weight_version, call.started, tok)
+                continue
+            groups.setdefault(p.engine_key(), []).append(i)
+        n_samples = sum(call.prompts[i].sampling.n for idx in groups.values() for i in idx)
+        with tracing.span("generate", prompts=len(call.prompts), n=call.prompts[0].sampling.n) as sp:
+            before = engine.tokens_generated
+            for idx in groups.values():
+                prompts = [call.prompts[i] for i in idx]
+                rows = [(i, j) for i in idx for j in range(call.prompts[i].sampling.n)]
+                control = RequestControl(prompts, tok, self._chunker(call, rows, offsets, on_chunk) if on_chunk else None)
+                with self._state:
+                    self.active.append(control)
+                try:
+                    results = engine.generate([p.ids for p in prompts], prompts[0].sampling, prompts[0].return_logprob,
+                                              prompts[0].top_logprobs_num, control, detokenize=False)
+                finally:
+                    with self._state:
+                        self.active.remove(control)
+                extra = {}
+                for i in idx:
+                    p = call.prompts[i]
+                    if p.return_logprob and p.logprob_start_len >= 0:
+                        extra[i] = engine.prompt_logprobs([p.ids], p.logprob_start_len, p.top_logprobs_num)[0]
+                for (i, j), result in zip(rows, results):
+                    outputs[offsets[i] + j] = sglang_reply(call.prompts[i], j, result, result["meta_info"]["weight_version"],
+                                                           call.started, tok, extra.get(i), call.return_text_in_logprobs)
+            sp.set_attribute("rlhf.tokens", engine.tokens_generated - before)
+            sp.set_attribute("rlhf.samples", n_samples)
+        return [o for o in outputs if o is not None]
+
+    def _chunker(self, call: GenerateCall, rows: list[tuple[int, int]], offsets: list[int],
+                 emit: Callable[[dict], None]) -> Callable:
+        """The stream's per-step chunks for one engine call: each running output every stream_interval tokens."""
+        tok = self.engine.tokenizer
+
+        def on_tokens(control: RequestControl, t: int, computed: list[int], finished: dict[int, dict]) -> None:
+            for r in computed:
+                i, j = rows[r]
+                p = call.prompts[i]
+                ids = control.generated[r]
+                if r in finished or len(ids) % p.stream_interval:
+                    continue  # a finished output's last chunk is its final reply
+                emit({"text": sglang_decode(tok, ids, p, None), "output_ids": list(ids), "index": offsets[i] + j,
+                              "meta_info": {"id": p.rid if p.sampling.n == 1 else f"{p.rid}-{j}", "finish_reason": None,
+                                            "prompt_tokens": len(p.ids), "completion_tokens": len(ids),
+                                            "weight_version": self.engine.weight_version}})
+
+        return on_tokens
+
+    def _check_lease(self) -> None:
         if self.lease is not None and not self.lease.held:
             if not self.policy.device_busy_fails_fast:
                 self._wait_for_device()
@@ -76,16 +237,58 @@ class RolloutServer:
                 raise DeviceBusy(f"rollout server {self.rank}: generate without the device lease (device "
                                  f"{self.lease.device} is held by {self.lease.current_holder() or 'the train side'}; "
                                  "was rollout_start delivered?)")
-        input_ids = args["input_ids"]
-        single = bool(input_ids) and isinstance(input_ids[0], int)
-        params = args.get("sampling_params") or {}
-        fault_point("rollout.generate")
-        with tracing.span("generate", prompts=1 if single else len(input_ids), n=int(params.get("n", 1))) as sp:
-            before = self.engine.tokens_generated
-            out = self.engine.generate([input_ids] if single else input_ids, params,
-                                       bool(args.get("return_logprob", False)))
-            sp.set_attribute("rlhf.tokens", self.engine.tokens_generated - before)
-        return out[0] if single and len(out) == 1 else out
+
+    def _abort(self, prompts: list[Any] | None, message: str) -> int:
+        """Abort the running calls of these prompts (None: every call, running or queued); returns how many."""
+        with self._state:
+            active, queued = list(self.active), list(self.queued)
+            if prompts is None:
+                self.pending_aborts.update(p.rid for call in queued for p in call.prompts)
+        hits = 0
+        for control in active:
+            for rid in ([p.rid for p in prompts] if prompts is not None else ["*"]):
+                hits += control.abort(rid, message)
+        return hits
+
+    def abort_request(self, args: dict, tensors: dict) -> Any:
+        """sglang's /abort_request: {"rid": ...} finishes that request's outputs with finish_reason abort (a
+        queued request is answered at once, without tokens); {"abort_all": true} aborts every request."""
+        if args.get("abort_all"):
+            self._abort(None, "aborted by /abort_request (abort_all)")
+            return web.Response(status=200)
+        rid = str(args.get("rid") or "")
+        if not rid:
+            raise BadRequest("/abort_request needs rid or abort_all")
+        base = rid.rsplit("-", 1)[0]  # an output id of an n > 1 request names its prompt's rid
+        with self._state:
+            active = list(self.active)
+            queued = any(p.rid in (rid, base) for call in self.queued for p in call.prompts)
+            if queued:
+                self.pending_aborts.update((rid, base))
+        if not any(c.abort(rid) or c.abort(base) for c in active) and not queued:
+            log.info("abort_request: no running or queued request %r", rid)
+        return web.Response(status=200)
+
+    async def pause_generation(self, args: dict, tensors: dict) -> dict:
+        """sglang's /pause_generation. mode abort (default): running requests end now with finish_reason abort;
+        in_place and retract: running engine calls finish (the native engine does not preempt a call), and the
+        reply comes once they have. New requests wait for /continue_generation in every mode."""
+        mode = args.get("mode", "abort")
+        if mode not in ("abort", "in_place", "retract"):
+            raise BadRequest(f"pause_generation: mode {mode!r}; valid: abort, in_place, retract")
+        self.paused.set()
+        if mode == "abort":
+            self._abort(None, "aborted by /pause_generation")
+        while True:  # the engine thread empties; what is queued stays queued (it waits on the pause)
+            with self._state:
+                if not self.active:
+                    break
+            await asyncio.sleep(0.02)
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    def continue_generation(self, args: dict, tensors: dict) -> dict:
+        self.paused.clear()
+        return {"message": "Generation continued successfully.", "status": "ok"}
 
     def _wait_for_device(self) -> None:
         """device_busy_fails_fast off: a generate that finds the device taken retries its allocation, as a CUDA caching allocator
@@ -106,12 +309,33 @@ class RolloutServer:
                     raise
             time.sleep(1.0)
 
-    def update_weights_from_disk(self, args: dict, tensors: dict) -> dict:
-        version = str(args.get("weight_version", self.engine.weight_version))
-        fault_point("weights_update.update", path=args["model_path"])
+    def update_weights_from_disk(self, args: dict, tensors: dict) -> Any:
+        """sglang's reply {success, message, num_paused_requests}; a path it cannot load is a 400 with success false."""
+        path = args.get("model_path")
+        version = str(args.get("weight_version") or self.engine.weight_version)
+        if args.get("abort_all_requests"):
+            self._abort(None, "aborted by /update_weights_from_disk")
+        fault_point("weights_update.update", path=str(path))
+        if not isinstance(path, str) or not os.path.isdir(path):
+            return web.json_response({"success": False, "num_paused_requests": 0,
+                                      "message": f"model_path {path!r} is not a directory with *.safetensors"},
+                                     status=400)
         with tracing.span("weights.load", source="disk", weight_version=version):
-            self.engine.update_weights_from_disk(args["model_path"], version)
-        return {"success": True, "message": f"loaded {args['model_path']}", "weight_version": version}
+            try:
+                self.engine.update_weights_from_disk(path, version)
+            except FileNotFoundError as exc:
+                return web.json_response({"success": False, "message": str(exc), "num_paused_requests": 0}, status=400)
+        self.model_path = path
+        return {"success": True, "message": f"loaded {path}", "weight_version": version, "num_paused_requests": 0}
+
+    def update_weight_version(self, args: dict, tensors: dict) -> dict:
+        new = args.get("new_version")
+        if not new:
+            raise BadRequest("/update_weight_version needs new_version")
+        if args.get("abort_all_requests", True):
+            self._abort(None, "aborted by /update_weight_version")
+        self.engine.weight_version = str(new)
+        return {"success": True, "message": f"Weight version updated to {new}", "new_version": str(new)}
 
     async def update_weights_from_meta(self, args: dict, tensors: dict) -> dict:
         version = str(args["weight_version"])
@@ -129,15 +353,17 @@ class RolloutServer:
         return {"success": True, "weight_version": version, "tensors": len(weights)}
 
     def release_memory(self, args: dict, tensors: dict) -> dict:
-        """sglang's release: on a GPU the weights move to pinned host memory and the cache is emptied
-        (the KV cache is per call here, so nothing else stays); the lease goes to the colocated train rank."""
-        reply: dict[str, Any] = {"success": True}
+        """sglang's release, by `tags` (default: all): "weights" move to pinned host memory on a GPU;
+        "kv_cache" gives the device lease to the colocated train rank (the KV cache is per call here, so no
+        memory stays); "cuda_graph" (graphs are captured per call) holds nothing between calls."""
+        tags = memory_tags(args)
+        reply: dict[str, Any] = {"success": True, "tags": sorted(tags)}
         engine = self.engine
-        if engine.device.type == "cuda" and next(engine.model.parameters()).device.type == "cuda":
+        if "weights" in tags and engine.device.type == "cuda" and next(engine.model.parameters()).device.type == "cuda":
             with engine.lock:
                 engine._fused = None  # the fused copies hold device memory too
                 reply.update(relocate([engine.model], None, torch.device("cpu"), engine.device))
-        if self.lease is not None:
+        if self.lease is not None and "kv_cache" in tags:
             self.lease.release()
         leak = read_leak(self.run_dir, self.device) if self.run_dir else None
         mine = bool(leak) and leak.get("pid") == os.getpid()  # type: ignore[union-attr]
@@ -151,12 +377,13 @@ class RolloutServer:
         return reply
 
     def resume_memory(self, args: dict, tensors: dict) -> dict:
-        reply: dict[str, Any] = {"success": True}
-        if self.lease is not None:
+        tags = memory_tags(args)
+        reply: dict[str, Any] = {"success": True, "tags": sorted(tags)}
+        if self.lease is not None and "kv_cache" in tags:
             self.lease.acquire(float(args.get("timeout_s", self.lease_timeout_s)))
             fresh_allocation(self.run_dir, self.device, 1 << 30, "the KV cache")
         engine = self.engine
-        if engine.device.type == "cuda" and next(engine.model.parameters()).device.type == "cpu":
+        if "weights" in tags and engine.device.type == "cuda" and next(engine.model.parameters()).device.type == "cpu":
             with engine.lock:
                 reply.update(relocate([engine.model], None, engine.device, engine.device))
         return reply
@@ -181,9 +408,41 @@ class RolloutServer:
         return {"ok": True}
 
     def model_info(self, args: dict, tensors: dict) -> dict:
+        """sglang's /model_info (GetModelInfoResponse's fields, plus model_type and architectures as sglang adds)."""
         cfg = self.engine.model.config
-        return {"model_path": getattr(cfg, "_name_or_path", ""), "is_generation": True,
-                "model_type": cfg.model_type, "weight_version": self.engine.weight_version}
+        return {"model_path": self.model_path, "served_model_name": self.model_path, "tokenizer_path": self.model_path,
+                "is_generation": True, "preferred_sampling_params": None, "weight_version": self.engine.weight_version,
+                "load_format": "auto", "reasoning_parser": None, "tool_call_parser": None, "disaggregation_mode": "null",
+                "has_image_understanding": False, "has_audio_understanding": False, "model_type": cfg.model_type,
+                "architectures": getattr(cfg, "architectures", None)}
+
+    def server_info(self, args: dict, tensors: dict) -> dict:
+        """sglang's /server_info (GetServerInfoResponse's fields); `version` names this server and the sglang API
+        version it follows."""
+        cfg = self.engine.model.config
+        with self._state:
+            running, queued = len(self.active), len(self.queued)
+        return {"model_path": self.model_path, "served_model_name": self.model_path, "tokenizer_path": self.model_path,
+                "max_context_length": int(getattr(cfg, "max_position_embeddings", 0) or 0),
+                "max_total_num_tokens": None, "version": f"rlhf-native (sglang API {SGLANG_VERSION})",
+                "internal_states": [{"running_calls": running, "queued_calls": queued,
+                                     "paused": self.paused.is_set(), "weight_version": self.engine.weight_version}],
+                "host": self.host, "port": self.port, "incremental_streaming_output": False,
+                "disaggregation_mode": "null", "startup_time": self.started, "frontend": "rlhf",
+                "device": str(self.engine.device), "dtype": str(next(self.engine.model.parameters()).dtype)}
+
+
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # sglang's release/resume tags
+
+
+def memory_tags(args: dict) -> set[str]:
+    tags = args.get("tags")
+    if tags is None:
+        return set(MEMORY_TAGS)
+    unknown = sorted(set(tags) - set(MEMORY_TAGS)) if isinstance(tags, list) else [tags]
+    if unknown:
+        raise BadRequest(f"tags {unknown} unknown; valid: {list(MEMORY_TAGS)} (or none: all of them)")
+    return set(tags)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,7 +475,10 @@ def main(argv: list[str] | None = None) -> int:
     server = RolloutServer(engine, args.rank, token, cfg.resilience, lease, cfg.runtime.lease_timeout_s,
                            args.run_dir, cfg.weights.verify_checksum)
 
+    server.host = args.host
+
     def ready(port: int) -> None:
+        server.port = port
         url = f"http://{args.host}:{port}"
         write_atomic(args.ready_file, url)
         log.info("rollout server %d listening on %s (pid %d, colocate=%s)", args.rank, url, os.getpid(), args.colocate)

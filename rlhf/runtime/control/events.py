@@ -30,6 +30,9 @@ class EventNotDelivered(RuntimeError):
     """acked_events: a colocation event was not acknowledged by its peer."""
 
 
+SGLANG_EVENT_ROUTES = {"rollout_start": "/resume_memory_occupation", "rollout_end": "/release_memory_occupation"}
+
+
 class ColocationEvents:
     def __init__(self, cfg: Config, loop: LoopThread, workers: WorkerGroup, services: RolloutServices) -> None:
         self.cfg, self.loop, self.workers, self.services = cfg, loop, workers, services
@@ -41,7 +44,14 @@ class ColocationEvents:
         timeout = self.cfg.runtime.event_timeout_s
         acked = self.cfg.resilience.acked_events
 
+        sglang = set(self.services.rollout) if self.cfg.rollout.backend == "sglang" else set()
+
         async def send(client: Client) -> Any:
+            if client in sglang:  # sglang has no /events: rollout_start/_end are its resume/release routes
+                path = SGLANG_EVENT_ROUTES.get(event)
+                if path is not None:
+                    await client.call(path, {}, timeout_s=timeout, stage="events", step=step, points=("events.notify",))
+                return {"event": event, "ack": True, "step": step, "route": path}, {}
             return await client.call("/events", {"event": event, "step": step}, timeout_s=timeout, stage="events",
                                      step=step, points=("events.notify",))
 

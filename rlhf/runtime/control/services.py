@@ -2,7 +2,9 @@
 
     MetaServer       in this process (HTTP on its own thread): relays weight shards, train → rollout
     Scheduler        its own process: starts the rollout server jobs, stops them when our lease lapses
-    RolloutServer r  one job each (sglang-compatible HTTP API), colocated with train rank r or not
+    RolloutServer r  one job each (sglang-compatible HTTP API), colocated with train rank r or not;
+                     with rollout.backend sglang, `python -m <rollout.sglang_launcher> --config FILE` instead
+                     (sglang's launch flags in a 0600 YAML file: the API key never shows in `ps`)
 """
 
 from __future__ import annotations
@@ -10,13 +12,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import sys
+import time
 from typing import Any
+
+import yaml
 
 from rlhf.config import Config
 from rlhf.devices import rollout_device
 from rlhf.procs import wait_for_file
 from rlhf.runtime.client import Client, LoopThread
+from rlhf.runtime.errors import HTTPStatusError, RpcConnectionError, RpcTimeout
 from rlhf.runtime.metaserver import MetaServer
 from rlhf.runtime.scheduler import SchedulerClient
 
@@ -43,6 +50,13 @@ class RolloutServices:
         self.scheduler = SchedulerClient(self.run_dir, self.token, cfg.runtime.scheduler_lease_s,
                                          cfg.runtime.startup_timeout_s, self.loop)
         threads = str(max(1, (os.cpu_count() or 2) // cfg.rollout.servers))
+        if cfg.rollout.backend == "sglang":
+            urls = self._start_sglang(threads)
+            self.rollout = [Client(u, self.token, cfg.runtime.rollout_timeout_s, peer=f"rollout-{r}",
+                                   retries=cfg.resilience.retry_idempotent) for r, u in enumerate(urls)]
+            log.info("services up: metaserver %s, scheduler %s, %d sglang servers (%s), %d train ranks",
+                     self.metaserver_url, self.scheduler.url, len(urls), cfg.rollout.sglang_launcher, self.train_ranks)
+            return
         ready_files = []
         for r in range(cfg.rollout.servers):
             ready = os.path.join(self.run_dir, f"rollout-{r}.url")
@@ -63,6 +77,60 @@ class RolloutServices:
                         for r, u in enumerate(urls)]
         log.info("services up: metaserver %s, scheduler %s, %d rollout servers, %d train ranks",
                  self.metaserver_url, self.scheduler.url, len(urls), self.train_ranks)
+
+    def _start_sglang(self, threads: str) -> list[str]:
+        """One sglang server job per rollout server, flags mapped from our config; waits for each /health."""
+        cfg, scheduler = self.cfg, self.scheduler
+        assert scheduler is not None
+        urls = []
+        for r in range(cfg.rollout.servers):
+            device = str(rollout_device(cfg.model.device, r, self.train_ranks, cfg.runtime.colocate))
+            kind, _, index = device.partition(":")
+            port = free_port()
+            flags = {"model_path": os.path.abspath(cfg.model.path), "host": "127.0.0.1", "port": port,
+                     "api_key": self.token, "dtype": cfg.model.dtype, "device": kind, "base_gpu_id": int(index or 0),
+                     "mem_fraction_static": cfg.rollout.mem_fraction, "tp_size": cfg.rollout.tp_size,
+                     "random_seed": (cfg.rollout.seed if cfg.rollout.seed >= 0 else cfg.seed + 17) + 1000 * r,
+                     "skip_server_warmup": True}
+            path = os.path.join(self.run_dir, f"rollout-{r}.sglang.yaml")
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                yaml.safe_dump(flags, f)
+            cmd = [sys.executable, "-m", cfg.rollout.sglang_launcher, "--config", path]
+            env = {"RLHF_RUN_DIR": self.run_dir, "RLHF_RANK": str(r), "RLHF_ROLLOUT_THREADS": threads,
+                   "PYTHONPATH": _pythonpath()}
+            scheduler.submit(f"rollout-{r}", "rollout", cmd, env,
+                                colocate_with=f"train-{r}" if cfg.runtime.colocate else "")
+            urls.append(f"http://127.0.0.1:{port}")
+        for r, url in enumerate(urls):
+            self._wait_healthy(f"rollout-{r}", url)
+            os.remove(os.path.join(self.run_dir, f"rollout-{r}.sglang.yaml"))  # read at start only; it holds the key
+        return urls
+
+    def _wait_healthy(self, name: str, url: str) -> None:
+        """Until GET /health answers 200 (an sglang server loads its model first: minutes on a GPU), or the job
+        has ended, or runtime.startup_timeout_s."""
+        assert self.scheduler is not None
+        probe = Client(url, self.token, timeout_s=5, peer=name)
+        deadline = time.monotonic() + self.cfg.runtime.startup_timeout_s
+        try:
+            while True:
+                try:
+                    self.loop.run(probe.call("/health", method="GET", traced=False))
+                    return
+                except (RpcConnectionError, HTTPStatusError, RpcTimeout):
+                    pass
+                job = next((j for j in self.scheduler.jobs() if j["name"] == name), None)
+                if job is None or job["state"] != "running":
+                    raise RuntimeError(f"{name} ({self.cfg.rollout.sglang_launcher}) ended before it served /health: "
+                                       f"{job['state'] if job else 'no such job'}; its output is in "
+                                       f"{self.run_dir}/logs/{name}.stdout")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{name} did not answer GET {url}/health within runtime.startup_timeout_s "
+                                       f"({self.cfg.runtime.startup_timeout_s:g} s)")
+                time.sleep(0.2)  # a poll interval, not a wait for a result: the condition is /health's answer
+        finally:
+            self.loop.run(probe.close())
 
     def stop(self, level: int = logging.ERROR) -> None:
         """Every job through the scheduler (each error logged at `level` as it happens), then the MetaServer."""
@@ -86,6 +154,13 @@ class RolloutServices:
 
     def clients(self) -> list[Client]:
         return self.rollout + ([self.scheduler.client] if self.scheduler else [])
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now (sglang takes its port as a flag, not 0)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _pythonpath() -> str:

@@ -2,9 +2,10 @@
 
     meta  every rank uploads its shard to the MetaServer while every rollout server waits for the
           version's manifest and pulls (shared memory on this host, HTTP otherwise); both sides at once
-    disk  rank 0 writes an HF directory (weights/latest) that every rollout server loads; with the
-          policy's private_weights_dir off, the servers load the newest parity checkpoint instead,
-          written in place (the seeds' system)
+    disk  rank 0 writes an HF directory (weights/latest, tokenizer included) that every rollout server
+          loads; with the policy's private_weights_dir off, native servers load the newest parity
+          checkpoint instead, written in place (the seeds' system); sglang servers always load the
+          HF directory (a checkpoint slot is not one)
 
 `verify` then asks every rollout server for its weight_version and checksum (weights.verify).
 Fault points: weights_update.upload / .update / .save_dir (on the workers and servers).
@@ -42,7 +43,7 @@ class WeightSync:
         if cfg.weights.mode == "meta":
             return self.loop.run(self._update_meta(version, step))
         t0 = time.perf_counter()
-        if not cfg.resilience.private_weights_dir and self.latest_slot:
+        if not cfg.resilience.private_weights_dir and self.latest_slot and cfg.rollout.backend == "native":
             path = os.path.join(self.run_dir, "checkpoints", self.latest_slot)
         else:
             path = os.path.join(self.run_dir, "weights", "latest")
@@ -86,7 +87,16 @@ class WeightSync:
         return {"upload_s_max": max(times[:n]), "update_s_max": max(times[n:]) if times[n:] else 0.0}
 
     def verify(self, version: str, step: int) -> int:
-        """Every rollout server must report `version` and the trainer's checksum; returns 1 or raises."""
+        """Every rollout server must report `version` and the trainer's checksum; returns 1 or raises.
+        sglang servers have no checksum route: their /model_info weight_version is checked alone."""
+        if self.cfg.rollout.backend == "sglang":
+            infos = self.loop.gather(*[c.call("/model_info", method="GET", stage="weights_update", step=step)
+                                       for c in self.services.rollout])
+            wrong = [f"rollout-{r}: version {info.get('weight_version')!r}" for r, (info, _) in enumerate(infos)
+                     if str(info.get("weight_version")) != version]
+            if wrong:
+                raise WeightsMismatch(f"step {step}: trainer has version {version}; " + "; ".join(wrong))
+            return 1
         trainer = self.workers.call("weights_checksum", step=step, stage="weights_update")[0][0]
         replies = self.loop.gather(*[c.call("/weights_checksum", method="GET", stage="weights_update", step=step)
                                      for c in self.services.rollout])
