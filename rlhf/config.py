@@ -149,10 +149,14 @@ class RolloutConfig:
     """With backend sglang: --mem-fraction-static, the share of GPU memory sglang takes for weights and KV cache."""
     tp_size: int = 1
     """With backend sglang: --tp-size, GPUs per rollout server (tensor parallel)."""
+    max_queued_requests: int = 16
+    """Calls a rollout server lets wait for its engine; with the policy's shed_load on, one more is answered 503
+    with Retry-After and the client sends it again after that (sglang's --max-queued-requests); 0: no limit."""
 
     def __post_init__(self) -> None:
         _choice("rollout.backend", self.backend, ("native", "sglang"))
         _positive("rollout.tp_size", self.tp_size)
+        _positive("rollout.max_queued_requests", self.max_queued_requests, allow_zero=True)
         if not 0 < self.mem_fraction <= 1:
             raise ConfigError(f"rollout.mem_fraction: must be in (0, 1], got {self.mem_fraction!r}")
         if self.backend == "sglang" and self.sglang_launcher.split(".")[0] == "sglang":

@@ -69,9 +69,10 @@ def diverse():
 
 
 SGLANG_KEY = "sglang-k3y"
+SGLANG_MAX_QUEUED = 2
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def sglang_server(tmp_path_factory):
     """(url, model_dir): `python -m rlhf.runtime.sglang_launch` with an API key, as `sglang.launch_server` runs."""
     import requests
@@ -84,7 +85,8 @@ def sglang_server(tmp_path_factory):
     model_dir = write_model_dir(str(tmp / "model"))
     port = free_port()
     proc = spawn([sys.executable, "-m", "rlhf.runtime.sglang_launch", "--model-path", model_dir, "--port", str(port),
-                  "--api-key", SGLANG_KEY, "--random-seed", "3"], env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT,
+                  "--api-key", SGLANG_KEY, "--random-seed", "3",
+                  "--max-queued-requests", str(SGLANG_MAX_QUEUED)], env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT,
                  log_path=str(tmp / "server.out"))
     url = f"http://127.0.0.1:{port}"
 

@@ -11,7 +11,7 @@ from rlhf.models import load_tokenizer
 from rlhf.runtime.client import Client, LoopThread
 from rlhf.runtime.errors import HTTPStatusError, RemoteError
 from tests.conftest import SGLANG_KEY as KEY
-from tests.conftest import wait_until
+from tests.conftest import SGLANG_MAX_QUEUED, wait_until
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
@@ -206,3 +206,36 @@ def test_our_client_reads_sglang_errors_and_plain_text_replies(server):
     finally:
         loop.run(client.close())
         loop.close()
+
+
+def test_over_its_queue_limit_the_server_sheds_with_retry_after_and_our_client_retries(server, caplog):
+    """shed_load: past --max-queued-requests a call is answered 503 with Retry-After; our client waits and sends
+    it again (nothing of it ran), so no request is lost; without retries the 503 is the call's."""
+    url, _ = server
+    body = {"text": "1+1=", "sampling_params": {"max_new_tokens": 2}}
+    loop = LoopThread()
+    patient, plain = Client(url, KEY, timeout_s=60, peer="rollout-0", retries=True), Client(url, KEY, peer="rollout-0")
+    assert post(url, "/pause_generation", {"mode": "in_place"}).status_code == 200
+    try:
+        waiting = [_in_thread(lambda: post(url, "/generate", body).json()) for _ in range(SGLANG_MAX_QUEUED)]
+        wait_until(lambda: _internal(url)["queued_calls"] == SGLANG_MAX_QUEUED, 30, "the queue to fill")
+        shed = post(url, "/generate", body)
+        assert shed.status_code == 503 and int(shed.headers["Retry-After"]) >= 1
+        assert "max_queued_requests" in shed.json()["error"]["message"]
+        with pytest.raises(HTTPStatusError) as refused:
+            loop.run(plain.call("/generate", body))
+        assert refused.value.status == 503
+        before = _internal(url)["shed_calls"]
+        thread, box = _in_thread(lambda: loop.run(patient.call("/generate", body))[0])
+        wait_until(lambda: _internal(url)["shed_calls"] > before, 30, "the client's first attempt to be shed")
+    finally:
+        post(url, "/continue_generation", {})
+    thread.join(60)
+    assert box["out"]["meta_info"]["completion_tokens"] >= 1  # served on a later attempt
+    for t, b in waiting:
+        t.join(60)
+        assert b["out"]["meta_info"]["completion_tokens"] >= 1
+    assert any("over its queue limit" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
+    loop.run(patient.close())
+    loop.run(plain.close())
+    loop.close()

@@ -14,13 +14,13 @@ import time
 from typing import Any, Awaitable
 
 import aiohttp
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential_jitter
 
 from rlhf import tracing
 from rlhf.faults import afault_point
 from rlhf.faults.points import idempotent
 from rlhf.runtime import wire
-from rlhf.runtime.errors import ErrorInfo, HTTPStatusError, RemoteError, RpcConnectionError, RpcTimeout
+from rlhf.runtime.errors import ErrorInfo, HTTPStatusError, Overloaded, RemoteError, RpcConnectionError, RpcTimeout
 from rlhf.runtime.http import STAGE_HEADER, STEP_HEADER, TOKEN_HEADER
 
 log = logging.getLogger("rlhf.client")
@@ -83,24 +83,39 @@ class Client:
 
     async def _attempts(self, path: str, args: Any, tensors: dict | None, timeout_s: float | None, stage: str,
                         step: int, method: str, points: tuple[str, ...], raw: bool) -> tuple[Any, dict]:
-        """One request, or up to ATTEMPTS of an idempotent one, all inside its one timeout (nested timeouts stay
-        nested: each attempt gets what is left)."""
-        if not (self.retries and idempotent(method, path)):
+        """One request; with retries on, an idempotent one up to ATTEMPTS times after a transient failure, and any
+        one again after a 503 with Retry-After (a service over its queue limit ran none of it), all inside its one
+        timeout (nested timeouts stay nested: each attempt gets what is left)."""
+        if not self.retries:
             return await self._call(path, args, tensors, timeout_s, stage, step, method, points, raw)
+        safe = idempotent(method, path)
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        backoff = wait_exponential_jitter(multiplier=0.05, max=1.0, jitter=0.05)
 
         def again(state: RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
             what = f"{type(exc).__name__}: {exc}"[:300]
-            log.warning("retrying %s %s to %s (attempt %d of %d; idempotent) after %s", method, path, self.peer,
-                        state.attempt_number + 1, ATTEMPTS, what)
+            why = "; the service is over its queue limit" if isinstance(exc, Overloaded) else \
+                f" of {ATTEMPTS}; idempotent"
+            log.warning("retrying %s %s to %s (attempt %d%s) after %s", method, path, self.peer,
+                        state.attempt_number + 1, why, what)
             tracing.trace.get_current_span().add_event("retry", {"rlhf.attempt": state.attempt_number + 1,
                                                                  "rlhf.error": what})
 
-        async for attempt in AsyncRetrying(
-                stop=stop_after_attempt(ATTEMPTS), wait=wait_exponential_jitter(multiplier=0.05, max=1.0, jitter=0.05),
-                retry=retry_if_exception(lambda e: transient(e) and deadline - time.monotonic() > 0.05),
-                before_sleep=again, reraise=True):
+        def wait(state: RetryCallState) -> float:
+            exc = state.outcome.exception() if state.outcome else None
+            pause = exc.retry_after_s if isinstance(exc, Overloaded) else backoff(state)
+            return max(0.0, min(pause, deadline - time.monotonic() - 0.05))
+
+        def stop(state: RetryCallState) -> bool:
+            exc = state.outcome.exception() if state.outcome else None
+            return not isinstance(exc, Overloaded) and state.attempt_number >= ATTEMPTS
+
+        def retryable(exc: BaseException) -> bool:
+            return (isinstance(exc, Overloaded) or (safe and transient(exc))) and deadline - time.monotonic() > 0.05
+
+        async for attempt in AsyncRetrying(stop=stop, wait=wait, retry=retry_if_exception(retryable),
+                                           before_sleep=again, reraise=True):
             with attempt:
                 return await self._call(path, args, tensors, max(0.05, deadline - time.monotonic()), stage, step,
                                         method, points, raw)
@@ -143,6 +158,13 @@ class Client:
                         return reply
                     except wire.CorruptPayload as exc:  # name the sender: the data changed after it left there
                         raise wire.CorruptPayload(f"reply from {self.peer} to {path}: {exc}") from None
+                if resp.status == 503 and "Retry-After" in resp.headers:  # shed, not failed: nothing of it ran
+                    try:
+                        after = float(resp.headers["Retry-After"])
+                    except ValueError:
+                        after = 1.0
+                    raise Overloaded(f"over its queue limit, Retry-After {after:g} s: "
+                                     f"{payload.decode(errors='replace')[:300]}", after, url, self.peer)
                 if resp.content_type == wire.JSON_TYPE:
                     try:
                         err = wire.decode(payload, resp.content_type)[0]

@@ -71,6 +71,20 @@ class HTTPStatusError(RuntimeError):
         super().__init__(f"HTTP {status} from {_who(url, peer)}: {body}")
 
 
+class Overloaded(HTTPStatusError):
+    """A service over its queue limit: HTTP 503 with Retry-After. Nothing of the request ran, so any request may be
+    sent again after retry_after_s (raised by the service's handler, and by the client that gets the reply)."""
+
+    http_status = 503
+    expected = True  # load, not a failure of the service: a warning, no traceback
+
+    def __init__(self, message: str, retry_after_s: float, url: str = "", peer: str = "") -> None:
+        super().__init__(503, message, url, peer)
+        self.retry_after_s = retry_after_s
+        if not url:  # raised where it happened: the message alone
+            self.args = (message,)
+
+
 def _who(url: str, peer: str) -> str:
     return f"{peer} ({url})" if peer else url
 

@@ -25,6 +25,7 @@ import concurrent.futures
 import contextvars
 import hmac
 import logging
+import math
 import threading
 import time
 from typing import Any, Awaitable, Callable
@@ -143,10 +144,12 @@ class Service:
 
     def _error_reply(self, exc: BaseException, method: str, path: str, stage: str, step: int) -> web.Response:
         status = int(getattr(exc, "http_status", 500))
-        if status < 500:  # the caller's input, not this service's failure: a warning, no traceback
+        if status < 500 or getattr(exc, "expected", False):  # the caller's input, or load: a warning, no traceback
             info = ErrorInfo(type(exc).__name__, str(exc), self.role, self.rank, stage=stage, step=step)
             log.warning("%s-%d: %s %s refused (%d): %s", self.role, self.rank, method, path, status, exc)
-            return web.json_response({"error": {**info.to_dict(), "code": status}}, status=status)
+            retry_after = getattr(exc, "retry_after_s", None)
+            headers = {"Retry-After": str(max(1, math.ceil(retry_after)))} if retry_after is not None else None
+            return web.json_response({"error": {**info.to_dict(), "code": status}}, status=status, headers=headers)
         info = self._log_error(exc, method, path, stage, step)
         if status == 500 and not self.policy.typed_errors:
             return web.Response(status=500, text=BARE_500)

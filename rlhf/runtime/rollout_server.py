@@ -39,7 +39,7 @@ from rlhf.rollout.sglang_api import reply as sglang_reply
 from rlhf.run_dir import setup_logging
 from rlhf.runtime.client import Client
 from rlhf.runtime.colocation import DeviceBusy, DeviceLease, device_name, fresh_allocation, read_leak
-from rlhf.runtime.errors import BadRequest
+from rlhf.runtime.errors import BadRequest, Overloaded
 from rlhf.runtime.http import DEFAULT_HOST, STAGE_HEADER, Service, serve_forever
 from rlhf.runtime.metaserver import pull_weights
 from rlhf.runtime.resilience import HARDENED, Policy
@@ -57,7 +57,8 @@ class RolloutServer:
 
     def __init__(self, engine: Any, rank: int, token: str, policy: Policy = HARDENED,
                  lease: DeviceLease | None = None, lease_timeout_s: float = 30.0, run_dir: str = "",
-                 verify_checksum: str = "sha256", sglang_only: bool = False, model_path: str = "") -> None:
+                 verify_checksum: str = "sha256", sglang_only: bool = False, model_path: str = "",
+                 max_queued: int = 0) -> None:
         self.engine, self.rank, self.token, self.run_dir = engine, rank, token, run_dir
         self.verify_checksum = verify_checksum  # algorithm of /weights_checksum (weights.verify)
         self.device = device_name("rollout", rank, lease is not None)
@@ -73,6 +74,9 @@ class RolloutServer:
         self.pending_aborts: set[str] = set()  # rids aborted before their call started
         self.paused = asyncio.Event()  # set while /pause_generation holds new calls
         self.draining = False
+        self.max_queued = max_queued  # calls let wait for the engine (policy shed_load; 0: no limit)
+        self.shed = 0  # calls answered 503 (over max_queued)
+        self.call_seconds = 1.0  # how long the last engine call took (Retry-After's estimate)
         self._state = threading.Lock()
         r = self.service.route
         self.service.raw_route("POST", "/generate", self.generate_http)
@@ -110,6 +114,12 @@ class RolloutServer:
             raise BadRequest(f"the /generate body is not JSON: {exc}") from None
         call = parse_generate(args, self.engine.tokenizer)
         with self._state:
+            waiting = len(self.queued)
+            if self.policy.shed_load and self.max_queued and waiting >= self.max_queued:
+                self.shed += 1
+                # the queue ahead drains one engine call at a time: about that many call lengths
+                raise Overloaded(f"rollout-{self.rank} has {waiting} calls waiting (rollout.max_queued_requests "
+                                 f"{self.max_queued}); retry later", waiting * self.call_seconds)
             self.queued.append(call)
         if self.paused.is_set():  # /pause_generation: new calls wait for /continue_generation
             await self._unpaused()
@@ -161,6 +171,13 @@ class RolloutServer:
 
     def _run_call(self, call: GenerateCall, on_chunk: Callable[[dict], None] | None) -> list[dict]:
         """One /generate call on the engine thread: prompts with equal sampling in one engine call each."""
+        started = time.monotonic()
+        try:
+            return self._run_call_now(call, on_chunk)
+        finally:
+            self.call_seconds = time.monotonic() - started
+
+    def _run_call_now(self, call: GenerateCall, on_chunk: Callable[[dict], None] | None) -> list[dict]:
         with self._state:
             self.queued.remove(call)
         self._check_lease()
@@ -425,7 +442,8 @@ class RolloutServer:
         return {"model_path": self.model_path, "served_model_name": self.model_path, "tokenizer_path": self.model_path,
                 "max_context_length": int(getattr(cfg, "max_position_embeddings", 0) or 0),
                 "max_total_num_tokens": None, "version": f"rlhf-native (sglang API {SGLANG_VERSION})",
-                "internal_states": [{"running_calls": running, "queued_calls": queued,
+                "internal_states": [{"running_calls": running, "queued_calls": queued, "shed_calls": self.shed,
+                                     "max_queued_requests": self.max_queued,
                                      "paused": self.paused.is_set(), "weight_version": self.engine.weight_version}],
                 "host": self.host, "port": self.port, "incremental_streaming_output": False,
                 "disaggregation_mode": "null", "startup_time": self.started, "frontend": "rlhf",
@@ -473,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = RolloutEngine(model, tok, seed=seed)
     lease = DeviceLease(args.run_dir, args.rank, f"rollout-{args.rank}") if args.colocate else None
     server = RolloutServer(engine, args.rank, token, cfg.resilience, lease, cfg.runtime.lease_timeout_s,
-                           args.run_dir, cfg.weights.verify_checksum)
+                           args.run_dir, cfg.weights.verify_checksum, max_queued=cfg.rollout.max_queued_requests)
 
     server.host = args.host
 

@@ -38,6 +38,7 @@ FLAGS = {  # sglang flag -> (type, default, help)
     "random-seed": (int, 0, "the sampling generator's seed"),
     "mem-fraction-static": (float, None, "accepted for sglang compatibility; the native engine allocates per call"),
     "tp-size": (int, 1, "tensor parallel size: the native engine serves 1 only"),
+    "max-queued-requests": (int, None, "calls let wait; one more is answered 503 with Retry-After (default: no limit)"),
     "served-model-name": (str, None, "the model name /model_info reports"),
     "log-level": (str, "info", "log level"),
 }
@@ -104,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
                                            seed=args.random_seed)
     engine = RolloutEngine(model, tok, seed=args.random_seed)
     server = RolloutServer(engine, rank, args.api_key or "", cfg.resilience if cfg else HARDENED, run_dir=run_dir,
-                           sglang_only=True, model_path=args.served_model_name or args.model_path)
+                           sglang_only=True, model_path=args.served_model_name or args.model_path,
+                           max_queued=args.max_queued_requests or 0)
     if not args.api_key:
         server.service.open_paths = ("/",)  # sglang without --api-key: every route is open
     server.host = args.host

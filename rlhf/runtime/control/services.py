@@ -92,6 +92,8 @@ class RolloutServices:
                      "mem_fraction_static": cfg.rollout.mem_fraction, "tp_size": cfg.rollout.tp_size,
                      "random_seed": (cfg.rollout.seed if cfg.rollout.seed >= 0 else cfg.seed + 17) + 1000 * r,
                      "skip_server_warmup": True}
+            if cfg.resilience.shed_load and cfg.rollout.max_queued_requests:
+                flags["max_queued_requests"] = cfg.rollout.max_queued_requests
             path = os.path.join(self.run_dir, f"rollout-{r}.sglang.yaml")
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as f:
