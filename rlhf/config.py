@@ -314,6 +314,9 @@ class RuntimeConfig:
     """How long a colocated side waits for the device lease, seconds."""
     cleanup_timeout_s: float = 30.0
     """Timeout of one stop-job call to the scheduler during cleanup, seconds."""
+    drain_timeout_s: float = 4.0
+    """A rollout server's graceful drain (policy graceful_drain) gives its running and queued calls this long after
+    SIGTERM; under the scheduler's 5 s grace before SIGKILL."""
     scheduler_lease_s: float = 10.0
     """The scheduler stops every job it started when the controller has not renewed its lease for this long, seconds."""
     startup_timeout_s: float = 120.0
@@ -323,6 +326,7 @@ class RuntimeConfig:
 
     def __post_init__(self) -> None:
         for name in ("rpc_timeout_s", "rollout_timeout_s", "event_timeout_s", "lease_timeout_s", "cleanup_timeout_s",
+                     "drain_timeout_s",
                      "scheduler_lease_s", "startup_timeout_s"):
             _positive(f"runtime.{name}", getattr(self, name))
         _positive("runtime.watchdog_stall_s", self.watchdog_stall_s, allow_zero=True)

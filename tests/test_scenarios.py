@@ -144,6 +144,7 @@ def test_scenario3_hardened_names_the_oom_first_and_last(tmp_path):
     assert_diagnosed(run_dir, "train-1", "train", "oom_device")
 
 
+@pytest.mark.slow  # 25 s: the default suite keeps its 15-minute budget; the two presets' scenario 3 runs stay in it
 def test_scenario3_hardened_without_the_ledger_ends_on_the_cleanup_timeout_again(tmp_path):
     """One behaviour switched off alone: typed errors still name the OOM first, but without the
     first-failure ledger the last error line is cleanup's again — what the ledger buys, measured."""

@@ -239,3 +239,63 @@ def test_over_its_queue_limit_the_server_sheds_with_retry_after_and_our_client_r
     loop.run(patient.close())
     loop.run(plain.close())
     loop.close()
+
+
+@pytest.mark.parametrize("preset", ["hardened", "faithful"])
+def test_sigterm_drains_running_calls_then_exits_0_or_drops_them_when_off(tmp_path, preset):
+    """graceful_drain: SIGTERM stops new calls (503), the running call is answered in full, the server exits 0;
+    off (faithful): it exits at once and the running call gets no reply."""
+    import os
+    import signal
+    import sys
+
+    from rlhf.config import build_config
+    from rlhf.models.hf_dir import write_model_dir
+    from rlhf.procs import spawn, stop_group
+    from rlhf.runtime.control.services import free_port
+    from tests.conftest import ROOT
+
+    cfg = build_config("smoke", dotted=[("runtime.drain_timeout_s", 60.0), ("resilience.preset", preset)])
+    (tmp_path / "config.yaml").write_text(cfg.to_yaml())
+    port = free_port()
+    proc = spawn([sys.executable, "-m", "rlhf.runtime.sglang_launch", "--model-path", write_model_dir(str(tmp_path / "m")),
+                  "--port", str(port), "--api-key", KEY],
+                 env={**os.environ, "PYTHONPATH": ROOT, "RLHF_RUN_DIR": str(tmp_path), "RLHF_RANK": "0"}, cwd=ROOT,
+                 log_path=str(tmp_path / "server.out"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _ready(url, proc), 120, "the server to start")
+        tokens = 800  # long enough to be running while the test probes the drain (about 2 s here)
+        thread, box = _in_thread(lambda: _post_or_error(url, {"text": "1+1=", "sampling_params": {
+            "max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}}))
+        wait_until(lambda: _internal(url)["running_calls"] == 1, 30, "the long call to run")
+        os.kill(proc.pid, signal.SIGTERM)
+        if preset == "hardened":
+            wait_until(lambda: requests.get(url + "/ready").status_code == 503, 30, "/ready to say draining")
+            refused = post(url, "/generate", {"text": "1+1=", "sampling_params": {"max_new_tokens": 1}})
+            assert refused.status_code == 503 and "draining" in refused.json()["error"]["message"]
+            assert refused.headers["Retry-After"] == "1"
+        thread.join(120)
+        assert proc.wait(timeout=120) == (0 if preset == "hardened" else 128 + signal.SIGTERM)
+        if preset == "hardened":
+            assert box["out"]["meta_info"]["completion_tokens"] == tokens  # answered in full
+            assert "drained; exiting 0" in (tmp_path / "logs" / "rollout-0.log").read_text()
+        else:
+            assert isinstance(box["out"], requests.ConnectionError)  # the reply was lost
+    finally:
+        stop_group(proc)
+
+
+def _ready(url, proc):
+    assert proc.poll() is None, f"server exited with {proc.returncode}"
+    try:
+        return requests.get(url + "/ready", timeout=1).status_code == 200
+    except requests.ConnectionError:
+        return False
+
+
+def _post_or_error(url, body):
+    try:
+        return post(url, "/generate", body, ).json()
+    except requests.ConnectionError as exc:
+        return exc

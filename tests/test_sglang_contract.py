@@ -89,6 +89,11 @@ def test_runtime_endpoint_constructs_generates_and_reads_info(sglang, sglang_ser
     assert meta.completion_tokens == 5 and meta.finish_reason == sglang.api.FinishLength(length=5)
     streamed = "".join(chunk for chunk, _meta in endpoint.generate_stream(Program(), params))
     assert streamed == text
+    # token ids through sglang's own request helper (what its Engine/router clients send)
+    utils = importlib.import_module("sglang.utils")
+    ids = utils.http_request(url + "/generate", json={"input_ids": [1, 5, 6], "sampling_params": {"max_new_tokens": 3}},
+                             api_key=KEY).json()
+    assert sglang.api.GenerateResponse.from_json_value(ids).meta_info.prompt_tokens == 3
     params.return_logprob, params.top_logprobs_num = True, 2
     _, meta = endpoint.generate(Program(), params)
     assert len(sglang.api.GenerateMetaInfo.from_json_value(meta).output_token_logprobs) == 5

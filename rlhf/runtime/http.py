@@ -264,14 +264,16 @@ class ServiceThread:
         self.service.executor.shutdown(wait=False, cancel_futures=True)
 
 
-async def serve_forever(service: Service, host: str, port: int, on_ready: Callable[[int], None]) -> None:
-    """Run a Service as the main loop of a process (rollout server, scheduler) until cancelled."""
+async def serve_forever(service: Service, host: str, port: int, on_ready: Callable[[int], None],
+                        stop: asyncio.Event | None = None) -> None:
+    """Run a Service as the main loop of a process (rollout server, scheduler) until cancelled, or until `stop`
+    is set (a drained rollout server)."""
     runner = web.AppRunner(service.app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
     on_ready(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
     try:
-        await asyncio.Event().wait()
+        await (stop or asyncio.Event()).wait()
     finally:
         await runner.cleanup()

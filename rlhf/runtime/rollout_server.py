@@ -73,7 +73,9 @@ class RolloutServer:
         self.queued: list[GenerateCall] = []  # calls waiting for the engine
         self.pending_aborts: set[str] = set()  # rids aborted before their call started
         self.paused = asyncio.Event()  # set while /pause_generation holds new calls
-        self.draining = False
+        self.draining = False  # SIGTERM with graceful_drain: no new calls, the others finish
+        self.calls = 0  # /generate calls accepted and not yet answered (queued or running)
+        self.drain_left = 0  # calls a drain that timed out left behind
         self.max_queued = max_queued  # calls let wait for the engine (policy shed_load; 0: no limit)
         self.shed = 0  # calls answered 503 (over max_queued)
         self.call_seconds = 1.0  # how long the last engine call took (Retry-After's estimate)
@@ -113,6 +115,8 @@ class RolloutServer:
         except ValueError as exc:
             raise BadRequest(f"the /generate body is not JSON: {exc}") from None
         call = parse_generate(args, self.engine.tokenizer)
+        if self.draining:
+            raise Overloaded(f"rollout-{self.rank} is draining (SIGTERM): it takes no new calls", 1.0)
         with self._state:
             waiting = len(self.queued)
             if self.policy.shed_load and self.max_queued and waiting >= self.max_queued:
@@ -121,6 +125,14 @@ class RolloutServer:
                 raise Overloaded(f"rollout-{self.rank} has {waiting} calls waiting (rollout.max_queued_requests "
                                  f"{self.max_queued}); retry later", waiting * self.call_seconds)
             self.queued.append(call)
+            self.calls += 1
+        try:
+            return await self._serve_call(request, call)
+        finally:
+            with self._state:
+                self.calls -= 1
+
+    async def _serve_call(self, request: web.Request, call: GenerateCall) -> web.StreamResponse:
         if self.paused.is_set():  # /pause_generation: new calls wait for /continue_generation
             await self._unpaused()
         loop = asyncio.get_running_loop()
@@ -129,6 +141,28 @@ class RolloutServer:
             outputs = await loop.run_in_executor(self.service.executor, ctx.run, self._run_call, call, None)
             return web.json_response(outputs if call.batch else outputs[0])
         return await self._stream(request, call, loop, ctx)
+
+    async def drain(self, stop: asyncio.Event, timeout_s: float) -> None:
+        """graceful_drain: take no new calls, let the running and queued ones finish (a pause is lifted for
+        them), then set `stop`; after timeout_s stop anyway, recording what was left."""
+        self.draining = True
+        self.paused.clear()
+        with self._state:
+            log.info("rollout-%d: SIGTERM: draining %d call(s)", self.rank, self.calls)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._state:
+                left = self.calls
+            if not left or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.02)
+        self.drain_left = left
+        if left:
+            log.warning("rollout-%d: drain timed out after %g s (runtime.drain_timeout_s) with %d call(s) left",
+                        self.rank, timeout_s, left)
+        else:
+            log.info("rollout-%d: drained; exiting 0", self.rank)
+        stop.set()
 
     async def _unpaused(self) -> None:
         while self.paused.is_set():
@@ -501,13 +535,47 @@ def main(argv: list[str] | None = None) -> int:
         write_atomic(args.ready_file, url)
         log.info("rollout server %d listening on %s (pid %d, colocate=%s)", args.rank, url, os.getpid(), args.colocate)
 
-    signal.signal(signal.SIGTERM, _exit_on_signal)  # SystemExit unwinds the loop; atexit flushes the spans
+    return serve(server, args.host, args.port, ready, cfg.resilience.graceful_drain, cfg.runtime.drain_timeout_s,
+                 stop_process_telemetry)
+
+
+def serve(server: RolloutServer, host: str, port: int, ready: Callable[[int], None], drain: bool,
+          drain_timeout_s: float, on_exit: Callable[[], None]) -> int:
+    """A rollout server process's main loop; returns its exit code.
+
+    drain (the policy's graceful_drain): SIGTERM starts `server.drain`, which ends the loop once the calls it had
+    are answered (exit 0) or after drain_timeout_s (exit 1, at once: a stuck call's thread is not waited for); a
+    second SIGTERM exits at once. Off: SIGTERM exits at once (SystemExit unwinds the loop; replies are lost).
+    """
+    if not drain:
+        signal.signal(signal.SIGTERM, _exit_on_signal)
+        try:
+            asyncio.run(serve_forever(server.service, host, port, ready))
+        except KeyboardInterrupt:
+            pass
+        finally:
+            on_exit()
+        return 0
+
+    async def main() -> None:
+        stop, loop = asyncio.Event(), asyncio.get_running_loop()
+
+        def on_term() -> None:
+            if server.draining:
+                raise SystemExit(128 + signal.SIGTERM)
+            loop.create_task(server.drain(stop, drain_timeout_s))
+
+        loop.add_signal_handler(signal.SIGTERM, on_term)
+        await serve_forever(server.service, host, port, ready, stop)
+
     try:
-        asyncio.run(serve_forever(server.service, args.host, args.port, ready))
+        asyncio.run(main())
     except KeyboardInterrupt:
         pass
     finally:
-        stop_process_telemetry()
+        on_exit()
+    if server.drain_left:
+        os._exit(1)  # a call still runs on the engine thread: do not wait for it at interpreter exit
     return 0
 
 

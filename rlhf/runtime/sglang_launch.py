@@ -16,12 +16,9 @@ spans and fault points into that run directory as `rollout-<RLHF_RANK>`.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
-import signal
 import sys
-from typing import Any
 
 import yaml
 
@@ -79,9 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     from rlhf.procs import set_pdeathsig
     from rlhf.rollout.engine import RolloutEngine
     from rlhf.run_dir import setup_logging
-    from rlhf.runtime.http import serve_forever
     from rlhf.runtime.resilience import HARDENED
-    from rlhf.runtime.rollout_server import RolloutServer
+    from rlhf.runtime.rollout_server import RolloutServer, serve
     from rlhf.tracing.setup import start_process_telemetry, stop_process_telemetry
 
     set_pdeathsig()
@@ -116,19 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         log.info("sglang-compatible rollout server on http://%s:%d (pid %d, %s on %s)", args.host, port, os.getpid(),
                  dtype, device)
 
-    signal.signal(signal.SIGTERM, _exit_on_signal)
-    try:
-        asyncio.run(serve_forever(server.service, args.host, args.port, ready))
-    except KeyboardInterrupt:
-        pass
-    finally:
-        if run_dir:
-            stop_process_telemetry()
-    return 0
-
-
-def _exit_on_signal(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
+    policy = cfg.resilience if cfg else HARDENED
+    return serve(server, args.host, args.port, ready, policy.graceful_drain,
+                 cfg.runtime.drain_timeout_s if cfg else 4.0, stop_process_telemetry if run_dir else lambda: None)
 
 
 if __name__ == "__main__":
