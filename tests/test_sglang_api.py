@@ -65,6 +65,8 @@ def test_generate_from_text_and_ids_single_and_batch(server):
     empty = post(url, "/generate", {"input_ids": [1, 5], "sampling_params": {"max_new_tokens": 0, "top_p": None},
                                     "return_logprob": True, "logprob_start_len": 0}).json()
     assert empty["output_ids"] == [] and empty["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    scored = empty["meta_info"]["input_token_logprobs"]  # max_new_tokens 0 scores the prompt (RL's logprob use)
+    assert [e[1] for e in scored] == [1, 5] and scored[0][0] is None and scored[1][0] < 0
 
 
 def test_bad_input_is_a_400_naming_the_field(server):
@@ -156,6 +158,15 @@ def test_abort_by_rid_while_running_and_while_paused(server):
     thread.join(60)
     meta = box["out"]["meta_info"]
     assert meta["finish_reason"]["type"] == "abort" and 0 < meta["completion_tokens"] < 4000
+    # one output of an n > 1 request, by its id: that sample ends, its sibling runs on
+    thread, box = _in_thread(lambda: post(url, "/generate", {"text": "1+1=", "rid": "pair",
+                                                             "sampling_params": {**long, "n": 2,
+                                                                                 "max_new_tokens": 1500}}).json())
+    wait_until(lambda: _internal(url)["running_calls"] == 1, 30, "the pair to run")
+    post(url, "/abort_request", {"rid": "pair-1"})
+    thread.join(60)
+    assert [r["meta_info"]["id"] for r in box["out"]] == ["pair-0", "pair-1"]
+    assert [r["meta_info"]["finish_reason"]["type"] for r in box["out"]] == ["length", "abort"]
     # paused: new requests wait; one aborted while it waits comes back aborted, with no tokens
     assert post(url, "/pause_generation", {"mode": "in_place"}).json()["status"] == "ok"
     thread, box = _in_thread(lambda: post(url, "/generate", {"text": "1+1=", "rid": "queued",

@@ -198,14 +198,16 @@ class RequestControl(StepControl):
     def __init__(self, prompts: list[Prompt], tokenizer: Any, on_tokens: Callable | None = None) -> None:
         self.prompts, self.tokenizer, self.on_tokens = prompts, tokenizer, on_tokens
         self.rows = [(p, j) for p in prompts for j in range(p.sampling.n)]
-        self.rids = {p.rid for p in prompts}
+        self.ids = [output_id(p, j) for p, j in self.rows]  # what each row's reply calls itself
+        self.rids = {p.rid for p in prompts} | set(self.ids)
         self.wants_tokens = on_tokens is not None or any(p.stop for p in prompts)
         self.generated: list[list[int]] = [[] for _ in self.rows]
         self._abort: dict[str, str] = {}  # rid -> message ("*": all)
         self._lock = threading.Lock()
 
     def abort(self, rid: str = "*", message: str = "aborted by /abort_request") -> bool:
-        """Finish a prompt's rows (or every row) after the current step; True if this call has the rid."""
+        """Finish a request's rows (its rid: all n samples; an output's id: that sample; "*": every row) after the
+        current step; True if this call has the rid."""
         if rid != "*" and rid not in self.rids:
             return False
         with self._lock:
@@ -218,7 +220,7 @@ class RequestControl(StepControl):
             aborted = dict(self._abort)
         if aborted:
             for r, (p, _j) in enumerate(self.rows):
-                message = aborted.get(p.rid, aborted.get("*"))
+                message = aborted.get(self.ids[r], aborted.get(p.rid, aborted.get("*")))
                 if message is not None:
                     finished[r] = {"type": "abort", "message": message}
         if rows is not None and tokens is not None:
@@ -233,6 +235,11 @@ class RequestControl(StepControl):
             if self.on_tokens is not None:
                 self.on_tokens(self, t, rows, finished)
         return finished
+
+
+def output_id(prompt: Prompt, j: int) -> str:
+    """An output's id: the request's rid, or with n > 1 the rid and the sample's index."""
+    return prompt.rid if prompt.sampling.n == 1 else f"{prompt.rid}-{j}"
 
 
 def decode_text(tokenizer: Any, ids: list[int], prompt: Prompt, finish: dict[str, Any] | None) -> str:
@@ -260,9 +267,8 @@ def reply(prompt: Prompt, j: int, result: dict[str, Any] | None, weight_version:
     """One output in sglang's shape (result None: max_new_tokens 0, nothing generated)."""
     ids = list(result["output_ids"]) if result else []
     finish = result["meta_info"]["finish_reason"] if result else {"type": "length", "length": 0}
-    rid = prompt.rid if prompt.sampling.n == 1 else f"{prompt.rid}-{j}"
     meta: dict[str, Any] = {
-        "id": rid, "finish_reason": finish, "prompt_tokens": len(prompt.ids), "completion_tokens": len(ids),
+        "id": output_id(prompt, j), "finish_reason": finish, "prompt_tokens": len(prompt.ids), "completion_tokens": len(ids),
         # the n samples of a prompt share its prefill: every sample but the first reads it from the cache
         "cached_tokens": len(prompt.ids) if j > 0 else 0, "reasoning_tokens": 0, "num_retractions": 0,
         "weight_version": weight_version, "e2e_latency": time.time() - started,

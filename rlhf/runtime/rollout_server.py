@@ -33,7 +33,7 @@ from rlhf.faults import afault_point, fault_point
 from rlhf.models import build_model_and_tokenizer
 from rlhf.procs import set_pdeathsig, write_atomic
 from rlhf.rollout.engine import RolloutEngine
-from rlhf.rollout.sglang_api import SGLANG_VERSION, GenerateCall, RequestControl, parse_generate
+from rlhf.rollout.sglang_api import SGLANG_VERSION, GenerateCall, RequestControl, output_id, parse_generate
 from rlhf.rollout.sglang_api import decode_text as sglang_decode
 from rlhf.rollout.sglang_api import reply as sglang_reply
 from rlhf.run_dir import setup_logging
@@ -229,9 +229,13 @@ class RolloutServer:
                 self.pending_aborts.discard(p.rid)
             if aborted or p.prefill_only:
                 finish = {"type": "abort", "message": "aborted before it started"} if aborted else None
+                extra = None  # max_new_tokens 0 scores the prompt: its logprobs, if asked for
+                if not aborted and p.return_logprob and p.logprob_start_len >= 0:
+                    extra = engine.prompt_logprobs([p.ids], p.logprob_start_len, p.top_logprobs_num)[0]
                 for j in range(p.sampling.n):
                     result = {"output_ids": [], "meta_info": {"finish_reason": finish}} if finish else None
-                    outputs[offsets[i] + j] = sglang_reply(p, j, result, engine.weight_version, call.started, tok)
+                    outputs[offsets[i] + j] = sglang_reply(p, j, result, engine.weight_version, call.started, tok,
+                                                           extra, call.return_text_in_logprobs)
                 continue
             groups.setdefault(p.engine_key(), []).append(i)
         n_samples = sum(call.prompts[i].sampling.n for idx in groups.values() for i in idx)
@@ -274,7 +278,7 @@ class RolloutServer:
                 if r in finished or len(ids) % p.stream_interval:
                     continue  # a finished output's last chunk is its final reply
                 emit({"text": sglang_decode(tok, ids, p, None), "output_ids": list(ids), "index": offsets[i] + j,
-                              "meta_info": {"id": p.rid if p.sampling.n == 1 else f"{p.rid}-{j}", "finish_reason": None,
+                              "meta_info": {"id": output_id(p, j), "finish_reason": None,
                                             "prompt_tokens": len(p.ids), "completion_tokens": len(ids),
                                             "weight_version": self.engine.weight_version}})
 
@@ -310,13 +314,12 @@ class RolloutServer:
         rid = str(args.get("rid") or "")
         if not rid:
             raise BadRequest("/abort_request needs rid or abort_all")
-        base = rid.rsplit("-", 1)[0]  # an output id of an n > 1 request names its prompt's rid
         with self._state:
             active = list(self.active)
-            queued = any(p.rid in (rid, base) for call in self.queued for p in call.prompts)
+            queued = any(p.rid == rid for call in self.queued for p in call.prompts)
             if queued:
-                self.pending_aborts.update((rid, base))
-        if not any(c.abort(rid) or c.abort(base) for c in active) and not queued:
+                self.pending_aborts.add(rid)
+        if not [c for c in active if c.abort(rid)] and not queued:
             log.info("abort_request: no running or queued request %r", rid)
         return web.Response(status=200)
 
