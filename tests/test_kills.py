@@ -105,3 +105,30 @@ def test_cpu_burnt_by_a_servers_children_is_named_as_cpu_starvation(tmp_path):
     assert "root cause: rollout-0" in last and "cpu_starvation" in last, last
     d = diagnose(str(run_dir))
     assert (d.root.process, d.root.stage, d.root.category) == ("rollout-0", "rollout", "cpu_starvation"), d.render()
+
+
+@pytest.mark.slow
+def test_a_rollout_server_killed_between_steps_is_started_again_and_the_run_finishes(tmp_path):
+    """restart_rollout: rollout-1 is SIGKILLed as the controller probes its /health before step 3; it is started
+    again, gets step 3's weights with the other server (verified), and every step runs."""
+    import csv
+    import json
+
+    faults = tmp_path / "fault.yaml"
+    faults.write_text("config:\n  steps: 4\n  rollout: {servers: 2}\nfaults:\n  - name: f\n"
+                      + sigkill("{role: rollout, rank: 1, peer: /health}", "rpc.server.handle", "{step: 3}"))
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, f"{ROOT}/examples/grpo_trainer.py", "--preset", "smoke", "--run-dir",
+                          str(run_dir), "--faults", str(faults), "--sft.max_steps", "0"],
+                         capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert_none_left(run_dir)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 4
+    with open(run_dir / "steps.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["rollout_restarts"] for r in rows] == ["0", "0", "1", "0"]
+    assert all(r["weights_verified"] == "1" for r in rows)
+    log = (run_dir / "logs" / "controller-0.log").read_text()
+    assert "step 3: rollout-1 is down (it does not answer /health" in log
+    starts = [json.loads(line) for line in (run_dir / "exits.jsonl").read_text().splitlines()]
+    assert len([s for s in starts if s.get("process") == "rollout-1" and s.get("event") == "start"]) == 2

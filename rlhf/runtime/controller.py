@@ -53,7 +53,7 @@ STEP_COLUMNS = [
     "response_length", "loss", "grad_norm", "ratio_mean", "rollout_tokens", "rollout_tokens_per_s", "batch_size",
     "dp_imbalance", "weights_update_s", "events_s", "rollout_s", "reward_s", "reference_s", "advantage_s", "train_s",
     "latest_recover_save_s", "periodic_recover_save_s", "upload_s_max", "update_s_max", "weights_verified",
-    "train_offload_mb", "rollout_release_mb", "eval_accuracy",
+    "train_offload_mb", "rollout_release_mb", "rollout_restarts", "eval_accuracy",
 ]
 
 
@@ -108,6 +108,8 @@ class Controller(RunLifecycle):
     def step(self, step: int) -> dict[str, Any]:
         clock, t0, cfg = TrackedClock(step, self.where), time.perf_counter(), self.cfg
         row: dict[str, Any] = {"step": step}
+        if cfg.resilience.restart_rollout:  # a dead rollout server is started again and gets this step's weights
+            row["rollout_restarts"] = len(self.services.revive(step))
         with clock.stage("weights_update"):
             row.update(self.weights.update(str(step), step))
             if cfg.weights.verify:

@@ -43,6 +43,8 @@ class Policy:
     """An idempotent request (GETs, DELETEs, /compute_logprobs) that fails in transit (connection reset or refused, a corrupt reply, HTTP 502-504) is sent again, 3 attempts within its timeout, exponential back-off with jitter, each retry a WARNING and a span event; off: the first failure is the call's."""
     stall_stops_run: bool = True
     """When the stall watchdog (runtime.watchdog_stall_s) finds a rank keeping the others waiting, the call fails at once with SyncStall naming it; off: the stall and the live diagnosis are logged and the run waits for the call's timeout, as the seeds' system did."""
+    restart_rollout: bool = True
+    """Before each step the controller asks the scheduler whether every rollout server's job still runs and each running one whether it answers GET /health; one that died or does not answer is (stopped and) started again, a WARNING and a steps.csv count, and gets the step's weights with the others (native backend, not colocated); off: the step fails on it."""
     shed_load: bool = True
     """A rollout server with rollout.max_queued_requests calls already waiting answers another one 503 with Retry-After, and the client waits that long and sends it again (none of it ran, so any request may be) within its timeout, a WARNING and a span event each time; off: every call queues, however many wait."""
     graceful_drain: bool = True

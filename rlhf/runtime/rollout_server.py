@@ -65,6 +65,7 @@ class RolloutServer:
         self.lease, self.lease_timeout_s = lease, lease_timeout_s
         self.service = Service("rollout", rank, token, policy)
         self.service.open_paths = ("/health", "/ready")  # probes without the token, as sglang leaves them
+        self.service.untraced_paths.update(("/health", "/ready"))  # the controller probes every step: no span each
         self.policy, self.sglang_only = policy, sglang_only
         self.model_path = model_path or (getattr(engine.model.config, "_name_or_path", "") if engine else "")
         self.host, self.port = DEFAULT_HOST, 0

@@ -37,6 +37,7 @@ class RolloutServices:
         self.metaserver_url = ""
         self.scheduler: SchedulerClient | None = None
         self.rollout: list[Client] = []
+        self.jobs: list[tuple[list[str], dict[str, str], str]] = []  # rollout server r's (command, env, ready file)
 
     @property
     def shm_dir(self) -> str:
@@ -60,16 +61,14 @@ class RolloutServices:
         ready_files = []
         for r in range(cfg.rollout.servers):
             ready = os.path.join(self.run_dir, f"rollout-{r}.url")
-            if os.path.exists(ready):
-                os.remove(ready)
             cmd = [sys.executable, "-m", "rlhf.runtime.rollout_server", "--run-dir", self.run_dir, "--rank", str(r),
                    "--config", os.path.join(self.run_dir, "config.yaml"), "--ready-file", ready]
             if cfg.runtime.colocate:
                 cmd.append("--colocate")
             cmd += ["--device", str(rollout_device(cfg.model.device, r, self.train_ranks, cfg.runtime.colocate))]
             env = {"RLHF_TOKEN": self.token, "RLHF_ROLLOUT_THREADS": threads, "PYTHONPATH": _pythonpath()}
-            self.scheduler.submit(f"rollout-{r}", "rollout", cmd, env,
-                                  colocate_with=f"train-{r}" if cfg.runtime.colocate else "")
+            self.jobs.append((cmd, env, ready))
+            self._submit(r)
             ready_files.append(ready)
         urls = [wait_for_file(f, cfg.runtime.startup_timeout_s) for f in ready_files]
         self.rollout = [Client(u, self.token, cfg.runtime.rollout_timeout_s, peer=f"rollout-{r}",
@@ -77,6 +76,44 @@ class RolloutServices:
                         for r, u in enumerate(urls)]
         log.info("services up: metaserver %s, scheduler %s, %d rollout servers, %d train ranks",
                  self.metaserver_url, self.scheduler.url, len(urls), self.train_ranks)
+
+    def _submit(self, r: int) -> None:
+        assert self.scheduler is not None
+        cmd, env, ready = self.jobs[r]
+        if os.path.exists(ready):
+            os.remove(ready)
+        self.scheduler.submit(f"rollout-{r}", "rollout", cmd, env,
+                              colocate_with=f"train-{r}" if self.cfg.runtime.colocate else "")
+
+    def revive(self, step: int) -> list[str]:
+        """The policy's restart_rollout: every rollout server whose job has ended, or that does not answer
+        GET /health within 2 s, is (stopped and) started again; returns their names. Native, not colocated
+        servers only (an sglang server's launch file is gone; a colocated one would need its lease handed over)."""
+        cfg = self.cfg
+        if self.scheduler is None or not self.jobs or cfg.runtime.colocate:
+            return []
+        states = {j["name"]: j["state"] for j in self.scheduler.jobs()}
+        restarted = []
+        for r, client in enumerate(self.rollout):
+            name = f"rollout-{r}"
+            why = "" if states.get(name) == "running" else f"its job is {states.get(name, 'gone')}"
+            if not why:
+                try:
+                    self.loop.run(client.call("/health", method="GET", timeout_s=2.0, traced=False))
+                except (RpcConnectionError, RpcTimeout, HTTPStatusError) as exc:
+                    why = f"it does not answer /health ({type(exc).__name__})"
+                    self.loop.run(self.scheduler.stop_job(name, cfg.runtime.cleanup_timeout_s, step))
+            if not why:
+                continue
+            log.warning("step %d: %s is down (%s); starting it again (resilience.restart_rollout); it gets step %d's "
+                        "weights with the others", step, name, why, step)
+            self._submit(r)
+            url = wait_for_file(self.jobs[r][2], cfg.runtime.startup_timeout_s)
+            self.loop.run(client.close())
+            self.rollout[r] = Client(url, self.token, cfg.runtime.rollout_timeout_s, peer=name,
+                                     retries=cfg.resilience.retry_idempotent)
+            restarted.append(name)
+        return restarted
 
     def _start_sglang(self, threads: str) -> list[str]:
         """One sglang server job per rollout server, flags mapped from our config; waits for each /health."""
