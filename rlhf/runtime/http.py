@@ -71,10 +71,11 @@ class Service:
     async def _trace(self, request: web.Request, handler: Callable) -> web.StreamResponse:
         """A server span per request, child of the caller's span (W3C traceparent), in this service's role."""
 
-        if request.path in self.untraced_paths:
-            return await handler(request)
         stage = request.headers.get(STAGE_HEADER, "")
         step = _int(request.headers.get(STEP_HEADER, "-1"))
+        if request.path in self.untraced_paths:  # no span; the step still holds for fault points
+            with tracing.use_role(self.role, self.rank, step):
+                return await handler(request)
         route = request.match_info.route.resource
         name = f"{request.method} {route.canonical if route is not None else request.path}"
         ACTIVITY.set(name, step)
