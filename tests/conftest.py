@@ -72,21 +72,17 @@ SGLANG_KEY = "sglang-k3y"
 SGLANG_MAX_QUEUED = 2
 
 
-@pytest.fixture(scope="session")
-def sglang_server(tmp_path_factory):
-    """(url, model_dir): `python -m rlhf.runtime.sglang_launch` with an API key, as `sglang.launch_server` runs."""
+def start_sglang_launch(tmp, model_dir: str, args=(), env=None):
+    """`python -m rlhf.runtime.sglang_launch` (as `sglang.launch_server` runs) on model_dir with the test key;
+    returns (process, url) once it answers /health (the process is stopped if it never does)."""
     import requests
 
-    from rlhf.models.hf_dir import write_model_dir
     from rlhf.procs import spawn, stop_group
     from rlhf.runtime.control.services import free_port
 
-    tmp = tmp_path_factory.mktemp("sglang")
-    model_dir = write_model_dir(str(tmp / "model"))
     port = free_port()
     proc = spawn([sys.executable, "-m", "rlhf.runtime.sglang_launch", "--model-path", model_dir, "--port", str(port),
-                  "--api-key", SGLANG_KEY, "--random-seed", "3",
-                  "--max-queued-requests", str(SGLANG_MAX_QUEUED)], env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT,
+                  "--api-key", SGLANG_KEY, *args], env={**os.environ, "PYTHONPATH": ROOT, **(env or {})}, cwd=ROOT,
                  log_path=str(tmp / "server.out"))
     url = f"http://127.0.0.1:{port}"
 
@@ -99,8 +95,23 @@ def sglang_server(tmp_path_factory):
 
     try:
         wait_until(healthy, 120, "the server to answer /health")
+    except BaseException:
+        stop_group(proc)
+        raise
+    return proc, url
+
+
+@pytest.fixture(scope="session")
+def sglang_server(tmp_path_factory):
+    """(url, model_dir): one server for the session, with an API key and a queue limit."""
+    from rlhf.models.hf_dir import write_model_dir
+    from rlhf.procs import stop_group
+
+    tmp = tmp_path_factory.mktemp("sglang")
+    model_dir = write_model_dir(str(tmp / "model"))
+    proc, url = start_sglang_launch(tmp, model_dir, ["--random-seed", "3", "--max-queued-requests",
+                                                     str(SGLANG_MAX_QUEUED)])
+    try:
         yield url, model_dir
     finally:
         stop_group(proc)
-
-

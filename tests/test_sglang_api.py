@@ -258,24 +258,17 @@ def test_sigterm_drains_running_calls_then_exits_0_or_drops_them_when_off(tmp_pa
     off (faithful): it exits at once and the running call gets no reply."""
     import os
     import signal
-    import sys
 
     from rlhf.config import build_config
     from rlhf.models.hf_dir import write_model_dir
-    from rlhf.procs import spawn, stop_group
-    from rlhf.runtime.control.services import free_port
-    from tests.conftest import ROOT
+    from rlhf.procs import stop_group
+    from tests.conftest import start_sglang_launch
 
     cfg = build_config("smoke", dotted=[("runtime.drain_timeout_s", 60.0), ("resilience.preset", preset)])
     (tmp_path / "config.yaml").write_text(cfg.to_yaml())
-    port = free_port()
-    proc = spawn([sys.executable, "-m", "rlhf.runtime.sglang_launch", "--model-path", write_model_dir(str(tmp_path / "m")),
-                  "--port", str(port), "--api-key", KEY],
-                 env={**os.environ, "PYTHONPATH": ROOT, "RLHF_RUN_DIR": str(tmp_path), "RLHF_RANK": "0"}, cwd=ROOT,
-                 log_path=str(tmp_path / "server.out"))
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_sglang_launch(tmp_path, write_model_dir(str(tmp_path / "m")),
+                                    env={"RLHF_RUN_DIR": str(tmp_path), "RLHF_RANK": "0"})
     try:
-        wait_until(lambda: _ready(url, proc), 120, "the server to start")
         tokens = 800  # long enough to be running while the test probes the drain (about 2 s here)
         thread, box = _in_thread(lambda: _post_or_error(url, {"text": "1+1=", "sampling_params": {
             "max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}}))
@@ -297,16 +290,8 @@ def test_sigterm_drains_running_calls_then_exits_0_or_drops_them_when_off(tmp_pa
         stop_group(proc)
 
 
-def _ready(url, proc):
-    assert proc.poll() is None, f"server exited with {proc.returncode}"
-    try:
-        return requests.get(url + "/ready", timeout=1).status_code == 200
-    except requests.ConnectionError:
-        return False
-
-
 def _post_or_error(url, body):
     try:
-        return post(url, "/generate", body, ).json()
+        return post(url, "/generate", body).json()
     except requests.ConnectionError as exc:
         return exc

@@ -109,14 +109,13 @@ def parse_sampling(params: Any) -> tuple[SamplingParams, dict[str, Any]]:
         raise BadRequest(f"sampling_params.stop must be a string or a list of non-empty strings, got {p['stop']!r}")
     top_k = -1 if p["top_k"] >= ALL_TOP_K else p["top_k"]
     try:
-        sampling = SamplingParams(
-            max_new_tokens=max(1, p["max_new_tokens"]), temperature=float(p["temperature"]), top_p=float(p["top_p"]),
-            top_k=top_k, stop_token_ids=tuple(int(i) for i in p["stop_token_ids"] or ()), n=p["n"],
-            ignore_eos=bool(p["ignore_eos"]), min_new_tokens=p["min_new_tokens"], min_p=float(p["min_p"]),
-            sampling_seed=p["sampling_seed"])
         if p["max_new_tokens"] < 0:
             raise ValueError(f"max_new_tokens {p['max_new_tokens']} (at least 0)")
-        SamplingParams.from_dict({k: v for k, v in sampling.__dict__.items()})  # range checks
+        sampling = SamplingParams.from_dict({  # with the engine's range checks
+            "max_new_tokens": max(1, p["max_new_tokens"]), "temperature": float(p["temperature"]),
+            "top_p": float(p["top_p"]), "top_k": top_k, "stop_token_ids": [int(i) for i in p["stop_token_ids"] or ()],
+            "n": p["n"], "ignore_eos": bool(p["ignore_eos"]), "min_new_tokens": p["min_new_tokens"],
+            "min_p": float(p["min_p"]), "sampling_seed": p["sampling_seed"]})
     except (TypeError, ValueError) as exc:
         raise BadRequest(f"sampling_params: {exc}") from None
     text_side = {"stop": stop, "no_stop_trim": bool(p["no_stop_trim"]), "skip_special_tokens": bool(p["skip_special_tokens"]),

@@ -73,7 +73,8 @@ class RolloutServer:
         self.active: list[RequestControl] = []  # engine calls running now (abort, pause)
         self.queued: list[GenerateCall] = []  # calls waiting for the engine
         self.pending_aborts: set[str] = set()  # rids aborted before their call started
-        self.paused = asyncio.Event()  # set while /pause_generation holds new calls
+        self.unpaused = asyncio.Event()  # cleared while /pause_generation holds new calls
+        self.unpaused.set()
         self.draining = False  # SIGTERM with graceful_drain: no new calls, the others finish
         self.calls = 0  # /generate calls accepted and not yet answered (queued or running)
         self.drain_left = 0  # calls a drain that timed out left behind
@@ -134,8 +135,7 @@ class RolloutServer:
                 self.calls -= 1
 
     async def _serve_call(self, request: web.Request, call: GenerateCall) -> web.StreamResponse:
-        if self.paused.is_set():  # /pause_generation: new calls wait for /continue_generation
-            await self._unpaused()
+        await self.unpaused.wait()  # /pause_generation: new calls wait for /continue_generation
         loop = asyncio.get_running_loop()
         ctx = contextvars.copy_context()  # the server span follows the work onto the engine thread
         if not call.stream:
@@ -147,7 +147,7 @@ class RolloutServer:
         """graceful_drain: take no new calls, let the running and queued ones finish (a pause is lifted for
         them), then set `stop`; after timeout_s stop anyway, recording what was left."""
         self.draining = True
-        self.paused.clear()
+        self.unpaused.set()  # what is queued runs
         with self._state:
             log.info("rollout-%d: SIGTERM: draining %d call(s)", self.rank, self.calls)
         deadline = time.monotonic() + timeout_s
@@ -164,10 +164,6 @@ class RolloutServer:
         else:
             log.info("rollout-%d: drained; exiting 0", self.rank)
         stop.set()
-
-    async def _unpaused(self) -> None:
-        while self.paused.is_set():
-            await asyncio.sleep(0.05)
 
     async def _stream(self, request: web.Request, call: GenerateCall, loop: asyncio.AbstractEventLoop,
                       ctx: contextvars.Context) -> web.StreamResponse:
@@ -331,7 +327,7 @@ class RolloutServer:
         mode = args.get("mode", "abort")
         if mode not in ("abort", "in_place", "retract"):
             raise BadRequest(f"pause_generation: mode {mode!r}; valid: abort, in_place, retract")
-        self.paused.set()
+        self.unpaused.clear()
         if mode == "abort":
             self._abort(None, "aborted by /pause_generation")
         while True:  # the engine thread empties; what is queued stays queued (it waits on the pause)
@@ -342,7 +338,7 @@ class RolloutServer:
         return {"message": "Generation paused successfully.", "status": "ok"}
 
     def continue_generation(self, args: dict, tensors: dict) -> dict:
-        self.paused.clear()
+        self.unpaused.set()
         return {"message": "Generation continued successfully.", "status": "ok"}
 
     def _wait_for_device(self) -> None:
@@ -482,7 +478,7 @@ class RolloutServer:
                 "max_total_num_tokens": None, "version": f"rlhf-native (sglang API {SGLANG_VERSION})",
                 "internal_states": [{"running_calls": running, "queued_calls": queued, "shed_calls": self.shed,
                                      "max_queued_requests": self.max_queued,
-                                     "paused": self.paused.is_set(), "weight_version": self.engine.weight_version}],
+                                     "paused": not self.unpaused.is_set(), "weight_version": self.engine.weight_version}],
                 "host": self.host, "port": self.port, "incremental_streaming_output": False,
                 "disaggregation_mode": "null", "startup_time": self.started, "frontend": "rlhf",
                 "device": str(self.engine.device), "dtype": str(next(self.engine.model.parameters()).dtype)}
