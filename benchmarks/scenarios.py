@@ -8,6 +8,11 @@ from the YAML). Writes scenarios.csv and scenarios.md into --out and prints the 
 
     python benchmarks/scenarios.py                          # scenarios 1-10, rl and sft, faithful
     python benchmarks/scenarios.py --scenarios 3 --resilience faithful hardened
+    python benchmarks/scenarios.py --resilience hardened --modes rl --fault-free   # the survival matrix
+
+Each row counts what the run survived: steps done, requests sent again (retries), samples migrated
+to another rollout server, rollout servers restarted, and the eval accuracy after the last step;
+--fault-free also runs each scenario's config with no faults (rl), for the eval accuracy to compare.
 
 Scenario 9 is run twice (a crash, then the same command resumes); its row measures both.
 Beside scenarios 1-5 the table puts the seed plan's expected result (seeds/000, "expected results").
@@ -29,11 +34,12 @@ import time
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-from rlhf.analysis import measure_run  # noqa: E402
+from rlhf.analysis import measure_run, survival_counts  # noqa: E402
 
 COLUMNS = ["scenario", "mode", "resilience", "fault_stage", "fault_point", "target", "error_stage",
            "first_error_time_s", "surfaced_error_time_s", "gap_s", "hops", "processes_with_errors",
-           "log_files_to_read", "last_error_line", "run_outcome", "wall_s", "seed_expected"]
+           "log_files_to_read", "last_error_line", "run_outcome", "steps_done", "retries", "migrated", "restarts",
+           "eval_after", "eval_fault_free", "wall_s", "seed_expected"]
 
 RESTART = {"9"}  # scenarios whose effect shows only when the same command is run again (resume)
 
@@ -54,6 +60,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def fault_free_eval(n: str, out_dir: str) -> float | str:
+    """The eval accuracy of scenario n's config (its steps, timeouts, warm start) with its faults removed."""
+    import yaml
+
+    with open(os.path.join(ROOT, "examples", "faults", f"scenario{n}.yaml"), encoding="utf-8") as fh:
+        spec = yaml.safe_load(fh)
+    spec["faults"] = []
+    path = os.path.join(out_dir, f"scenario{n}-fault-free.yaml")
+    with open(path, "w", encoding="utf-8") as fh:
+        yaml.safe_dump(spec, fh)
+    run_dir = os.path.join(out_dir, f"scenario{n}-fault-free")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    print(f"[scenarios] scenario {n} with no faults → {run_dir}", file=sys.stderr, flush=True)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+                    f"--master_port={free_port()}", os.path.join(ROOT, "examples", "grpo_trainer.py"), "--run-dir",
+                    run_dir, "--faults", path], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT, timeout=600)
+    return survival_counts(run_dir)["eval_after"]
 
 
 def run_one(n: str, mode: str, resilience: str, out_dir: str) -> dict:
@@ -89,17 +114,23 @@ def main() -> None:
     ap.add_argument("--resilience", nargs="+", default=["faithful"], choices=["faithful", "hardened"])
     ap.add_argument("--modes", nargs="+", default=["rl", "sft"], choices=["rl", "sft"],
                     help="rl: examples/grpo_trainer.py; sft: the SFT baseline on the same train workers")
+    ap.add_argument("--fault-free", action="store_true",
+                    help="also run each scenario's config without its faults (rl) for the eval accuracy to compare")
     ap.add_argument("--out", default="", help="directory for the runs and the tables (default: a temp dir)")
     args = ap.parse_args()
     out_dir = os.path.abspath(args.out or tempfile.mkdtemp(prefix="rlhf-scenarios-"))
     os.makedirs(out_dir, exist_ok=True)
     rows = [run_one(n, m, r, out_dir) for n in args.scenarios for m in args.modes for r in args.resilience]
+    baseline = {n: fault_free_eval(n, out_dir) for n in args.scenarios} if args.fault_free else {}
+    for r in rows:
+        r["eval_fault_free"] = baseline.get(r["scenario"], "") if r["mode"] == "rl" else ""
     with open(os.path.join(out_dir, "scenarios.csv"), "w", newline="", encoding="utf-8") as fh:
         writer = csv.DictWriter(fh, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
     shown = ["scenario", "mode", "resilience", "fault_stage", "fault_point", "target", "error_stage",
-             "first_error_time_s", "surfaced_error_time_s", "gap_s", "hops", "log_files_to_read", "run_outcome"]
+             "first_error_time_s", "surfaced_error_time_s", "gap_s", "hops", "log_files_to_read", "run_outcome",
+             "steps_done", "retries", "migrated", "restarts", "eval_after", "eval_fault_free"]
     lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
     lines += ["| " + " | ".join(str(r[c]) for c in shown) + " |" for r in rows]
     lines += ["", "The seed plan's expected result (seeds/000; its timeouts, not the scaled ones):", ""]

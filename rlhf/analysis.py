@@ -122,7 +122,34 @@ def measure_run(run_dir: str, exit_code: int | None = None) -> dict[str, Any]:
     row["log_files_to_read"] = sum(1 for lines in logs.values() if any(" ERROR " in x or " WARNING " in x for x in lines))
     ctrl_errors = [line for line in controller if " ERROR " in line and not ours(line)]
     row["last_error_line"] = _message(ctrl_errors[-1])[:240] if ctrl_errors else ""
+    row.update(survival_counts(run_dir, logs))
     finished = os.path.exists(os.path.join(run_dir, "summary.json"))
     row["run_outcome"] = "finished" if finished and not failed[1] else (
         f"failed (exit {exit_code})" if exit_code is not None else "failed")
     return row
+
+
+def survival_counts(run_dir: str, logs: dict[str, list[str]] | None = None) -> dict[str, Any]:
+    """What the run survived: steps done (steps.csv rows), requests sent again (every process's "retrying …"
+    and "…; retrying" WARNINGs: idempotent calls, shed calls, colocation events), samples migrated and rollout servers restarted (steps.csv), and the final eval accuracy."""
+    import csv
+
+    logs = _logs(run_dir) if logs is None else logs
+    rows: list[dict[str, str]] = []
+    if os.path.exists(os.path.join(run_dir, "steps.csv")):
+        with open(os.path.join(run_dir, "steps.csv"), newline="", encoding="utf-8") as fh:
+            rows = list(csv.DictReader(fh))
+
+    def total(column: str) -> int:
+        return sum(int(float(r.get(column) or 0)) for r in rows)
+
+    eval_after: Any = ""
+    try:
+        with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as fh:
+            eval_after = round(float(json.load(fh).get("eval_accuracy_after")), 3)
+    except (OSError, ValueError, TypeError):
+        pass
+    return {"steps_done": len(rows),
+            "retries": sum(1 for lines in logs.values() for line in lines if " WARNING " in line
+                           and (_message(line).startswith("retrying ") or line.endswith("; retrying"))),
+            "migrated": total("rollout_migrated"), "restarts": total("rollout_restarts"), "eval_after": eval_after}

@@ -69,7 +69,7 @@ LOG_LINE = re.compile(  # one line of logs/<role>-<rank>.log
     r"^(?P<ts>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}) (?P<proc>[a-z]+-\d+) (?P<level>[A-Z]+) "
     r"(?P<logger>[\w.]+): (?P<msg>.*)$")
 _PROC = re.compile(r"\b(train|rollout|scheduler|metaserver|controller)-(\d+)\b")
-_FAILURE_WARNING = re.compile(r"failed|timed out|not delivered|\bdied\b|lapsed|cannot reach|unreachable|[Ee]rror|^retrying ")
+_FAILURE_WARNING = re.compile(r"failed|timed out|not delivered|\bdied\b|lapsed|cannot reach|unreachable|[Ee]rror|^retrying |: migrating ")
 _NOT_EVIDENCE = re.compile(r"^first failure of this run|^diagnosis failed|^fault \S+ never fired|^fault audit:|^stopping job|still running|^removed shared-memory|"
                            r"^interrupted ")
 _EXC_LINE = re.compile(r"^(?:[\w.]+\.)?(?P<cls>[A-Z]\w*(?:Error|Exception|Mismatch|Timeout|Stall|Payload|Released|"
@@ -102,6 +102,7 @@ class Evidence:
     kind: str  # error, warning, exit, vanished, busy
     local: bool  # a cause in the subject itself, not a peer's report about it
     pid: int | None = None  # the subject's pid, where the evidence knows it (an exit record)
+    step_at_least: bool = False  # step is the last one its heartbeat finished (idle then): a later one may have begun
 
     def brief(self, t0: float | None = None) -> str:
         at = f"+{self.time - t0:.3f}s" if t0 is not None else _clock(self.time)
@@ -348,7 +349,8 @@ def _life_evidence(lives: list[dict[str, Any]], metrics: dict[str, list[dict[str
         category = "process_death"
         onset = min(life["end"], last_row["_time"] + _NOTICE_LAG_S) if last_row else life["end"]  # last seen alive
         out.append(Evidence(life["end"], onset, life["by"], name, category, _activity_stage(last_row),
-                            _activity_step(last_row), what, f"exits.jsonl ({name} pid {pid})", "exit", True, pid))
+                            _activity_step(last_row), what, f"exits.jsonl ({name} pid {pid})", "exit", True, pid,
+                            step_at_least=bool(last_row) and last_row.get("activity") == "idle"))
     return out
 
 
@@ -772,6 +774,9 @@ def _hypothesis(name: str, evs: list[Evidence], pids: dict[str, int], spans: lis
         decisive = death  # peers could not reach a process that died: its death is what they saw
     stage = next((e.stage for e in [decisive, *evs] if e.stage and e.stage != "cleanup"), "")
     step = next((e.step for e in [decisive, *evs] if e.step >= 0), -1)
+    if decisive.step_at_least:  # it died idle after its last heartbeat: the peers that noticed at once say which step
+        noticed = [e.step for e in evs if e.kind in ("error", "warning") and abs(e.time - decisive.onset) <= _NOTICE_LAG_S]
+        step = max([step, *noticed])
     if not stage or step < 0:
         c_stage, c_step = _controller_stage_at(first.onset, spans)
         stage, step = stage or c_stage, step if step >= 0 else c_step

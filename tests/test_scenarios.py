@@ -315,6 +315,30 @@ def test_scenario7_rollout_timeout_keeps_aborted_samples_and_reference_fails_on_
     assert_diagnosed(run_dir, "rollout-1", "rollout", "timeout")  # still inside /generate
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("n, cause, category", [(2, "RpcConnectionError", "process_death"), (7, "RpcTimeout", "timeout")])
+def test_scenarios_2_and_7_hardened_migrate_the_failed_servers_groups_and_finish(tmp_path, n, cause, category):
+    """migrate_requests: rollout-1 SIGKILLed mid-rollout (2) or not answering within rollout_timeout_s (7): its
+    groups are generated on rollout-0, the step keeps its full batch, and the run finishes every step."""
+    import csv
+
+    run_dir, out = run_scenario(tmp_path, n, "--resilience", "hardened")
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    with open(run_dir / "steps.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == summary["steps"] == (5 if n == 2 else 4)
+    assert [int(r["rollout_migrated"]) for r in rows][2] == 128 and sum(int(r["rollout_migrated"]) for r in rows) == 128
+    assert {int(r["batch_size"]) for r in rows} == {256}  # the full batch every step
+    moved = [line for line in log_lines(run_dir, "controller-0", "WARNING") if "migrating" in line]
+    assert len(moved) == 1 and "step 3:" in moved[0] and f"of rollout-1 ({cause}" in moved[0] and "to rollout-0" in moved[0]
+    if n == 2:  # the dead server is started again before step 4
+        assert [int(r["rollout_restarts"]) for r in rows] == [0, 0, 0, 1, 0]
+    d = diagnose(str(run_dir))  # survived, and still on record
+    assert d.verdict == "finished with errors"
+    assert (d.root.process, d.root.stage, d.root.step, d.root.category) == ("rollout-1", "rollout", 3, category)
+
+
 def test_scenario8_truncated_reference_reply_fails_train_in_the_kl_term(tmp_path):
     run_dir, out = run_scenario(tmp_path, 8)
     assert out.returncode != 0

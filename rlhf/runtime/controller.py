@@ -53,7 +53,7 @@ STEP_COLUMNS = [
     "response_length", "loss", "grad_norm", "ratio_mean", "rollout_tokens", "rollout_tokens_per_s", "batch_size",
     "dp_imbalance", "weights_update_s", "events_s", "rollout_s", "reward_s", "reference_s", "advantage_s", "train_s",
     "latest_recover_save_s", "periodic_recover_save_s", "upload_s_max", "update_s_max", "weights_verified",
-    "train_offload_mb", "rollout_release_mb", "rollout_restarts", "eval_accuracy",
+    "train_offload_mb", "rollout_release_mb", "rollout_restarts", "rollout_migrated", "eval_accuracy",
 ]
 
 
@@ -118,6 +118,7 @@ class Controller(RunLifecycle):
             row["train_offload_mb"] = freed_mb(self.events.notify("rollout_start", step), "train")
         with clock.stage("rollout"):
             memory = self.fanout.generate(step, self.sampler.next(cfg.rollout.prompts_per_step))
+            row["rollout_migrated"] = self.fanout.migrated
         with clock.stage("events"):
             row["rollout_release_mb"] = freed_mb(self.events.notify("rollout_end", step), "rollout")
         with clock.stage("reward"):

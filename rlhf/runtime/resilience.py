@@ -35,6 +35,8 @@ class Policy:
     """The controller's last error line repeats the run's first failure, whatever cleanup logs after it."""
     strict_rollout: bool = True
     """A rollout server that fails or times out fails the step in rollout; off: a dead server's samples are dropped and a timed-out one's kept as aborted (no tokens)."""
+    migrate_requests: bool = True
+    """The groups of a rollout server that fails or times out mid-rollout are generated again on the servers that answered, and samples returned aborted with tokens continue from those tokens on another server; the step keeps its full batch and group structure, a WARNING, a `rollout.migrate` span and the steps.csv count `rollout_migrated`; off: strict_rollout decides."""
     private_weights_dir: bool = True
     """Disk-mode weights go to their own folder (weights/latest); off: rollout servers load the newest parity checkpoint, written in place."""
     device_busy_fails_fast: bool = True
