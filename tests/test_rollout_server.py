@@ -142,6 +142,12 @@ def test_every_endpoint_rejects_a_request_without_the_token(rollout_server):
         # sglang leaves its probes open, and so does ours (they tell liveness, nothing else)
         assert loop.run(statuses(url, [("GET", "/health"), ("GET", "/health_generate"), ("GET", "/ready")], "")) == \
             [200, 200, 200]
+        # readiness at an expected weight version: open too, 503 naming the version it has
+        import requests
+
+        assert requests.get(url + "/ready", params={"weight_version": "0"}, timeout=5).json()["ready"] is True
+        late = requests.get(url + "/ready", params={"weight_version": "7"}, timeout=5)
+        assert late.status_code == 503 and late.json()["why"] == "weights are version 0, not 7"
     finally:
         meta.stop()
 

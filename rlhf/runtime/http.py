@@ -174,6 +174,8 @@ class Service:
             body = await request.read()
             try:
                 args, tensors = wire.decode(body, request.content_type)
+                if request.method == "GET" and request.query:  # GET /ready?weight_version=3: the query is the args
+                    args = {**request.query, **(args or {})}
                 if asyncio.iscoroutinefunction(fn):
                     result = await fn(args or {}, tensors)
                 elif inline:

@@ -97,7 +97,7 @@ class RolloutServer:
           method=("GET", "POST"), inline=True)
         r("/health", lambda a, t: {"ok": True, "weight_version": self.engine.weight_version}, method="GET", inline=True)
         r("/health_generate", self.health_generate, method="GET")
-        r("/ready", lambda a, t: web.Response(status=503 if self.draining else 200), method="GET", inline=True)
+        r("/ready", self.ready, method="GET", inline=True)
         for path in ("/model_info", "/get_model_info"):
             r(path, self.model_info, method="GET", inline=True)
         for path in ("/server_info", "/get_server_info"):
@@ -107,6 +107,17 @@ class RolloutServer:
             r("/events", self.events)
             r("/weights_checksum", lambda a, t: {"checksum": self.engine.weights_checksum(self.verify_checksum),
                                                  "weight_version": self.engine.weight_version}, method="GET")
+
+    def ready(self, args: dict, tensors: dict) -> Any:
+        """Readiness: 200 when the server takes calls (not draining) and, with ?weight_version=V, its weights are
+        version V; else 503 with what it has (a probe after a restart waits for the step's weights)."""
+        want, have = args.get("weight_version"), self.engine.weight_version
+        if self.draining:
+            return web.json_response({"ready": False, "why": "draining", "weight_version": have}, status=503)
+        if want is not None and str(want) != have:
+            return web.json_response({"ready": False, "why": f"weights are version {have}, not {want}",
+                                      "weight_version": have}, status=503)
+        return web.json_response({"ready": True, "weight_version": have})
 
     # ------------------------------------------------------------------ /generate
 
