@@ -32,10 +32,6 @@ log = logging.getLogger("rlhf.controller")
 
 ABORTED = "aborted"  # weight_version of a sample whose request timed out (strict_rollout off)
 
-ROLLOUT_KEYS = ["sample_index", "prompt_ids", "output_ids", "logprobs", "num_tokens", "prompts", "answers",
-                "completions", "weight_version"]
-
-
 def migratable(exc: BaseException) -> bool:
     """A failure of the server, not of the request: another server may well answer the same request
     (a 4xx would be refused by every server alike)."""
@@ -49,41 +45,41 @@ class RolloutFanout:
         self.cfg, self.loop, self.services, self.tokenizer = cfg, loop, services, tokenizer
         self.migrated = 0  # samples of the last call generated (or continued) on another server than planned
 
-    def _spread(self, step: int, prompt_ids: list[list[int]], params: dict[str, Any], per: int,
-                logprobs: bool) -> tuple[dict[int, list[dict]], list[tuple[int, list[int], BaseException]]]:
-        """Prompt i's `per` results (n = per) by prompt index, spread over the servers in chunks; with the
-        policy's migrate_requests the chunks of servers that failed go once more to those that answered.
-        Returns (results by prompt, [(server, its prompts, error)] for what is still missing)."""
+    def _spread(self, step: int, prompt_ids: list[list[int]], params: dict[str, Any] | list[dict[str, Any]],
+                per: int, logprobs: bool) -> tuple[dict[int, list[dict]], list[tuple[int, list[int], BaseException]]]:
+        """Prompt i's `per` results (n = per) by prompt index, spread over the servers in chunks; params: one
+        sampling_params for all, or one per prompt. With the policy's migrate_requests the chunks of servers that
+        failed go once more to those that answered. Returns (results by prompt, [(server, its prompts, error)] for
+        what is still missing)."""
         servers = self.services.rollout
         chunks = chunk(list(range(len(prompt_ids))), len(servers))
-        body = {"sampling_params": {**params, "n": per}, "return_logprob": logprobs}
+        done: dict[int, list[dict]] = {}
 
-        async def one(client: Client, idx: list[int]) -> list[dict]:
+        async def one(client: Client, idx: list[int]) -> None:
             if not idx:
-                return []
-            return (await client.call("/generate", {**body, "input_ids": [prompt_ids[i] for i in idx]},
-                                      stage="rollout", step=step))[0]
+                return
+            sampling = [{**params[i], "n": per} for i in idx] if isinstance(params, list) else {**params, "n": per}
+            out = (await client.call("/generate", {"input_ids": [prompt_ids[i] for i in idx], "sampling_params": sampling,
+                                                   "return_logprob": logprobs}, stage="rollout", step=step))[0]
+            done.update((i, out[k * per:(k + 1) * per]) for k, i in enumerate(idx))
 
         outcomes = self.loop.gather(*[one(c, idx) for c, idx in zip(servers, chunks)], return_exceptions=True)
-        done: dict[int, list[dict]] = {}
         failed: list[tuple[int, list[int], BaseException]] = []
         for r, (idx, out) in enumerate(zip(chunks, outcomes)):
             if isinstance(out, BaseException):
                 if not isinstance(out, Exception):
                     raise out  # cancelled, interrupted: not a server's failure
                 failed.append((r, idx, out))
-                continue
-            done.update((i, out[k * per:(k + 1) * per]) for k, i in enumerate(idx))
         if not failed or not self.cfg.resilience.migrate_requests:
             return done, failed
         healthy = [r for r in range(len(servers)) if r not in {f[0] for f in failed}]
         moving = [f for f in failed if migratable(f[2])]
         if not healthy or not moving:
             return done, failed
-        for r, _idx, exc in moving:
-            if isinstance(exc, RpcTimeout):  # the slow server need not finish what nobody waits for any more
-                self.loop.gather(servers[r].call("/abort_request", {"abort_all": True}, timeout_s=2.0, stage="rollout",
-                                                 step=step), return_exceptions=True)
+        # a slow server need not finish what nobody waits for any more
+        self.loop.gather(*[servers[r].call("/abort_request", {"abort_all": True}, timeout_s=2.0, stage="rollout",
+                                           step=step) for r, _i, exc in moving if isinstance(exc, RpcTimeout)],
+                         return_exceptions=True)
         moved = [i for _r, idx, _e in moving for i in idx]
         parts = chunk(moved, len(healthy))
         log.warning("step %d: migrating %d prompts (%d samples) of %s to %s", step, len(moved), len(moved) * per,
@@ -100,7 +96,6 @@ class RolloutFanout:
                 first = next(f for f in moving if set(p) & set(f[1]))  # report the original failure first
                 still.append((first[0], p, first[2]))
                 continue
-            done.update((i, out[k * per:(k + 1) * per]) for k, i in enumerate(p))
             self.migrated += len(p) * per
         return done, still
 
@@ -113,20 +108,16 @@ class RolloutFanout:
                 and len(res["output_ids"]) < params["max_new_tokens"]]
         if not todo:
             return
-        inputs = [prompt_ids[i] + done[i][j]["output_ids"] for i, j in todo]
-        lengths = {params["max_new_tokens"] - len(done[i][j]["output_ids"]) for i, j in todo}
+        heads = [done[i][j]["output_ids"] for i, j in todo]
         log.warning("step %d: continuing %d aborted samples from their %d tokens on the servers", step, len(todo),
-                    sum(len(done[i][j]["output_ids"]) for i, j in todo))
+                    sum(len(h) for h in heads))
         with tracing.span("rollout.migrate", stage="rollout", step=step, **{"rlhf.continued": len(todo)}):
-            tails: dict[int, list[dict]] = {}
-            for rest in sorted(lengths):  # one pass per remaining length (max_new_tokens is per request)
-                which = [k for k, (i, j) in enumerate(todo) if params["max_new_tokens"] - len(done[i][j]["output_ids"])
-                         == rest]
-                got, failed = self._spread(step, [inputs[k] for k in which], {**params, "max_new_tokens": rest}, 1, True)
-                if failed:
-                    log.warning("step %d: %d aborted samples could not be continued (%s); kept as they are", step,
-                                sum(len(f[1]) for f in failed), type(failed[0][2]).__name__)
-                tails.update((which[k], rs) for k, rs in got.items())
+            tails, failed = self._spread(step, [prompt_ids[i] + h for (i, _j), h in zip(todo, heads)],
+                                         [{**params, "max_new_tokens": params["max_new_tokens"] - len(h)} for h in heads],
+                                         1, True)
+        if failed:
+            log.warning("step %d: %d aborted samples could not be continued (%s); kept as they are", step,
+                        sum(len(f[1]) for f in failed), type(failed[0][2]).__name__)
         for k, rs in tails.items():
             i, j = todo[k]
             head, tail = done[i][j], rs[0]
@@ -170,7 +161,7 @@ class RolloutFanout:
             "num_tokens": [len(prompt_ids[i]) + len(r["output_ids"]) for i, r in zip(rep, results)],
             "prompts": [examples[i].prompt for i in rep],
             "answers": [examples[i].answer for i in rep],
-            "completions": [completion_text(self.tokenizer, r) if r["output_ids"] else "" for r in results],
+            "completions": [completion_text(self.tokenizer, r) for r in results],
             "weight_version": [r["meta_info"]["weight_version"] for r in results],
         }, g, strict=False)
         stale = {v for v in memory["weight_version"] if v not in (str(step), ABORTED)}
