@@ -11,7 +11,8 @@ from the YAML). Writes scenarios.csv and scenarios.md into --out and prints the 
     python benchmarks/scenarios.py --resilience hardened --modes rl --fault-free   # the survival matrix
 
 Each row counts what the run survived: steps done, requests sent again (retries), samples migrated
-to another rollout server, rollout servers restarted, and the eval accuracy after the last step;
+to another rollout server, rollout servers restarted, weights updates done through disk when the
+MetaServer path failed (fallbacks), checkpoint saves that failed while the run went on, and the eval accuracy after the last step;
 --fault-free also runs each scenario's config with no faults (rl), for the eval accuracy to compare.
 
 Scenario 9 is run twice (a crash, then the same command resumes); its row measures both.
@@ -39,7 +40,7 @@ from rlhf.analysis import measure_run, survival_counts  # noqa: E402
 COLUMNS = ["scenario", "mode", "resilience", "fault_stage", "fault_point", "target", "error_stage",
            "first_error_time_s", "surfaced_error_time_s", "gap_s", "hops", "processes_with_errors",
            "log_files_to_read", "last_error_line", "run_outcome", "steps_done", "retries", "migrated", "restarts",
-           "eval_after", "eval_fault_free", "wall_s", "seed_expected"]
+           "fallbacks", "saves_failed", "eval_after", "eval_fault_free", "wall_s", "seed_expected"]
 
 RESTART = {"9"}  # scenarios whose effect shows only when the same command is run again (resume)
 
@@ -130,7 +131,7 @@ def main() -> None:
         writer.writerows(rows)
     shown = ["scenario", "mode", "resilience", "fault_stage", "fault_point", "target", "error_stage",
              "first_error_time_s", "surfaced_error_time_s", "gap_s", "hops", "log_files_to_read", "run_outcome",
-             "steps_done", "retries", "migrated", "restarts", "eval_after", "eval_fault_free"]
+             "steps_done", "retries", "migrated", "restarts", "fallbacks", "saves_failed", "eval_after", "eval_fault_free"]
     lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
     lines += ["| " + " | ".join(str(r[c]) for c in shown) + " |" for r in rows]
     lines += ["", "The seed plan's expected result (seeds/000; its timeouts, not the scaled ones):", ""]

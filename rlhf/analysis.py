@@ -131,7 +131,8 @@ def measure_run(run_dir: str, exit_code: int | None = None) -> dict[str, Any]:
 
 def survival_counts(run_dir: str, logs: dict[str, list[str]] | None = None) -> dict[str, Any]:
     """What the run survived: steps done (steps.csv rows), requests sent again (every process's "retrying …"
-    and "…; retrying" WARNINGs: idempotent calls, shed calls, colocation events), samples migrated and rollout servers restarted (steps.csv), and the final eval accuracy."""
+    and "…; retrying" WARNINGs: idempotent calls, shed calls, colocation events), samples migrated, rollout servers restarted, weights updates done through disk instead of the MetaServer and
+    checkpoint saves that failed while the run went on (steps.csv), and the final eval accuracy."""
     import csv
 
     logs = _logs(run_dir) if logs is None else logs
@@ -152,4 +153,5 @@ def survival_counts(run_dir: str, logs: dict[str, list[str]] | None = None) -> d
     return {"steps_done": len(rows),
             "retries": sum(1 for lines in logs.values() for line in lines if " WARNING " in line
                            and (_message(line).startswith("retrying ") or line.endswith("; retrying"))),
-            "migrated": total("rollout_migrated"), "restarts": total("rollout_restarts"), "eval_after": eval_after}
+            "migrated": total("rollout_migrated"), "restarts": total("rollout_restarts"),
+            "fallbacks": total("weights_fallback"), "saves_failed": total("saves_failed"), "eval_after": eval_after}

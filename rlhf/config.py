@@ -342,10 +342,13 @@ class CheckpointConfig:
     """With resilience.fatal_save_errors off: periodic_recover_save writes its files on each rank's writer thread and the step goes on; meta.json does not wait for them (the seeds' asynchronous save). Otherwise the save always waits."""
     resume: bool = True
     """On start, resume from the newest valid checkpoint in <run-dir>/checkpoints."""
+    max_failed_saves: int = 3
+    """With resilience.skip_failed_saves: this many failed saves in a row fail the run (the newest valid checkpoint would fall too far behind)."""
 
     def __post_init__(self) -> None:
         _positive("checkpoint.latest_every", self.latest_every, allow_zero=True)
         _positive("checkpoint.periodic_every", self.periodic_every, allow_zero=True)
+        _positive("checkpoint.max_failed_saves", self.max_failed_saves)
 
 
 @dataclass

@@ -172,12 +172,27 @@ def from_safetensors_bytes(data: bytes) -> dict[str, torch.Tensor]:
 
 
 def save_state_dir(model: torch.nn.Module, directory: str, tokenizer=None) -> None:
-    """Write an HF model directory (config.json + model.safetensors [+ tokenizer])."""
-    from transformers.utils import logging as hf_logging  # at use: importing transformers takes seconds
+    """Write an HF model directory (config.json [+ generation_config.json] + model.safetensors [+ tokenizer]).
 
+    Not `model.save_pretrained`: inside an initialised torch.distributed world transformers writes the weights
+    only on global rank 0 and skips every other rank without a word, and any train rank may write here (the
+    weights fallback picks one that is free). Tied weights (lm_head = embed_tokens) are written once, under
+    the first name, as transformers does.
+    """
     os.makedirs(directory, exist_ok=True)
-    hf_logging.disable_progress_bar()  # a progress bar per save would flood the rank's log
-    model.save_pretrained(directory, safe_serialization=True)
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    for name, t in model.state_dict().items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        tensors[name] = t.detach().contiguous().cpu()
+    save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    model.config.save_pretrained(directory)
+    generation = getattr(model, "generation_config", None)
+    if generation is not None:
+        generation.save_pretrained(directory)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
 

@@ -48,3 +48,32 @@ def test_local_model_directory_loads_the_same_weights_and_tokenizer(diverse, tmp
     engine.update_weights_from_disk(str(tmp_path), weight_version="4")
     assert engine.weights_checksum() == checksum(export_state(model)) and engine.weight_version == "4"
     assert torch.equal(fresh.lm_head.weight, fresh.model.embed_tokens.weight)  # tie preserved
+
+
+def _save_on_rank_1(rank: int, directory: str, store: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        if rank == 1:
+            model, tok = build_model_and_tokenizer(ModelConfig(name="tiny-llama"), seed=3)
+            save_state_dir(model, directory, tok)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_any_rank_of_a_distributed_world_writes_a_loadable_model_dir(tmp_path):
+    """transformers' save_pretrained writes nothing on a rank other than 0 of a torch.distributed world; ours
+    does (the weights fallback may pick rank 1), tied weights once, and the directory loads back the same."""
+    import torch.multiprocessing as mp
+
+    directory = str(tmp_path / "dir")
+    mp.spawn(_save_on_rank_1, args=(directory, str(tmp_path / "store")), nprocs=2)
+    model, _ = build_model_and_tokenizer(ModelConfig(name="tiny-llama"), seed=3)
+    loaded, _ = build_model_and_tokenizer(ModelConfig(path=directory))
+    assert checksum(export_state(loaded)) == checksum(export_state(model))
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "dir" / "model.safetensors"), "pt") as fh:
+        assert "lm_head.weight" not in fh.keys() and "model.embed_tokens.weight" in fh.keys()  # tied: once

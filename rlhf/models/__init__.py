@@ -70,9 +70,33 @@ def build_model_and_tokenizer(model_cfg: Any, seed: int = 0, device: str | torch
     tokenizer = CharTokenizer()
     hf_config = MODEL_PRESETS[model_cfg.name](tokenizer.vocab_size)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa")
+    init_weights(model, seed)
     return model.to(device=device, dtype=dtype).eval(), tokenizer
+
+
+@torch.no_grad()
+def init_weights(model: torch.nn.Module, seed: int) -> None:
+    """Our own seeded initialisation of a fresh model, the same whatever transformers version builds it.
+
+    transformers' own init has changed between releases (the order and the generator calls), which moved
+    the default run's accuracy with every upgrade. Here, in parameter-name order from one generator:
+    matrices and embeddings ~ N(0, config.initializer_range), norm weights 1, biases 0, the pad token's
+    embedding row 0. Tied weights are one parameter and drawn once.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    std = float(getattr(model.config, "initializer_range", 0.02))
+    for name, param in sorted(model.named_parameters()):
+        if param.dim() >= 2:
+            param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float32) * std)
+        elif "norm" in name:
+            param.fill_(1.0)
+        else:
+            param.zero_()
+    pad = getattr(model.config, "pad_token_id", None)
+    embeddings = model.get_input_embeddings()
+    if isinstance(pad, int) and 0 <= pad < embeddings.weight.shape[0]:
+        embeddings.weight[pad].zero_()
 
 
 def load_model_dir(path: str, dtype: torch.dtype, device: torch.device) -> tuple[torch.nn.Module, Any]:

@@ -58,9 +58,11 @@ def make_model(tokenizer: Any, architecture: str = "llama", hidden: int = 128, l
     configs = {"llama": LlamaConfig, "qwen2": Qwen2Config}
     if architecture not in configs:
         raise ValueError(f"architecture {architecture!r}: choose one of {', '.join(configs)}")
+    from rlhf.models import init_weights
+
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(configs[architecture](**common), attn_implementation="sdpa")
+    init_weights(model, seed)
     eos = [tokenizer.eos_token_id] + list(extra_eos or [])
     model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
                                                eos_token_id=eos if len(eos) > 1 else eos[0])

@@ -52,8 +52,8 @@ STEP_COLUMNS = [
     "step", "seconds", "reward_mean", "reward_std", "equal_reward_groups", "kl", "clip_fraction", "entropy",
     "response_length", "loss", "grad_norm", "ratio_mean", "rollout_tokens", "rollout_tokens_per_s", "batch_size",
     "dp_imbalance", "weights_update_s", "events_s", "rollout_s", "reward_s", "reference_s", "advantage_s", "train_s",
-    "latest_recover_save_s", "periodic_recover_save_s", "upload_s_max", "update_s_max", "weights_verified",
-    "train_offload_mb", "rollout_release_mb", "rollout_restarts", "rollout_migrated", "eval_accuracy",
+    "latest_recover_save_s", "periodic_recover_save_s", "upload_s_max", "update_s_max", "weights_verified", "weights_fallback",
+    "train_offload_mb", "rollout_release_mb", "rollout_restarts", "rollout_migrated", "saves_failed", "eval_accuracy",
 ]
 
 
@@ -112,6 +112,7 @@ class Controller(RunLifecycle):
             row["rollout_restarts"] = len(self.services.revive(step))
         with clock.stage("weights_update"):
             row.update(self.weights.update(str(step), step))
+            row["weights_fallback"] = self.weights.fell_back
             if cfg.weights.verify:
                 row["weights_verified"] = self.weights.verify(str(step), step)
         with clock.stage("events"):
@@ -139,6 +140,7 @@ class Controller(RunLifecycle):
                 batch["advantages"] = advantages[torch.tensor(shard["sample_index"])]
         with clock.stage("train"):
             metrics = [m for m, _ in self.workers.call("train_step", {"step": step}, batches, step, "train")]
+        self.saves_failed = 0
         if cfg.checkpoint.latest_every and step % cfg.checkpoint.latest_every == 0:
             with clock.stage("latest_recover_save"):
                 self.checkpoint(ckpt.slot_for_step(step), step)
@@ -147,6 +149,7 @@ class Controller(RunLifecycle):
             with clock.stage("periodic_recover_save"):
                 self.checkpoint(os.path.join("periodic", f"step_{step}"), step, background=cfg.checkpoint.periodic_async)
         tokens = int(sum(memory["num_tokens"]))
+        row["saves_failed"] = self.saves_failed
         return {**row, **stats, **merge_train_metrics(metrics), "seconds": time.perf_counter() - t0,
                 "rollout_tokens": tokens, "rollout_tokens_per_s": tokens / clock.seconds["rollout"],
                 "batch_size": len(memory), "dp_imbalance": split["imbalance"],

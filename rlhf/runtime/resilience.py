@@ -31,12 +31,16 @@ class Policy:
     """Checkpoint slots are written to a staging folder, fsynced and renamed into place, and resume checks their checksums; off: written in place."""
     fatal_save_errors: bool = True
     """A failed checkpoint save fails the step where it happened; off: a WARNING and the run goes on (checkpoint.periodic_async is allowed)."""
+    skip_failed_saves: bool = True
+    """With atomic_checkpoints: a save that a rank answers with an error (disk full, an IO error) is discarded and the run goes on from the newest valid slot, a WARNING naming it and the steps.csv count `saves_failed`; checkpoint.max_failed_saves in a row fail the run; a rank that does not answer (a hung write) still fails it; off: fatal_save_errors decides."""
     first_failure_ledger: bool = True
     """The controller's last error line repeats the run's first failure, whatever cleanup logs after it."""
     strict_rollout: bool = True
     """A rollout server that fails or times out fails the step in rollout; off: a dead server's samples are dropped and a timed-out one's kept as aborted (no tokens)."""
     migrate_requests: bool = True
     """The groups of a rollout server that fails or times out mid-rollout are generated again on the servers that answered, and samples returned aborted with tokens continue from those tokens on another server; the step keeps its full batch and group structure, a WARNING, a `rollout.migrate` span and the steps.csv count `rollout_migrated`; off: strict_rollout decides."""
+    weights_fallback: bool = True
+    """A meta-mode weights update that fails (an upload, the MetaServer, a rollout server's pull) is done again through disk: a train rank whose upload ended writes weights/latest and every rollout server loads it; a WARNING, a `weights.fallback` span and the steps.csv column `weights_fallback`; off: the step fails in weights_update."""
     private_weights_dir: bool = True
     """Disk-mode weights go to their own folder (weights/latest); off: rollout servers load the newest parity checkpoint, written in place."""
     device_busy_fails_fast: bool = True

@@ -297,9 +297,10 @@ class TrainWorker:
         return {"rank": self.rank, "tensors": len(names), "bytes": size, "seconds": time.perf_counter() - t0}
 
     def save_weights_dir(self, args: dict, tensors: dict) -> dict:
-        """Disk mode: rank 0 writes an HF safetensors directory the rollout servers load."""
+        """Disk mode: rank `writer` (0 unless the weights fallback picks a rank that is free) writes an HF
+        safetensors directory the rollout servers load."""
         fault_point("weights_update.save_dir")
-        if self.rank == 0:
+        if self.rank == int(args.get("writer", 0)):
             path = args["path"]
             tmp = path + ".tmp"
             save_state_dir(self.model, tmp, self.tokenizer)

@@ -32,7 +32,7 @@ from rlhf.runtime import checkpoint as ckpt
 from rlhf.runtime.client import Client, LoopThread
 from rlhf.runtime.control.watchdog import StallWatchdog
 from rlhf.runtime.control.workers import WorkerGroup
-from rlhf.runtime.errors import PreflightStraggler, SyncStall
+from rlhf.runtime.errors import HTTPStatusError, PreflightStraggler, RemoteError, SyncStall
 from rlhf.stages import StageClock
 
 log = logging.getLogger("rlhf.controller")
@@ -53,6 +53,8 @@ class RunLifecycle:
                                    checksums=self.policy.stage_checksums, retries=self.policy.retry_idempotent)
         self.workers.watchdog = StallWatchdog(self.workers.clients, cfg.runtime.watchdog_stall_s,
                                               self.policy.stall_stops_run, run_dir, on_report=self._stall_reported)
+        self.saves_failed = 0  # checkpoint saves that failed while the run went on (this step's: steps.csv saves_failed)
+        self.failed_in_a_row = 0  # skip_failed_saves: consecutive failed saves, against checkpoint.max_failed_saves
         self.stalled = False  # the watchdog found a rank keeping the others waiting: cleanup does not wait for it
         self.where: dict[str, Any] = {"step": -1, "stage": "startup"}  # what runs now (for the first failure)
         self.first_failure = ""
@@ -260,12 +262,35 @@ class RunLifecycle:
     # ------------------------------------------------------------------ checkpoints
 
     def checkpoint(self, slot: str, step: int, background: bool = False) -> bool:
-        """Save `slot` per the policy: a failure stops the run (fatal_save_errors) or is a WARNING (returns False).
+        """Save `slot` per the policy: a failure stops the run (fatal_save_errors), is skipped keeping the newest
+        valid slot (skip_failed_saves with atomic_checkpoints), or is a WARNING; False when it failed.
 
         background (only without fatal_save_errors, checkpoint.periodic_async): the ranks write on a writer
         thread and reply at once; meta.json is written without waiting for them (the seeds' asynchronous save).
         """
         stage = "latest_recover_save" if slot.startswith("latest") else "periodic_recover_save"
+        if self.policy.skip_failed_saves and self.policy.atomic_checkpoints:
+            try:
+                self.save(slot, step, stage)
+            except (RemoteError, HTTPStatusError, OSError) as exc:
+                if isinstance(exc, (TimeoutError, ConnectionError)):
+                    raise  # a rank that does not answer (a hung write) or is gone: the run cannot go on without it
+                # every rank answered, one with an error (or meta.json could not be written here): the step goes on
+                self.saves_failed += 1
+                self.failed_in_a_row += 1
+                shutil.rmtree(os.path.join(self.run_dir, "checkpoints", staging_name(slot)), ignore_errors=True)
+                limit = self.cfg.checkpoint.max_failed_saves
+                if self.failed_in_a_row >= limit:
+                    raise
+                found = ckpt.newest_checkpoint(os.path.join(self.run_dir, "checkpoints"), check_sums=False)
+                newest = f"{os.path.relpath(found[0], os.path.join(self.run_dir, 'checkpoints'))} (step " \
+                    f"{found[1]['step']})" if found else "none (no save has succeeded yet)"
+                log.warning("step %d: %s to %s failed (%s: %s); skipped, the newest valid checkpoint stays %s "
+                            "(%d failed in a row; checkpoint.max_failed_saves=%d fails the run)", step, stage, slot,
+                            type(exc).__name__, str(exc)[:300], newest, self.failed_in_a_row, limit)
+                return False
+            self.failed_in_a_row = 0
+            return True
         if self.policy.fatal_save_errors:
             self.save(slot, step, stage)
             return True
@@ -273,6 +298,7 @@ class RunLifecycle:
             self.save(slot, step, stage, background)
             return True
         except (RuntimeError, OSError, TimeoutError) as exc:
+            self.saves_failed += 1
             log.warning("step %d: %s to %s failed (%s: %s); continuing", step, stage, slot, type(exc).__name__, exc)
             return False
 
@@ -281,7 +307,7 @@ class RunLifecycle:
         checkpoints = os.path.join(self.run_dir, "checkpoints")
         atomic = self.policy.atomic_checkpoints
         final = os.path.join(checkpoints, slot)
-        directory = os.path.join(checkpoints, f".staging-{slot.replace(os.sep, '-')}") if atomic else final
+        directory = os.path.join(checkpoints, staging_name(slot)) if atomic else final
         if atomic:
             shutil.rmtree(directory, ignore_errors=True)
         os.makedirs(directory, exist_ok=True)
@@ -323,6 +349,11 @@ class RunLifecycle:
             self.loop.gather(*[c.close() for c in self.clients()], return_exceptions=True)
             self.loop.close()
             stacks.tidy(self.run_dir)  # the stacks files no watchdog asked for
+
+
+def staging_name(slot: str) -> str:
+    """The folder an atomic save writes `slot` into before it is renamed into place."""
+    return f".staging-{slot.replace(os.sep, '-')}"
 
 
 def stragglers(times: dict[int, float], threshold: float) -> list[tuple[int, float, float]]:

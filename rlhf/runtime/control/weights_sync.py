@@ -9,19 +9,27 @@
 
 `verify` then asks every rollout server for its weight_version and checksum (weights.verify).
 Fault points: weights_update.upload / .update / .save_dir (on the workers and servers).
+
+With the policy's weights_fallback, a meta update that fails (an upload, the MetaServer, a pull) is done
+again through disk by a train rank that is free (every rank holds the whole model); the stuck upload, if
+any, ends on its own timeout while the step goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from typing import Any
 
+from rlhf import tracing
 from rlhf.config import Config
 from rlhf.runtime.client import Client, LoopThread
 from rlhf.runtime.control.services import RolloutServices
 from rlhf.runtime.control.workers import WorkerGroup
+
+log = logging.getLogger("rlhf.controller")
 
 OUTER_MARGIN_S = 10.0  # a call that wraps a server-side wait gets this much longer than the wait
 
@@ -36,10 +44,13 @@ class WeightSync:
         self.cfg, self.run_dir, self.token, self.loop = cfg, run_dir, token, loop
         self.workers, self.services = workers, services
         self.latest_slot = ""  # the newest parity checkpoint (disk mode reads it without private_weights_dir)
+        self.source = 0  # the train rank whose weights verify compares with (the fallback's writer)
+        self.fell_back = 0  # 1 when this step's meta update was done through disk (steps.csv weights_fallback)
 
     def update(self, version: str, step: int) -> dict[str, float]:
         """Push the train ranks' weights to every rollout server as `version`; upload and update seconds."""
         cfg = self.cfg
+        self.source, self.fell_back = 0, 0
         if cfg.weights.mode == "meta":
             return self.loop.run(self._update_meta(version, step))
         t0 = time.perf_counter()
@@ -50,11 +61,13 @@ class WeightSync:
             self.workers.call("save_weights_dir", {"path": path}, step=step, stage="weights_update")
         upload = time.perf_counter() - t0
         t1 = time.perf_counter()
-        self.loop.gather(*[
-            c.call("/update_weights_from_disk", {"model_path": path, "weight_version": version},
-                   timeout_s=cfg.weights.update_timeout_s, stage="weights_update", step=step)
-            for c in self.services.rollout])
+        self.loop.gather(*self._load_from_disk(path, version, step))
         return {"upload_s_max": upload, "update_s_max": time.perf_counter() - t1}
+
+    def _load_from_disk(self, path: str, version: str, step: int) -> list[Any]:
+        return [c.call("/update_weights_from_disk", {"model_path": path, "weight_version": version},
+                       timeout_s=self.cfg.weights.update_timeout_s, stage="weights_update", step=step)
+                for c in self.services.rollout]
 
     async def _update_meta(self, version: str, step: int) -> dict[str, float]:
         cfg, url = self.cfg, self.services.metaserver_url
@@ -62,6 +75,10 @@ class WeightSync:
         try:
             await meta.call("/versions", {"version": version, "shards": len(self.workers)}, stage="weights_update",
                             step=step)
+        except Exception as exc:  # noqa: BLE001 — re-raised unless the policy falls back to disk
+            if not cfg.resilience.weights_fallback:
+                raise
+            return await self._fallback(version, step, [], exc)
         finally:
             await meta.close()
 
@@ -70,21 +87,58 @@ class WeightSync:
             await coro
             return time.perf_counter() - t
 
-        uploads = [timed(c.call("/upload_weights", {"metaserver_url": url, "version": version,
-                                                    "timeout_s": cfg.weights.upload_timeout_s,
-                                                    "shm_dir": self.services.shm_dir},
-                                timeout_s=cfg.weights.upload_timeout_s, stage="weights_update", step=step))
-                   for c in self.workers.clients]
-        updates = [timed(c.call("/update_weights_from_meta",
-                                {"metaserver_url": url, "weight_version": version,
-                                 "wait_s": cfg.weights.update_timeout_s, "timeout_s": cfg.weights.update_timeout_s},
-                                # the server's own wait ends first, so its error (not our timeout) comes back
-                                timeout_s=cfg.weights.update_timeout_s + OUTER_MARGIN_S, stage="weights_update",
-                                step=step))
-                   for c in self.services.rollout]
-        times = await asyncio.gather(*uploads, *updates)  # upload and update in parallel; wait for both sides
+        uploads = [asyncio.ensure_future(timed(c.call(
+            "/upload_weights", {"metaserver_url": url, "version": version, "timeout_s": cfg.weights.upload_timeout_s,
+                                "shm_dir": self.services.shm_dir},
+            timeout_s=cfg.weights.upload_timeout_s, stage="weights_update", step=step))) for c in self.workers.clients]
+        updates = [asyncio.ensure_future(timed(c.call(
+            "/update_weights_from_meta", {"metaserver_url": url, "weight_version": version,
+                                          "wait_s": cfg.weights.update_timeout_s,
+                                          "timeout_s": cfg.weights.update_timeout_s},
+            # the server's own wait ends first, so its error (not our timeout) comes back
+            timeout_s=cfg.weights.update_timeout_s + OUTER_MARGIN_S, stage="weights_update", step=step)))
+            for c in self.services.rollout]
+        if not cfg.resilience.weights_fallback:
+            times = await asyncio.gather(*uploads, *updates)  # upload and update in parallel; wait for both sides
+        else:
+            await asyncio.wait(uploads + updates, return_when=asyncio.FIRST_EXCEPTION)
+            failed = [t.exception() for t in uploads + updates if t.done() and t.exception() is not None]
+            if failed:
+                for t in updates:
+                    t.cancel()  # the servers' own waits end within wait_s; the disk load replaces what they wait for
+                return await self._fallback(version, step, uploads, failed[0])
+            times = [t.result() for t in uploads + updates]
         n = len(uploads)
         return {"upload_s_max": max(times[:n]), "update_s_max": max(times[n:]) if times[n:] else 0.0}
+
+    async def _fallback(self, version: str, step: int, uploads: list[asyncio.Future], exc: BaseException
+                        ) -> dict[str, float]:
+        """weights_fallback: `version` through disk, written by a train rank whose upload has ended (a rank still
+        stuck in its upload would serve the write only after it); the first error is raised if disk fails too."""
+        t0 = time.perf_counter()
+        if uploads and not any(t.done() for t in uploads):
+            await asyncio.wait(uploads, return_when=asyncio.FIRST_COMPLETED)  # bounded by the upload timeout
+        writer = next((r for r, t in enumerate(uploads) if t.done()), 0)
+        for t in uploads:  # a stuck upload ends on its own timeout; its error is evidence in its rank's log
+            t.add_done_callback(lambda f: f.cancelled() or f.exception())
+        what = f"{type(exc).__name__}: {exc}"[:300]
+        log.warning("step %d: weights version %s through the MetaServer failed (%s); falling back to disk, "
+                    "written by train-%d", step, version, what, writer)
+        path = os.path.join(self.run_dir, "weights", "latest")
+        with tracing.span("weights.fallback", stage="weights_update", step=step,
+                          **{"rlhf.writer": f"train-{writer}", "rlhf.error": what}):
+            try:
+                await self.workers.clients[writer].call("/save_weights_dir", {"path": path, "writer": writer},
+                                                        stage="weights_update", step=step)
+                upload = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                await asyncio.gather(*self._load_from_disk(path, version, step))
+            except Exception as disk_exc:  # noqa: BLE001 — the meta failure came first: it is the run's error
+                log.warning("step %d: the disk fallback failed too (%s: %s)", step, type(disk_exc).__name__,
+                            str(disk_exc)[:300])
+                raise exc from disk_exc
+        self.source, self.fell_back = writer, 1
+        return {"upload_s_max": upload, "update_s_max": time.perf_counter() - t1}
 
     def verify(self, version: str, step: int) -> int:
         """Every rollout server must report `version` and the trainer's checksum; returns 1 or raises.
@@ -97,9 +151,12 @@ class WeightSync:
             if wrong:
                 raise WeightsMismatch(f"step {step}: trainer has version {version}; " + "; ".join(wrong))
             return 1
-        trainer = self.workers.call("weights_checksum", step=step, stage="weights_update")[0][0]
-        replies = self.loop.gather(*[c.call("/weights_checksum", method="GET", stage="weights_update", step=step)
-                                     for c in self.services.rollout])
+        # every rank holds the same weights: one rank's checksum (the fallback writer's, when a rank was stuck)
+        trainer, *replies = self.loop.gather(
+            self.workers.clients[self.source].call("/weights_checksum", stage="weights_update", step=step),
+            *[c.call("/weights_checksum", method="GET", stage="weights_update", step=step)
+              for c in self.services.rollout])
+        trainer = trainer[0]
         wrong = [f"rollout-{r}: version {rep['weight_version']} checksum {rep['checksum'][:12]}"
                  for r, (rep, _) in enumerate(replies)
                  if rep["weight_version"] != version or rep["checksum"] != trainer["checksum"]]
