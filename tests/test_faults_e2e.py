@@ -35,8 +35,9 @@ def faulted_run(tmp_path_factory):
     spec = base / "faults.yaml"
     spec.write_text(FAULTS)
     run_dir = base / "run"
-    out = subprocess.run(torchrun(run_dir, "--steps", "10", "--faults", str(spec)), capture_output=True, text=True,
-                         timeout=300, cwd=ROOT)
+    # samples at 5 Hz: the burn ends when the run does, ~1.5 s after it starts on this machine
+    out = subprocess.run(torchrun(run_dir, "--steps", "10", "--faults", str(spec), "--tracing.metrics_interval_s", "0.2"),
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert_none_left(run_dir)
     return run_dir

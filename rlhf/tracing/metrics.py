@@ -200,14 +200,26 @@ class ResourceSampler:
                 continue
             for proc in family:
                 seen.add(proc.pid)
-                known = self._children.setdefault(proc.pid, proc)
                 try:
-                    total += known.cpu_percent(None)  # 0.0 on the first sample of a process
+                    total += self._child_percent(proc)
                 except psutil.Error:
                     continue
         for pid in set(self._children) - seen:
             del self._children[pid]
         return total
+
+    def _child_percent(self, proc: psutil.Process) -> float:
+        """CPU % of one child since the last sample; for a child seen for the first time, its average since it
+        started (psutil's counter says 0.0 on a first call, which hid a short-lived burner that one sample saw)."""
+        known = self._children.get(proc.pid)
+        if known is not None:
+            return known.cpu_percent(None)
+        self._children[proc.pid] = proc
+        with proc.oneshot():
+            times, born = proc.cpu_times(), proc.create_time()
+            proc.cpu_percent(None)  # primes the counter for the next sample
+        age = time.time() - born
+        return (times.user + times.system) / age * 100 if age > 0.05 else 0.0
 
     def _run(self) -> None:
         gpu = _Gpu()
