@@ -40,7 +40,7 @@ from rlhf.analysis import measure_run, survival_counts  # noqa: E402
 COLUMNS = ["scenario", "mode", "resilience", "fault_stage", "fault_point", "target", "error_stage",
            "first_error_time_s", "surfaced_error_time_s", "gap_s", "hops", "processes_with_errors",
            "log_files_to_read", "last_error_line", "run_outcome", "steps_done", "retries", "migrated", "restarts",
-           "fallbacks", "saves_failed", "eval_after", "eval_fault_free", "wall_s", "seed_expected"]
+           "fallbacks", "saves_failed", "world_restarts", "eval_after", "eval_fault_free", "wall_s", "seed_expected"]
 
 RESTART = {"9"}  # scenarios whose effect shows only when the same command is run again (resume)
 
@@ -85,8 +85,11 @@ def fault_free_eval(n: str, out_dir: str) -> float | str:
 def run_one(n: str, mode: str, resilience: str, out_dir: str) -> dict:
     run_dir = os.path.join(out_dir, f"scenario{n}-{mode}-{resilience}")
     script = "grpo_trainer.py" if mode == "rl" else "sft_trainer.py"
+    # hardened: torchrun restarts a world that lost a process once (--max-restarts 1), resuming from the newest
+    # valid checkpoint; faithful: as the seeds ran it, a crash ends the run (the restart is a second command)
+    restarts = ["--max-restarts=1"] if resilience == "hardened" else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           "--master_port=PORT", os.path.join(ROOT, "examples", script), "--run-dir", run_dir,
+           "--master_port=PORT", *restarts, os.path.join(ROOT, "examples", script), "--run-dir", run_dir,
            "--faults", os.path.join(ROOT, "examples", "faults", f"scenario{n}.yaml"), "--resilience", resilience]
     print(f"[scenarios] scenario {n} {mode} {resilience} → {run_dir}", file=sys.stderr, flush=True)
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: a kept one would resume, and mix old logs in
@@ -131,7 +134,8 @@ def main() -> None:
         writer.writerows(rows)
     shown = ["scenario", "mode", "resilience", "fault_stage", "fault_point", "target", "error_stage",
              "first_error_time_s", "surfaced_error_time_s", "gap_s", "hops", "log_files_to_read", "run_outcome",
-             "steps_done", "retries", "migrated", "restarts", "fallbacks", "saves_failed", "eval_after", "eval_fault_free"]
+             "steps_done", "retries", "migrated", "restarts", "fallbacks", "saves_failed", "world_restarts", "eval_after",
+             "eval_fault_free"]
     lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
     lines += ["| " + " | ".join(str(r[c]) for c in shown) + " |" for r in rows]
     lines += ["", "The seed plan's expected result (seeds/000; its timeouts, not the scaled ones):", ""]

@@ -132,7 +132,8 @@ def measure_run(run_dir: str, exit_code: int | None = None) -> dict[str, Any]:
 def survival_counts(run_dir: str, logs: dict[str, list[str]] | None = None) -> dict[str, Any]:
     """What the run survived: steps done (steps.csv rows), requests sent again (every process's "retrying …"
     and "…; retrying" WARNINGs: idempotent calls, shed calls, colocation events), samples migrated, rollout servers restarted, weights updates done through disk instead of the MetaServer and
-    checkpoint saves that failed while the run went on (steps.csv), and the final eval accuracy."""
+    checkpoint saves that failed while the run went on (steps.csv), worlds torchrun restarted (--max-restarts), and
+    the final eval accuracy."""
     import csv
 
     logs = _logs(run_dir) if logs is None else logs
@@ -150,7 +151,9 @@ def survival_counts(run_dir: str, logs: dict[str, list[str]] | None = None) -> d
             eval_after = round(float(json.load(fh).get("eval_accuracy_after")), 3)
     except (OSError, ValueError, TypeError):
         pass
-    return {"steps_done": len(rows),
+    return {"steps_done": len({r.get("step") for r in rows}),  # a restarted world writes its replayed steps again
+            "world_restarts": sum(1 for lines in logs.values() for line in lines
+                                  if "torchrun restarted this run's workers" in line),
             "retries": sum(1 for lines in logs.values() for line in lines if " WARNING " in line
                            and (_message(line).startswith("retrying ") or line.endswith("; retrying"))),
             "migrated": total("rollout_migrated"), "restarts": total("rollout_restarts"),

@@ -344,11 +344,14 @@ class CheckpointConfig:
     """On start, resume from the newest valid checkpoint in <run-dir>/checkpoints."""
     max_failed_saves: int = 3
     """With resilience.skip_failed_saves: this many failed saves in a row fail the run (the newest valid checkpoint would fall too far behind)."""
+    write_stall_s: float = 4.0
+    """With resilience.abandon_stuck_saves: a rank's checkpoint write whose writer thread has neither used CPU nor waited on the disk for this long is abandoned (CheckpointWriteStalled) and the save skipped; keep it under 2 x runtime.watchdog_stall_s, where the stall watchdog names the rank."""
 
     def __post_init__(self) -> None:
         _positive("checkpoint.latest_every", self.latest_every, allow_zero=True)
         _positive("checkpoint.periodic_every", self.periodic_every, allow_zero=True)
         _positive("checkpoint.max_failed_saves", self.max_failed_saves)
+        _positive("checkpoint.write_stall_s", self.write_stall_s)
 
 
 @dataclass

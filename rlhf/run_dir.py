@@ -12,8 +12,11 @@ import sys
 from typing import Any
 
 
-def default_run_dir() -> str:
-    return os.path.join("runs", _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S"))
+def default_run_dir(started: float | None = None) -> str:
+    """runs/<UTC start time>. Under torchrun the start is its agent's, so the workers a restart
+    (--max-restarts) brings up find the run they resume in the same folder."""
+    when = _dt.datetime.fromtimestamp(started, _dt.timezone.utc) if started else _dt.datetime.now(_dt.timezone.utc)
+    return os.path.join("runs", when.strftime("%Y%m%d-%H%M%S"))
 
 
 def make_run_dir(path: str) -> str:

@@ -63,3 +63,40 @@ def test_atomic_slot_replaces_the_old_one_whole_and_leaves_no_staging(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["latest_odd"]
     assert json.loads((tmp_path / "latest_odd" / ckpt.META).read_text())["step"] == 3
     assert ckpt.slot_for_step(3) == "latest_odd" and ckpt.slot_for_step(4) == "latest_even"
+
+
+def test_a_bounded_write_abandons_a_stuck_writer_and_waits_for_a_working_one(tmp_path):
+    """abandon_stuck_saves: a writer blocked half-way through a file (a real blocked thread: the hang fault) is given
+    up after stall_s with what it left on disk; an unobstructed write returns the same files as write_items."""
+    import textwrap
+    import threading
+    import time
+
+    import pytest
+
+    from rlhf import faults
+    from rlhf.faults.spec import parse_faults_text
+    from rlhf.runtime.errors import CheckpointWriteStalled
+
+    model, opt = _model_and_optimizer(0)
+    items = ckpt.snapshot_rank_files(0, model, opt)
+    files = ckpt.write_bounded(str(tmp_path / "ok"), items, False, 1.0, "train-0")
+    assert files == ckpt.write_items(str(tmp_path / "plain"), items, False)
+    os.makedirs(tmp_path / "faults")
+    faults.arm(str(tmp_path), parse_faults_text(textwrap.dedent("""
+        faults:
+          - name: stuck
+            kind: hang
+            point: checkpoint.write
+            when: {max_hits: 1}
+    """), "test.yaml"))
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(CheckpointWriteStalled) as err:
+            ckpt.write_bounded(str(tmp_path / "stuck"), items, False, 0.5, "train-0")
+        assert 0.5 <= time.monotonic() - t0 < 5
+        half = os.path.getsize(tmp_path / "stuck" / "model.safetensors")
+        assert f"model.safetensors {half} B" in str(err.value) and "no progress for 0.5 s" in str(err.value)
+        assert any(t.name == "ckpt-write-train-0" for t in threading.enumerate())  # left behind, still blocked
+    finally:
+        faults.disarm()  # releases the hang: the abandoned thread finishes in its own folder

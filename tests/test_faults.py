@@ -496,3 +496,31 @@ def test_a_bare_fault_file_name_finds_the_bundled_scenario(tmp_path, monkeypatch
     with pytest.raises(SystemExit):
         parse_config(["--faults", "scenario99.yaml"], make_parser("grpo", "test"))
     assert "no bundled fault file of that name" in capsys.readouterr().err and "scenario2.yaml" in list_text()
+
+
+def test_a_restarted_process_does_not_fire_again_at_a_step_its_predecessor_hit(tmp_path):
+    """A fault in a run that restarts (torchrun --max-restarts, a resumed run, a restarted rollout server) fires
+    once per step of the run: the earlier process's markers count, for the step and for max_hits."""
+    from rlhf import tracing
+
+    spec = """
+        faults:
+          - name: boom
+            kind: exception
+            point: train.step
+            target: {role: train, rank: 1}
+            when: {steps: [3, 4, 5], max_hits: 2}
+            params: {error: ValueError, message: injected}
+    """
+    os.makedirs(tmp_path / "faults")
+    earlier = {"time": 0, "event": "inject", "fault": "boom", "role": "train", "rank": 1, "step": 3, "pid": -1}
+    (tmp_path / "faults" / "markers.jsonl").write_text(json.dumps(earlier) + "\nnot json\n")
+    arm(tmp_path, spec)
+    with tracing.use_role("train", 1):
+        fault_point("train.step", step=3)  # the step replayed after the restart runs clean
+        with pytest.raises(ValueError, match="injected"):
+            fault_point("train.step", step=4)
+        fault_point("train.step", step=5)  # max_hits 2: one before the restart, one after
+    with open(tmp_path / "faults" / "markers.jsonl") as fh:
+        mine = [json.loads(line) for line in fh.readlines()[2:]]
+    assert [(m["event"], m["step"]) for m in mine if m["pid"] == os.getpid()] == [("inject", 4)]

@@ -19,7 +19,7 @@ from tests.conftest import ROOT
 from tests.test_runtime import assert_none_left, free_port
 
 
-def run_scenario(tmp_path, n, *extra, script="grpo_trainer.py"):
+def run_scenario(tmp_path, n, *extra, script="grpo_trainer.py", torchrun_args=()):
     """n: the scenario number, or the fault file's name (sync_stall).
 
     GRPO runs skip the SFT warm start (--sft.max_steps 0): no scenario's fault acts during it, and its 60
@@ -28,7 +28,7 @@ def run_scenario(tmp_path, n, *extra, script="grpo_trainer.py"):
     run_dir = tmp_path / name
     warm = ["--sft.max_steps", "0"] if script == "grpo_trainer.py" and "--sft.max_steps" not in extra else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", f"{ROOT}/examples/{script}", "--run-dir", str(run_dir),
+           f"--master_port={free_port()}", *torchrun_args, f"{ROOT}/examples/{script}", "--run-dir", str(run_dir),
            "--faults", f"{ROOT}/examples/faults/{name}.yaml", *warm, *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert_none_left(run_dir)
@@ -434,5 +434,29 @@ def test_scenario9_io_hang_in_a_periodic_save_breaks_the_restart_after_a_crash(t
     assert stamp(failed) - hang["time"] > 5.0  # found a crash and a restart after the cause (two steps, a restart)
     row = measure_run(str(run_dir), restart.returncode)
     assert (row["fault_stage"], row["target"], row["error_stage"]) == ("periodic_recover_save", "train-0", "resume")
-    assert (row["fault_stage"], row["target"], row["error_stage"]) == ("periodic_recover_save", "train-0", "resume")
     assert_diagnosed(run_dir, "train-0", "periodic_recover_save", "hang")  # the save that never finished
+
+
+def test_scenario9_hardened_abandons_the_stuck_save_and_a_restarted_world_finishes(tmp_path):
+    """abandon_stuck_saves + torchrun --max-restarts 1: train-0's periodic save at step 2 stops half-way; the rank
+    answers CheckpointWriteStalled after checkpoint.write_stall_s and the step goes on; the SIGKILL of train-0 at
+    step 4 ends that world, torchrun starts another, which finds no valid checkpoint (step 2's was discarded),
+    starts over in the same run directory and finishes, its faults not firing again at the steps they hit."""
+    from rlhf.runtime import checkpoint as ckpt
+
+    run_dir, out = run_scenario(tmp_path, 9, "--resilience", "hardened", torchrun_args=("--max-restarts=1",))
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = steps_rows(run_dir)
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 1, 2, 3, 4, 5, 6]  # the first world died in step 4
+    assert [int(r["saves_failed"]) for r in rows] == [0, 1, 0, 0, 0, 0, 0, 0, 0]
+    warned = log_lines(run_dir, "controller-0", "WARNING")
+    stalled = [line for line in warned if "CheckpointWriteStalled" in line]
+    assert len(stalled) == 1 and "step 2: periodic_recover_save" in stalled[0] and "no progress for 4 s" in stalled[0]
+    assert sum("torchrun restarted this run's workers (restart 1 of 1" in line for line in warned) == 1
+    injected = [m["fault"] for m in markers(run_dir) if m["event"] == "inject"]
+    assert sorted(injected) == ["crash-two-steps-later", "io-hang-in-periodic-save"]  # once each in the run
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_restarts"] == 1 and summary["steps"] == 6
+    for step in (2, 4, 6):  # written by the second world, checksums intact
+        assert ckpt.verify_slot(str(run_dir / "checkpoints" / "periodic" / f"step_{step}"), check_sums=True)
+    assert not list((run_dir / "checkpoints").glob(".staging-*"))

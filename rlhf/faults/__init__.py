@@ -56,6 +56,10 @@ class Armed:
     rng: random.Random = field(default_factory=random.Random)
     lock: threading.Lock = field(default_factory=threading.Lock)
     timer: threading.Timer | None = None
+    # hits of this fault in earlier processes of the run (a restarted or resumed world, a restarted rollout
+    # server): (role, rank) -> the steps they fired at. A step replayed after a restart runs clean, and
+    # max_hits counts the run's hits, not the process's.
+    earlier: dict[tuple[str, int], list[int | None]] = field(default_factory=dict)
 
 
 _ARMED: dict[str, list[Armed]] | None = None  # point → faults armed there; None = nothing armed
@@ -121,8 +125,11 @@ def _due(point: str, faults: list[Armed], step: int | None, peer: str, context: 
             continue
         if when.after_s and time.monotonic() - armed.armed_at < when.after_s:
             continue
+        before = armed.earlier.get((role, rank), ())
+        if before and step in before:
+            continue  # this step's fault already happened in this run, before a restart
         with armed.lock:
-            if when.max_hits and armed.triggers >= when.max_hits:
+            if when.max_hits and armed.triggers + len(before) >= when.max_hits:
                 continue
             if armed.kind.BACKGROUND and armed.kind.active:
                 continue
@@ -219,8 +226,10 @@ def arm(run_dir: str, faults: list[dict[str, Any]] | list[FaultSpec], source: st
     disarm()
     _RUN_DIR = run_dir
     table: dict[str, list[Armed]] = {}
+    earlier = _earlier_hits(run_dir)
     for spec in specs:
-        armed = Armed(spec, KINDS[spec.kind](spec, run_dir), rng=random.Random(spec.when.seed))
+        armed = Armed(spec, KINDS[spec.kind](spec, run_dir), rng=random.Random(spec.when.seed),
+                      earlier=earlier.get(spec.name, {}))
         _ALL.append(armed)
         for point in spec.points:
             table.setdefault(point, []).append(armed)
@@ -228,6 +237,24 @@ def arm(run_dir: str, faults: list[dict[str, Any]] | list[FaultSpec], source: st
     if specs:
         atexit.register(restore_all, "process exit")
     return len(specs)
+
+
+def _earlier_hits(run_dir: str) -> dict[str, dict[tuple[str, int], list[int | None]]]:
+    """Injections other processes of this run recorded before this one armed: fault -> (role, rank) -> steps."""
+    hits: dict[str, dict[tuple[str, int], list[int | None]]] = {}
+    try:
+        with open(os.path.join(run_dir, "faults", "markers.jsonl"), encoding="utf-8") as fh:
+            lines = fh.readlines()
+    except OSError:
+        return hits
+    for line in lines:
+        try:
+            m = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a kill
+        if m.get("event") == "inject" and m.get("pid") != os.getpid():
+            hits.setdefault(m["fault"], {}).setdefault((m["role"], int(m["rank"])), []).append(m.get("step"))
+    return hits
 
 
 def restore_all(reason: str = "run end") -> None:

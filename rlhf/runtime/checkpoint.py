@@ -12,6 +12,7 @@ back to the other slot.
 
 from __future__ import annotations
 
+import contextvars
 import errno
 import glob
 import hashlib
@@ -19,6 +20,8 @@ import json
 import os
 import random
 import shutil
+import threading
+import time
 from typing import Any
 
 import torch
@@ -27,6 +30,8 @@ from safetensors.torch import save as to_bytes
 
 from rlhf import tracing
 from rlhf.faults import fault_point
+from rlhf.runtime.errors import CheckpointWriteStalled
+from rlhf.tracing.metrics import thread_activity
 from rlhf.weights import export_state, import_state
 
 META = "meta.json"
@@ -154,6 +159,44 @@ def write_items(directory: str, items: list[tuple[str, Any]], fsync: bool, write
     return written
 
 
+def write_bounded(directory: str, items: list[tuple[str, Any]], fsync: bool, stall_s: float, who: str) -> dict[str, str]:
+    """write_items on a thread of its own (resilience.abandon_stuck_saves). When that thread has neither used CPU nor
+    waited on the disk for stall_s, give up on it: it stays behind (a daemon), and CheckpointWriteStalled says what it
+    left on disk. A slow write that progresses (serialising, writing, fsync, checksums) is waited for."""
+    done: dict[str, Any] = {}
+    started = threading.Event()
+    ctx = contextvars.copy_context()
+
+    def write() -> None:
+        done["tid"] = threading.get_native_id()
+        started.set()
+        try:
+            done["files"] = write_items(directory, items, fsync)
+        except BaseException as exc:  # handed to the caller below, which raises it
+            done["error"] = exc
+
+    thread = threading.Thread(target=ctx.run, args=(write,), name=f"ckpt-write-{who}", daemon=True)
+    thread.start()
+    started.wait()
+    last, since = thread_activity(done["tid"])[1], time.monotonic()
+    while True:
+        thread.join(0.1)  # the write's end, or a look at its progress every 0.1 s
+        if not thread.is_alive():
+            break
+        state, cpu = thread_activity(done["tid"])
+        if cpu != last or state in ("R", "D"):
+            last, since = cpu, time.monotonic()
+        elif time.monotonic() - since >= stall_s:
+            on_disk = {e.name: e.stat().st_size for e in os.scandir(directory) if e.is_file()}
+            raise CheckpointWriteStalled(
+                f"{who}: checkpoint write to {directory} made no progress for {stall_s:g} s (writer thread state "
+                f"{state}: no CPU, no disk wait; on disk: "
+                + (", ".join(f"{k} {v} B" for k, v in sorted(on_disk.items())) or "nothing") + "); abandoned")
+    if "error" in done:
+        raise done["error"]
+    return done["files"]
+
+
 def finish_slot(checkpoints: str, slot: str, staging: str, meta: dict[str, Any], atomic: bool) -> str:
     """Write meta.json (last) and, when atomic, move the staging folder into place."""
     with open(os.path.join(staging, META), "w", encoding="utf-8") as fh:
@@ -165,6 +208,7 @@ def finish_slot(checkpoints: str, slot: str, staging: str, meta: dict[str, Any],
         old = final + ".old"
         if os.path.exists(final):
             os.replace(final, old)
+        os.makedirs(os.path.dirname(final), exist_ok=True)  # periodic/step_N: the first one makes periodic/
         os.replace(staging, final)
         shutil.rmtree(old, ignore_errors=True)
     return final

@@ -15,6 +15,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.rendezvous import rendezvous
 
 from rlhf import tracing
 from rlhf.devices import train_backend, train_device
@@ -50,8 +51,20 @@ def init_distributed(device: str = "cpu", timeout_s: float = 1800.0) -> DistInfo
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
         kwargs = {"device_id": dev} if backend == "nccl" else {}
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+        timeout = timedelta(seconds=timeout_s)
+        store, rank, world_size = next(rendezvous("env://", timeout=timeout))
+        # torchrun keeps one store for every restart of its workers (static rendezvous, and c10d's shared
+        # store): a restarted world read the old world's gloo addresses and failed in connectFullMesh. Keys of
+        # each attempt live under their own prefix.
+        store = dist.PrefixStore(f"rlhf/attempt-{restart_count()}", store)
+        dist.init_process_group(backend=backend, timeout=timeout, store=store, rank=rank, world_size=world_size,
+                                **kwargs)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, backend, str(dev), why)
+
+
+def restart_count() -> int:
+    """How many times torchrun restarted this run's workers (--max-restarts) before this attempt; 0 without it."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
 def store() -> dist.Store:

@@ -101,6 +101,11 @@ class RpcConnectionError(ConnectionError):
         super().__init__(f"cannot reach {_who(url, peer)}: {type(cause).__name__}: {cause}")
 
 
+class CheckpointWriteStalled(OSError):
+    """A rank's checkpoint write made no progress (its writer thread neither used CPU nor waited on the disk) for
+    checkpoint.write_stall_s: the rank answers with this instead of waiting for it (resilience.abandon_stuck_saves)."""
+
+
 class SyncStall(RuntimeError):
     """Ranks are in different places and one waits in a collective (or a call) the others will never finish."""
 

@@ -16,6 +16,7 @@ import signal
 import sys
 from typing import Any
 
+import psutil
 import torch
 
 from rlhf import exits, faults, tracing
@@ -23,7 +24,7 @@ from rlhf.config import Config
 from rlhf.procs import set_pdeathsig
 from rlhf.run_dir import default_run_dir, make_run_dir, setup_logging
 from rlhf.runtime.controller import Controller
-from rlhf.runtime.dist import fetch, init_distributed, publish, shutdown_distributed
+from rlhf.runtime.dist import fetch, init_distributed, publish, restart_count, shutdown_distributed
 from rlhf.runtime.http import ServiceThread
 from rlhf.runtime.sft_controller import SFTController
 from rlhf.runtime.train_worker import TrainWorker
@@ -35,6 +36,16 @@ log = logging.getLogger("rlhf.launch")
 CONTROLLER_LOGGERS = ("rlhf.controller", "rlhf.metaserver", "rlhf.launch", "rlhf.diagnosis", "rlhf.client")
 
 
+def _agent_started() -> float | None:
+    """When this rank's torchrun agent started (the same for every restart of its workers); None without one."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    try:
+        return psutil.Process(os.getppid()).create_time()
+    except psutil.Error:
+        return None
+
+
 def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
     """mode 'grpo': the GRPO controller; 'sft': the SFT baseline controller (no rollout side)."""
     if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:
@@ -43,7 +54,7 @@ def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
     rank, world = info.rank, info.world_size
     if rank == 0:
         token = secrets.token_hex(16)
-        run_dir = os.path.abspath(cfg.run_dir or default_run_dir())
+        run_dir = os.path.abspath(cfg.run_dir or default_run_dir(_agent_started()))
         publish("token", token)
         publish("run_dir", run_dir)
     else:
@@ -83,6 +94,10 @@ def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
             log.info("run %s: %d train ranks (%s), %d rollout servers, weights %s, resilience %s%s", run_dir, world,
                      info.backend, cfg.rollout.servers, cfg.weights.mode, cfg.resilience.describe(),
                      ", colocated" if cfg.runtime.colocate else "")
+            if restart_count():
+                log.warning("torchrun restarted this run's workers (restart %d of %s, --max-restarts): the previous "
+                            "world ended with a failed process; this world resumes from the newest valid checkpoint "
+                            "in %s", restart_count(), os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"), run_dir)
             controller = (SFTController if mode == "sft" else Controller)(cfg, run_dir, urls, token)
             summary = controller.run()
         else:

@@ -33,6 +33,8 @@ class Policy:
     """A failed checkpoint save fails the step where it happened; off: a WARNING and the run goes on (checkpoint.periodic_async is allowed)."""
     skip_failed_saves: bool = True
     """With atomic_checkpoints: a save that a rank answers with an error (disk full, an IO error) is discarded and the run goes on from the newest valid slot, a WARNING naming it and the steps.csv count `saves_failed`; checkpoint.max_failed_saves in a row fail the run; a rank that does not answer (a hung write) still fails it; off: fatal_save_errors decides."""
+    abandon_stuck_saves: bool = True
+    """With skip_failed_saves: a rank writes its checkpoint files on a writer thread and, when the write makes no progress (the thread neither uses CPU nor waits on the disk) for checkpoint.write_stall_s, answers CheckpointWriteStalled and leaves the thread behind, so the save is skipped like a failed one and the step goes on; off: a hung write holds the rank's call until the stall watchdog or the call's timeout ends the run."""
     first_failure_ledger: bool = True
     """The controller's last error line repeats the run's first failure, whatever cleanup logs after it."""
     strict_rollout: bool = True

@@ -322,8 +322,13 @@ class TrainWorker:
             self._writes.put((args["directory"], items, bool(args.get("fsync", True)), tracing.current_step()))
             self._start_writer()
             return {"rank": self.rank, "files": {}, "pending": self._writes.qsize(), "seconds": time.perf_counter() - t0}
-        files = ckpt.write_rank_files(args["directory"], self.rank, self.model, engine.optimizer,
-                                      fsync=bool(args.get("fsync", True)))
+        if args.get("stall_s"):
+            items = ckpt.snapshot_rank_files(self.rank, self.model, engine.optimizer)
+            files = ckpt.write_bounded(args["directory"], items, bool(args.get("fsync", True)), float(args["stall_s"]),
+                                       f"train-{self.rank}")
+        else:
+            files = ckpt.write_rank_files(args["directory"], self.rank, self.model, engine.optimizer,
+                                          fsync=bool(args.get("fsync", True)))
         return {"rank": self.rank, "files": files, "seconds": time.perf_counter() - t0}
 
     def _start_writer(self) -> None:

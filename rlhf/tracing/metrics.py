@@ -47,6 +47,17 @@ def disk_wait_threads() -> int:
     return count
 
 
+def thread_activity(tid: int) -> tuple[str, int]:
+    """One thread of this process: its state letter (R running, S sleeping, D disk wait) and the CPU it has used,
+    in clock ticks (Linux /proc; ('?', 0) elsewhere or once the thread is gone)."""
+    try:
+        with open(f"/proc/self/task/{tid}/stat", encoding="ascii", errors="replace") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[11]) + int(fields[12])  # state, utime + stime
+    except (OSError, IndexError, ValueError):
+        return "?", 0
+
+
 def runqueue_wait_ns() -> dict[str, int]:
     """Per thread of this process: nanoseconds it spent runnable but waiting for a CPU (/proc schedstat)."""
     out = {}

@@ -32,6 +32,7 @@ from rlhf.runtime import checkpoint as ckpt
 from rlhf.runtime.client import Client, LoopThread
 from rlhf.runtime.control.watchdog import StallWatchdog
 from rlhf.runtime.control.workers import WorkerGroup
+from rlhf.runtime.dist import restart_count
 from rlhf.runtime.errors import HTTPStatusError, PreflightStraggler, RemoteError, SyncStall
 from rlhf.stages import StageClock
 
@@ -135,7 +136,8 @@ class RunLifecycle:
                        **({"eval_accuracy_at_resume": now} if self.resumed else {}), "steps": self.total_steps(),
                        "seconds": time.perf_counter() - start,
                        "step_time_median_s": statistics.median(times) if times else 0.0, "seed": self.cfg.seed,
-                       "world_size": len(self.workers), "resilience": self.policy.describe(),
+                       "world_size": len(self.workers), "world_restarts": restart_count(),
+                       "resilience": self.policy.describe(),
                        **self.summary_extras(rows), **({"faults_never_fired": unfired} if self.cfg.faults else {}),
                        **({"preflight": preflight} if preflight else {}),
                        "run_dir": self.run_dir}
@@ -311,7 +313,9 @@ class RunLifecycle:
         if atomic:
             shutil.rmtree(directory, ignore_errors=True)
         os.makedirs(directory, exist_ok=True)
-        replies = self.workers.call("save", {"directory": directory, "fsync": True, "background": background},
+        bounded = self.policy.abandon_stuck_saves and self.policy.skip_failed_saves and atomic and not background
+        replies = self.workers.call("save", {"directory": directory, "fsync": True, "background": background,
+                                             "stall_s": self.cfg.checkpoint.write_stall_s if bounded else 0},
                                     step=step, stage=stage)
         files: dict[str, str] = {}
         for reply, _ in replies:
