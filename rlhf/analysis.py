@@ -153,7 +153,7 @@ def survival_counts(run_dir: str, logs: dict[str, list[str]] | None = None) -> d
         pass
     return {"steps_done": len({r.get("step") for r in rows}),  # a restarted world writes its replayed steps again
             "world_restarts": sum(1 for lines in logs.values() for line in lines
-                                  if "torchrun restarted this run's workers" in line),
+                                  if " WARNING " in line and "torchrun restarted this run's workers" in line),
             "retries": sum(1 for lines in logs.values() for line in lines if " WARNING " in line
                            and (_message(line).startswith("retrying ") or line.endswith("; retrying"))),
             "migrated": total("rollout_migrated"), "restarts": total("rollout_restarts"),

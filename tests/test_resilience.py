@@ -73,3 +73,114 @@ def test_policy_is_frozen():
         HARDENED.typed_errors = False  # type: ignore[misc]
     with pytest.raises(ConfigError):
         Policy(preset="nope")
+
+
+def test_a_killed_scheduler_is_started_again_with_its_rollout_servers_and_the_run_finishes(tmp_path):
+    """restart_rollout: the scheduler is SIGKILLed while it answers the controller's GET /jobs at the start of a
+    step (its rollout servers die with it, PDEATHSIG); the controller starts a new scheduler, which starts both
+    servers again, they get that step's weights, and the run finishes. Faults fire once per run: the new scheduler
+    is not killed again."""
+    import csv
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+    from tests.test_runtime import assert_none_left
+
+    spec = tmp_path / "kill.yaml"
+    spec.write_text("faults:\n  - name: kill-scheduler\n    kind: process_kill\n    point: rpc.server.handle\n"
+                    "    target: {role: scheduler, peer: /jobs}\n    when: {after_s: 4, max_hits: 1}\n"
+                    "    params: {signal: KILL}\n")
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, f"{ROOT}/examples/grpo_trainer.py", "--preset", "smoke", "--steps", "40",
+                          "--rollout.servers", "2", "--sft.max_steps", "0", "--run-dir", str(run_dir), "--faults",
+                          str(spec)], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert_none_left(run_dir)
+    assert out.returncode == 0, out.stderr[-3000:]
+    log = (run_dir / "logs" / "controller-0.log").read_text()
+    gone = [line for line in log.splitlines() if "scheduler-0 (pid" in line and "is gone" in line]
+    assert len(gone) == 1 and "SIGKILL" in gone[0] and " WARNING " in gone[0], log[-3000:]
+    step = int(gone[0].split("step ")[1].split(":")[0])
+    with open(run_dir / "steps.csv") as fh:
+        rows = {int(r["step"]): r for r in csv.DictReader(fh)}
+    assert int(rows[step]["rollout_restarts"]) == 2 and rows[step]["weights_verified"] in ("True", "1", "true")
+    assert sum(int(r["rollout_restarts"]) for r in rows.values()) == 2 and len(rows) == 40
+    assert " ERROR " not in log  # a death the run survived is a WARNING
+    injected = [json.loads(line) for line in (run_dir / "faults" / "markers.jsonl").read_text().splitlines()]
+    assert sum(m["event"] == "inject" for m in injected) == 1
+
+
+def test_sigterm_to_the_run_finishes_its_step_and_checkpoint_and_the_same_command_resumes(tmp_path):
+    """An operator's (or a cluster scheduler's) SIGTERM to torchrun reaches every rank: the controller finishes the
+    running step and its checkpoint, rank 1 serves it until the controller shuts it down, every process stops, the
+    run exits non-zero saying how to resume, and that command resumes after the drained step."""
+    import signal
+    import subprocess
+
+    from rlhf.runtime import checkpoint as ckpt
+    from tests.conftest import ROOT
+    from tests.test_runtime import assert_none_left, steps, torchrun, wait_for_rows
+
+    run_dir = tmp_path / "run"
+    cmd = torchrun(run_dir, "--steps", "30", "--sft.max_steps", "0")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        wait_for_rows(run_dir, 3, proc)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert_none_left(run_dir)
+    assert proc.returncode != 0
+    log = (run_dir / "logs" / "controller-0.log").read_text()
+    assert " ERROR " not in log, log[-3000:]
+    drained = [int(r["step"]) for r in steps(run_dir)][-1]
+    assert 3 <= drained < 30
+    assert f"received SIGTERM during step {drained}: finishing it and its checkpoint" in log
+    assert f"stopped after step {drained} on SIGTERM, its checkpoint written; resume with: " in log
+    assert ckpt.newest_checkpoint(str(run_dir / "checkpoints"))[1]["step"] == drained
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert_none_left(run_dir)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"at step {drained}" in next(line for line in (run_dir / "logs" / "controller-0.log").read_text()
+                                       .splitlines() if "resumed from" in line)
+    assert [int(r["step"]) for r in steps(run_dir)] == list(range(1, 31))
+
+
+def test_a_world_torchrun_restarts_resumes_and_continues_the_uninterrupted_run_exactly(tmp_path):
+    """torchrun --max-restarts 1: train-1 SIGKILLed in step 3 ends the world, torchrun starts another in the same run
+    directory (its c10d keys under a new prefix), which resumes from step 2's checkpoint, the fault not firing again.
+    The checkpoint keeps the rollout servers' sampling RNG: steps 3-6 equal those of a run that was never killed."""
+    import csv
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+    from tests.test_runtime import SMOKE, assert_none_left, free_port
+
+    spec = tmp_path / "kill.yaml"
+    spec.write_text("faults:\n  - name: kill-rank1\n    kind: process_kill\n    point: train.step\n"
+                    "    target: {role: train, rank: 1}\n    when: {step: 3}\n    params: {signal: KILL}\n")
+
+    def run(name, *extra):
+        run_dir = tmp_path / name
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=1",
+                              "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+                              f"{ROOT}/examples/grpo_trainer.py", "--run-dir", str(run_dir), *SMOKE, "--steps", "6",
+                              *extra], capture_output=True, text=True, timeout=240, cwd=ROOT)
+        assert_none_left(run_dir)
+        assert out.returncode == 0, out.stderr[-3000:]
+        with open(run_dir / "steps.csv") as fh:
+            return run_dir, {int(r["step"]): r for r in csv.DictReader(fh)}
+
+    killed_dir, killed = run("killed", "--faults", str(spec))
+    _, whole = run("whole")
+    log = (killed_dir / "logs" / "controller-0.log").read_text()
+    assert "torchrun restarted this run's workers (restart 1 of 1" in log and "at step 2" in log
+    assert json.loads((killed_dir / "summary.json").read_text())["world_restarts"] == 1
+    columns = ("response_length", "entropy", "loss", "kl", "rollout_tokens")
+    assert [[killed[s][c] for c in columns] for s in range(3, 7)] == [[whole[s][c] for c in columns]
+                                                                      for s in range(3, 7)]

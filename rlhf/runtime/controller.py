@@ -101,6 +101,10 @@ class Controller(RunLifecycle):
         self.sampler.load_state_dict(state["sampler"])
         self.sft_result, self.start_step = state["sft"], int(meta["step"])
         self.eval_before = state.get("eval_accuracy_before")  # the run's, not the resume's
+        rng = state.get("rollout_rng") or []
+        if not self.services.set_rng_states(rng):  # the rollouts then differ from the uninterrupted run's
+            log.info("rollout servers' sampling RNG starts from the seed: the checkpoint has %d server states for %d "
+                     "servers", len(rng), len(self.services.rollout))
         log.info("resumed from %s at step %d", path, self.start_step)
         self.where.update(step=-1, stage="startup")
         return True
@@ -181,7 +185,8 @@ class Controller(RunLifecycle):
 
     def checkpoint_state(self, step: int) -> dict[str, Any]:
         return {"sampler": self.sampler.state_dict(), "sft": self.sft_result,
-                "optimizer_steps": step * self.cfg.train.mini_batches, "eval_accuracy_before": self.eval_before}
+                "optimizer_steps": step * self.cfg.train.mini_batches, "eval_accuracy_before": self.eval_before,
+                "rollout_rng": self.services.rng_states()}
 
     def summary_extras(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         tokens, rollout_s = sum(r["rollout_tokens"] for r in rows), sum(r["rollout_s"] for r in rows)

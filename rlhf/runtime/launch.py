@@ -14,6 +14,7 @@ import os
 import secrets
 import signal
 import sys
+import time
 from typing import Any
 
 import psutil
@@ -46,6 +47,35 @@ def _agent_started() -> float | None:
         return None
 
 
+# root causes a new world can get past (a lost process, a stuck or unreachable one, a starved one); an OOM, a full
+# disk, corrupt data or an exception in our code would come back the same way from the same checkpoint
+RESTART_CURES = ("process_death", "hang", "timeout", "network", "cpu_starvation", "io_starvation")
+
+
+class RestartRefused(RuntimeError):
+    """torchrun restarted the workers after a failure that a restart repeats: this world does not resume."""
+
+
+def _restart_refused(run_dir: str) -> str:
+    """Why this restarted world must not resume ('' when it may): the previous world's diagnosis, written after this
+    torchrun started, names a root cause a restart repeats."""
+    path = os.path.join(run_dir, "diagnosis.json")
+    started = _agent_started() or 0.0
+    try:
+        if os.path.getmtime(path) < started:
+            return ""  # an earlier command's run, resumed since
+        with open(path, encoding="utf-8") as fh:
+            found = json.load(fh)
+    except (OSError, ValueError):
+        return ""  # nothing written: its controller was killed (rank 0 SIGKILLed), a lost process
+    root = found.get("root_cause") or {}
+    if found.get("verdict") != "failed" or not root or root.get("category") in RESTART_CURES:
+        return ""
+    return (f"the previous world failed with {root.get('category')} in {root.get('process')} at step {root.get('step')} "
+            f"({str(root.get('summary', ''))[:200]}), which a restart from the same checkpoint repeats; not resuming "
+            f"(fix the cause, then run the same command with --run-dir {run_dir})")
+
+
 def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
     """mode 'grpo': the GRPO controller; 'sft': the SFT baseline controller (no rollout side)."""
     if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:
@@ -57,6 +87,7 @@ def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
         run_dir = os.path.abspath(cfg.run_dir or default_run_dir(_agent_started()))
         publish("token", token)
         publish("run_dir", run_dir)
+        publish("pid/0", str(os.getpid()))
     else:
         token, run_dir = fetch("token"), fetch("run_dir")
     make_run_dir(run_dir)
@@ -94,6 +125,13 @@ def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
             log.info("run %s: %d train ranks (%s), %d rollout servers, weights %s, resilience %s%s", run_dir, world,
                      info.backend, cfg.rollout.servers, cfg.weights.mode, cfg.resilience.describe(),
                      ", colocated" if cfg.runtime.colocate else "")
+            refused = _restart_refused(run_dir) if restart_count() else ""
+            if refused:
+                log.error("torchrun restarted this run's workers (restart %d of %s): %s", restart_count(),
+                          os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"), refused)
+                refusal = RestartRefused(refused)
+                refusal._rlhf_reported = True  # type: ignore[attr-defined]  # said above: exit 1, no traceback
+                raise refusal
             if restart_count():
                 log.warning("torchrun restarted this run's workers (restart %d of %s, --max-restarts): the previous "
                             "world ended with a failed process; this world resumes from the newest valid checkpoint "
@@ -101,13 +139,20 @@ def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
             controller = (SFTController if mode == "sft" else Controller)(cfg, run_dir, urls, token)
             summary = controller.run()
         else:
+            # SIGTERM (torchrun passes on an operator's or a cluster scheduler's): the controller finishes its step
+            # with this rank and then shuts it down; this rank stops by itself once the controller's process is gone
+            # (it failed, or torchrun stops every rank after one died) or after DRAIN_WAIT_S
+            controller_pid = int(fetch("pid/0"))
+            term_at: list[float] = []
+
             def on_term(signum: int, frame: Any) -> None:
                 ended["reason"] = "received SIGTERM"
-                worker.shutdown.set()
+                term_at.append(time.monotonic())
 
             signal.signal(signal.SIGTERM, on_term)
-            while not worker.shutdown.wait(0.5):
-                pass
+            while not worker.shutdown.wait(0.2):
+                if term_at and (not _alive(controller_pid) or time.monotonic() - term_at[0] > DRAIN_WAIT_S):
+                    break
         failed = False
     except BaseException as exc:
         ended["reason"] = ended["reason"] or f"{type(exc).__name__}: {exc}"[:300]
@@ -136,6 +181,16 @@ def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
             sys.stderr.flush()
             os._exit(1 if failed else 0)
     return summary
+
+
+DRAIN_WAIT_S = 25.0  # under torchrun's 30 s between its SIGTERM and its SIGKILL
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 class Terminated(Exception):

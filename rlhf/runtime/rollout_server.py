@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextvars
 import json
 import logging
@@ -107,6 +108,19 @@ class RolloutServer:
             r("/events", self.events)
             r("/weights_checksum", lambda a, t: {"checksum": self.engine.weights_checksum(self.verify_checksum),
                                                  "weight_version": self.engine.weight_version}, method="GET")
+            r("/rng_state", self.rng_state, method=("GET", "POST"))
+
+    def rng_state(self, args: dict, tensors: dict) -> dict:
+        """The sampling generator's state (GET), or set it (POST {"state": ...}): a checkpoint keeps it, so that a
+        resumed run draws the samples the uninterrupted run would have. Base64 of its raw bytes, no pickle."""
+        gen = self.engine.generator
+        if args.get("state") is not None:
+            try:
+                raw = base64.b64decode(args["state"], validate=True)
+                gen.set_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+            except (ValueError, RuntimeError) as exc:
+                raise BadRequest(f"/rng_state: 'state' is not this server's generator state ({exc})") from None
+        return {"state": base64.b64encode(gen.get_state().numpy().tobytes()).decode(), "device": str(gen.device)}
 
     def ready(self, args: dict, tensors: dict) -> Any:
         """Readiness: 200 when the server takes calls (not draining) and, with ?weight_version=V, its weights are

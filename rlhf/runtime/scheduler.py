@@ -236,6 +236,7 @@ class SchedulerClient:
                           env={**os.environ, "RLHF_TOKEN": token},
                           log_path=os.path.join(run_dir, "logs", "scheduler.stdout"))
         self.died = False
+        self.death_level = logging.ERROR  # WARNING when the controller starts another (resilience.restart_rollout)
         self.url = wait_for_file(ready, startup_timeout_s, self.proc)
         self.client = Client(self.url, token, peer="scheduler-0")
         self._renewer: asyncio.Future | None = asyncio.run_coroutine_threadsafe(self._renew_forever(), loop.loop)  # type: ignore[assignment]
@@ -244,7 +245,7 @@ class SchedulerClient:
         while True:
             code = self.proc.poll()
             if code is not None:  # it died: nothing will stop the rollout servers' jobs; say so with its status
-                log.error("scheduler-0 (pid %d) died: %s", self.proc.pid, exits.describe(code))
+                log.log(self.death_level, "scheduler-0 (pid %d) died: %s", self.proc.pid, exits.describe(code))
                 exits.record_exit(self.run_dir, "scheduler-0", self.proc.pid, code, by="controller-0", expected=False)
                 self.died = True
                 return
@@ -273,7 +274,8 @@ class SchedulerClient:
             self._renewer = None
         died = self.proc.poll() is not None  # it ended before we stopped it: between two renewals
         if died and not self.died:
-            log.error("scheduler-0 (pid %d) died: %s", self.proc.pid, exits.describe(self.proc.returncode))
+            log.log(self.death_level, "scheduler-0 (pid %d) died: %s", self.proc.pid,
+                    exits.describe(self.proc.returncode))
         code = stop_group(self.proc)
         if not self.died:  # else its death was recorded when it happened
             exits.record_exit(self.run_dir, "scheduler-0", self.proc.pid, code, by="controller-0", expected=not died)

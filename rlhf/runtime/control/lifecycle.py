@@ -41,6 +41,10 @@ DIAGNOSIS_LOG = logging.getLogger("rlhf.diagnosis")  # the console's last line: 
 TRACEBACK_LOG = logging.getLogger("rlhf.traceback")  # the controller's log file only, never the console
 
 
+class Drained(Exception):
+    """The run stopped after a step because it received SIGTERM; the step and its checkpoint are done."""
+
+
 class RunLifecycle:
     columns: list[str] = []  # steps.csv
     loop_name = "controller-rpc"
@@ -63,6 +67,7 @@ class RunLifecycle:
         self.start_step = 0
         self.resumed = False
         self.interrupted = False
+        self.drain_requested = False  # SIGTERM during the steps: stop after the running one
         self.eval_before: float | None = None  # before any training; a resume restores it from its checkpoint
 
     # ------------------------------------------------------------------ what a controller provides
@@ -86,9 +91,11 @@ class RunLifecycle:
         """Periodic evaluation and the step's log line."""
 
     def train(self) -> list[dict[str, Any]]:
-        """Steps start_step+1 .. total_steps, one steps.csv row each."""
+        """Steps start_step+1 .. total_steps, one steps.csv row each. A SIGTERM meanwhile (an operator, a cluster
+        scheduler preempting the job, through torchrun) lets the running step and its checkpoint finish: Drained."""
         writer = StepsWriter(os.path.join(self.run_dir, "steps.csv"), self.columns)
         rows = []
+        restore = self._drain_on_sigterm()
         try:
             for step in range(self.start_step + 1, self.total_steps() + 1):
                 with tracing.span("step", step=step, new_trace=True), tracing.at_step(step):
@@ -97,9 +104,37 @@ class RunLifecycle:
                 self.after_step(step, row)
                 writer.write(row)
                 rows.append(row)
+                if self.drain_requested and step < self.total_steps():
+                    self._drain(step)
         finally:
+            restore()
             writer.close()
         return rows
+
+    def _drain_on_sigterm(self) -> Any:
+        """While steps run: the first SIGTERM asks for a drain, a second one ends the process. Returns the undo."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        before = signal.getsignal(signal.SIGTERM)
+
+        def drain(signum: int, frame: Any) -> None:
+            self.drain_requested = True
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+            log.warning("received SIGTERM during step %d: finishing it and its checkpoint, then stopping every "
+                        "process (a second SIGTERM stops at once)", self.where["step"])
+
+        signal.signal(signal.SIGTERM, drain)
+        return lambda: signal.signal(signal.SIGTERM, before) if signal.getsignal(signal.SIGTERM) is drain else None
+
+    def _drain(self, step: int) -> None:
+        """After a step on SIGTERM: make sure a checkpoint of it exists, then stop the run (exit 1, resumable)."""
+        every = self.cfg.checkpoint.latest_every
+        if not every or step % every:  # this step wrote no latest slot: the resume point must be this step
+            self.where.update(step=step, stage="latest_recover_save")
+            self.checkpoint(ckpt.slot_for_step(step), step)
+        drained = Drained(f"stopped after step {step} on SIGTERM")
+        drained._rlhf_reported = True  # type: ignore[attr-defined]  # the WARNING says it: exit 1, no traceback
+        raise drained
 
     def summary_extras(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         return {}
@@ -143,7 +178,7 @@ class RunLifecycle:
                        "run_dir": self.run_dir}
             write_json(os.path.join(self.run_dir, "summary.json"), summary)
             return summary
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, Drained):
             self.interrupted = True  # the user's decision, not a failure: no ERROR, no ledger
             raise
         except BaseException as exc:
@@ -162,7 +197,10 @@ class RunLifecycle:
         finally:
             self._defer_sigterm()
             self.cleanup()
-            if self.interrupted:
+            if self.interrupted and self.drain_requested:
+                log.warning("stopped after step %d on SIGTERM, its checkpoint written; resume with: %s",
+                            self.where["step"], resume_command(self.run_dir))
+            elif self.interrupted:
                 step, stage = self.where["step"], self.where["stage"]
                 log.warning("interrupted %s; resume with: %s", f"at step {step} ({stage})" if step >= 0 else
                             f"during {stage}", resume_command(self.run_dir))

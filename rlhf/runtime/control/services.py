@@ -13,12 +13,14 @@ import asyncio
 import logging
 import os
 import socket
+import subprocess
 import sys
 import time
 from typing import Any
 
 import yaml
 
+from rlhf import exits
 from rlhf.config import Config
 from rlhf.devices import rollout_device
 from rlhf.procs import wait_for_file
@@ -48,8 +50,7 @@ class RolloutServices:
         self.metaserver = MetaServer(self.token, cfg.weights.max_versions, cfg.weights.max_bytes, cfg.resilience,
                                      cfg.weights.transport)
         self.metaserver_url = self.metaserver.start()
-        self.scheduler = SchedulerClient(self.run_dir, self.token, cfg.runtime.scheduler_lease_s,
-                                         cfg.runtime.startup_timeout_s, self.loop)
+        self.scheduler = self._start_scheduler()
         threads = str(max(1, (os.cpu_count() or 2) // cfg.rollout.servers))
         if cfg.rollout.backend == "sglang":
             urls = self._start_sglang(threads)
@@ -77,6 +78,35 @@ class RolloutServices:
         log.info("services up: metaserver %s, scheduler %s, %d rollout servers, %d train ranks",
                  self.metaserver_url, self.scheduler.url, len(urls), self.train_ranks)
 
+    def _start_scheduler(self) -> SchedulerClient:
+        cfg = self.cfg
+        scheduler = SchedulerClient(self.run_dir, self.token, cfg.runtime.scheduler_lease_s,
+                                    cfg.runtime.startup_timeout_s, self.loop)
+        if self._revivable():
+            scheduler.death_level = logging.WARNING  # revive() starts another: a death it survives
+        return scheduler
+
+    def _revivable(self) -> bool:
+        return self.cfg.resilience.restart_rollout and self.cfg.rollout.backend == "native" \
+            and not self.cfg.runtime.colocate
+
+    def _scheduler_ended(self) -> bool:
+        """Whether the scheduler process has ended (a call that just failed on it gets 2 s for the exit to show)."""
+        assert self.scheduler is not None
+        try:
+            self.scheduler.proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    def _restart_scheduler(self, step: int) -> None:
+        dead = self.scheduler
+        assert dead is not None
+        log.warning("step %d: scheduler-0 (pid %d) is gone (%s) and its rollout servers with it; starting a new "
+                    "scheduler (resilience.restart_rollout)", step, dead.proc.pid, exits.describe(dead.proc.returncode))
+        dead.close()
+        self.scheduler = self._start_scheduler()
+
     def _submit(self, r: int) -> None:
         assert self.scheduler is not None
         cmd, env, ready = self.jobs[r]
@@ -90,10 +120,20 @@ class RolloutServices:
         GET /health within 2 s, is (stopped and) started again; returns their names. Native, not colocated
         servers only (an sglang server's launch file is gone; a colocated one would need its lease handed over)."""
         cfg = self.cfg
-        if self.scheduler is None or not self.jobs or cfg.runtime.colocate:
+        if self.scheduler is None or not self.jobs or not self._revivable():
             return []
-        states = {j["name"]: j["state"] for j in self.scheduler.jobs()}
-        restarted = []
+        try:
+            states = {j["name"]: j["state"] for j in self.scheduler.jobs()}
+        except (RpcConnectionError, RpcTimeout):
+            if not self._scheduler_ended():
+                raise
+            self._restart_scheduler(step)
+            states = {}  # its jobs went with it (PDEATHSIG)
+        else:
+            if self.scheduler.proc.poll() is not None:  # it ended after answering
+                self._restart_scheduler(step)
+                states = {}
+        restarted: list[int] = []
         for r, client in enumerate(self.rollout):
             name = f"rollout-{r}"
             why = "" if states.get(name) == "running" else f"its job is {states.get(name, 'gone')}"
@@ -107,13 +147,37 @@ class RolloutServices:
                 continue
             log.warning("step %d: %s is down (%s); starting it again (resilience.restart_rollout); it gets step %d's "
                         "weights with the others", step, name, why, step)
-            self._submit(r)
+            self._submit(r)  # all of them first, then wait: they start side by side
+            restarted.append(r)
+        for r in restarted:
             url = wait_for_file(self.jobs[r][2], cfg.runtime.startup_timeout_s)
-            self.loop.run(client.close())
-            self.rollout[r] = Client(url, self.token, cfg.runtime.rollout_timeout_s, peer=name,
+            self.loop.run(self.rollout[r].close())
+            self.rollout[r] = Client(url, self.token, cfg.runtime.rollout_timeout_s, peer=f"rollout-{r}",
                                      retries=cfg.resilience.retry_idempotent)
-            restarted.append(name)
-        return restarted
+        return [f"rollout-{r}" for r in restarted]
+
+    def rng_states(self) -> list[str]:
+        """Every rollout server's sampling generator state (native backend; [] for sglang servers)."""
+        if self.cfg.rollout.backend != "native":
+            return []
+
+        async def get_all() -> list[Any]:
+            return await asyncio.gather(*[c.call("/rng_state", method="GET") for c in self.rollout])
+
+        return [reply["state"] for reply, _ in self.loop.run(get_all())]
+
+    def set_rng_states(self, states: list[str]) -> bool:
+        """Give each rollout server back its generator state from a checkpoint; False when the server count changed
+        (the samples then differ from the uninterrupted run's, nothing else does)."""
+        if self.cfg.rollout.backend != "native" or len(states) != len(self.rollout):
+            return False
+
+        async def set_all() -> list[Any]:
+            return await asyncio.gather(*[c.call("/rng_state", {"state": s})
+                                          for c, s in zip(self.rollout, states)])
+
+        self.loop.run(set_all())
+        return True
 
     def _start_sglang(self, threads: str) -> list[str]:
         """One sglang server job per rollout server, flags mapped from our config; waits for each /health."""
