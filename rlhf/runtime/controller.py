@@ -61,14 +61,18 @@ class Controller(RunLifecycle):
     columns = STEP_COLUMNS
     label = "GRPO"
 
-    def __init__(self, cfg: Config, run_dir: str, worker_urls: list[str], token: str) -> None:
+    def __init__(self, cfg: Config, run_dir: str, worker_urls: list[str], token: str,
+                 nodes: list[int] | None = None) -> None:
+        """nodes: the node (torchrun's GROUP_RANK) of each train rank; rollout server r runs on train rank r's node,
+        under that node's scheduler."""
         super().__init__(cfg, run_dir, worker_urls, token)
         self.task = build_task(cfg.task)
         self.reward = reward_fn(cfg.task.reward)
         # the controller needs only the tokenizer (prompts in, completions out), never the weights
         self.tokenizer = load_tokenizer(cfg.model.path) if cfg.model.path else CharTokenizer()
         self.sampler = PromptSampler(self.task.split("train"), seed=cfg.seed)
-        self.services = RolloutServices(cfg, run_dir, token, self.loop, len(self.workers))
+        self.services = RolloutServices(cfg, run_dir, token, self.loop, len(self.workers), nodes,
+                                        self.workers.clients)
         self.weights = WeightSync(cfg, run_dir, token, self.loop, self.workers, self.services)
         self.events = ColocationEvents(cfg, self.loop, self.workers, self.services)
         self.fanout = RolloutFanout(cfg, self.loop, self.services, self.tokenizer)

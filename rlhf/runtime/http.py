@@ -26,6 +26,7 @@ import contextvars
 import hmac
 import logging
 import math
+import os
 import threading
 import time
 from typing import Any, Awaitable, Callable
@@ -42,7 +43,9 @@ from rlhf.tracing.metrics import ACTIVITY
 TOKEN_HEADER = "X-RLHF-Token"
 STAGE_HEADER = "X-RLHF-Stage"
 STEP_HEADER = "X-RLHF-Step"
-DEFAULT_HOST = "127.0.0.1"
+# the address every service of this process tree binds and advertises: loopback unless RLHF_HOST names this host's
+# address on a network the other hosts of a multi-node run reach (children inherit it)
+DEFAULT_HOST = os.environ.get("RLHF_HOST", "127.0.0.1")
 BARE_500 = "500 Internal Server Error\n\nServer got itself in trouble"
 
 log = logging.getLogger("rlhf.http")

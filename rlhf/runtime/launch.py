@@ -111,6 +111,7 @@ def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
     server = ServiceThread(worker.service)
     server.start()
     publish(f"worker/{rank}", server.url)
+    publish(f"node/{rank}", os.environ.get("GROUP_RANK", "0"))  # torchrun's node rank (--nnodes)
     logging.getLogger("rlhf.train_worker").info("train worker %d/%d serving on %s (pid %d)", rank, world,
                                                 server.url, os.getpid())
     summary = None
@@ -136,7 +137,9 @@ def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
                 log.warning("torchrun restarted this run's workers (restart %d of %s, --max-restarts): the previous "
                             "world ended with a failed process; this world resumes from the newest valid checkpoint "
                             "in %s", restart_count(), os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"), run_dir)
-            controller = (SFTController if mode == "sft" else Controller)(cfg, run_dir, urls, token)
+            nodes = [int(fetch(f"node/{r}")) for r in range(world)]
+            controller = SFTController(cfg, run_dir, urls, token) if mode == "sft" else \
+                Controller(cfg, run_dir, urls, token, nodes=nodes)
             summary = controller.run()
         else:
             # SIGTERM (torchrun passes on an operator's or a cluster scheduler's): the controller finishes its step

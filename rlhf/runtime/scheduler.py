@@ -61,11 +61,12 @@ class Job:
 
 
 class Scheduler:
-    def __init__(self, run_dir: str, token: str, lease_s: float, policy: Policy = HARDENED) -> None:
+    def __init__(self, run_dir: str, token: str, lease_s: float, policy: Policy = HARDENED, rank: int = 0) -> None:
         self.run_dir, self.lease_s = run_dir, lease_s
         self.jobs: dict[str, Job] = {}
         self.last_renewal = time.monotonic()
-        self.service = Service("scheduler", 0, token, policy)
+        self.service = Service("scheduler", rank, token, policy)
+        self.name = f"scheduler-{rank}"
         self.service.untraced_paths.add("/lease")  # a heartbeat every few seconds; not worth a trace each
         route = self.service.raw_route  # behind the same auth, spans and typed errors as every service
         route("POST", "/jobs", self._submit)
@@ -126,7 +127,7 @@ class Scheduler:
     def _ended(self, job: Job, code: int | None, expected: bool) -> None:
         """Mark the job stopped and record its exit status (once: the watcher may have seen it die first)."""
         if not job.stopped:
-            exits.record_exit(self.run_dir, job.name, job.proc.pid, code, by="scheduler-0", expected=expected)
+            exits.record_exit(self.run_dir, job.name, job.proc.pid, code, by=self.name, expected=expected)
         job.stopped = True
 
     def stop_all(self, reason: str) -> None:
@@ -172,22 +173,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ready-file", required=True)
     parser.add_argument("--lease-s", type=float, default=10.0)
     parser.add_argument("--host", default=DEFAULT_HOST)
+    parser.add_argument("--rank", type=int, default=0, help="the node whose rollout servers it starts (scheduler-N)")
     args = parser.parse_args(argv)
+    me = f"scheduler-{args.rank}"
     set_pdeathsig(signal.SIGTERM)  # the controller died: stop the jobs and clean up (on_term), then exit
     token = os.environ.get("RLHF_TOKEN")
     if not token:
         parser.error("RLHF_TOKEN is not set")
-    setup_logging(args.run_dir, "scheduler", 0, console=False)
-    exits.record_start(args.run_dir, "scheduler-0")  # its end: the controller records its exit status
-    start_process_telemetry(args.run_dir, "scheduler", 0, tracing_config_of_run(args.run_dir))
+    setup_logging(args.run_dir, "scheduler", args.rank, console=False)
+    exits.record_start(args.run_dir, me)  # its end: the process that started it records its exit status
+    start_process_telemetry(args.run_dir, "scheduler", args.rank, tracing_config_of_run(args.run_dir))
     cfg = _run_config(args.run_dir)
     if cfg is not None and cfg.faults:
         faults.arm(args.run_dir, cfg.faults)
-    scheduler = Scheduler(args.run_dir, token, args.lease_s, cfg.resilience if cfg is not None else HARDENED)
+    scheduler = Scheduler(args.run_dir, token, args.lease_s, cfg.resilience if cfg is not None else HARDENED,
+                          args.rank)
 
     def on_term(signum: int, frame: Any) -> None:
         scheduler.stop_all(f"scheduler got signal {signum}")
-        exits.record_exit(args.run_dir, "scheduler-0", os.getpid(), 0, by="scheduler-0", expected=False,
+        exits.record_exit(args.run_dir, me, os.getpid(), 0, by=me, expected=False,
                           reason=f"received {signal.Signals(signum).name}")
         _sweep_shm()
         stop_process_telemetry()
@@ -223,39 +227,11 @@ def _run_config(run_dir: str) -> Config | None:
     return build_config(config_file=path) if os.path.exists(path) else None
 
 
-class SchedulerClient:
-    """The controller's handle: starts the scheduler process, renews its lease, submits/stops jobs."""
+class _Jobs:
+    """Calls on a scheduler's job API (its `client` and the caller's `loop`)."""
 
-    def __init__(self, run_dir: str, token: str, lease_s: float, startup_timeout_s: float, loop: LoopThread) -> None:
-        self.run_dir, self.token, self.lease_s, self.loop = run_dir, token, lease_s, loop
-        ready = os.path.join(run_dir, "scheduler.url")
-        if os.path.exists(ready):
-            os.remove(ready)
-        self.proc = spawn([sys.executable, "-m", "rlhf.runtime.scheduler", "--run-dir", run_dir, "--ready-file", ready,
-                           "--lease-s", str(lease_s)],
-                          env={**os.environ, "RLHF_TOKEN": token},
-                          log_path=os.path.join(run_dir, "logs", "scheduler.stdout"))
-        self.died = False
-        self.death_level = logging.ERROR  # WARNING when the controller starts another (resilience.restart_rollout)
-        self.url = wait_for_file(ready, startup_timeout_s, self.proc)
-        self.client = Client(self.url, token, peer="scheduler-0")
-        self._renewer: asyncio.Future | None = asyncio.run_coroutine_threadsafe(self._renew_forever(), loop.loop)  # type: ignore[assignment]
-
-    async def _renew_forever(self) -> None:
-        while True:
-            code = self.proc.poll()
-            if code is not None:  # it died: nothing will stop the rollout servers' jobs; say so with its status
-                log.log(self.death_level, "scheduler-0 (pid %d) died: %s", self.proc.pid, exits.describe(code))
-                exits.record_exit(self.run_dir, "scheduler-0", self.proc.pid, code, by="controller-0", expected=False)
-                self.died = True
-                return
-            try:
-                await self.client.call("/lease", {}, timeout_s=self.lease_s / 2, traced=False)
-            except (ConnectionError, TimeoutError, RuntimeError) as exc:
-                if self.proc.poll() is not None:
-                    continue  # it is dead: say so (above) rather than that a renewal failed
-                log.warning("scheduler lease renewal failed: %s", exc)
-            await asyncio.sleep(self.lease_s / 4)
+    client: Client
+    loop: LoopThread
 
     def submit(self, name: str, role: str, command: list[str], env: dict[str, str], colocate_with: str = "") -> dict:
         return self.loop.run(self.client.call("/jobs", {"name": name, "role": role, "command": command, "env": env,
@@ -268,17 +244,70 @@ class SchedulerClient:
         return (await self.client.call(f"/jobs/{name}", method="DELETE", timeout_s=timeout_s, stage="cleanup",
                                        step=step, points=("scheduler.stop_job",)))[0]
 
+
+
+class RemoteScheduler(_Jobs):
+    """Another node's scheduler, started (and its lease renewed) by that node's first train rank: the controller
+    submits and stops that node's rollout server jobs through it."""
+
+    def __init__(self, url: str, token: str, name: str, loop: LoopThread) -> None:
+        self.url, self.name, self.loop = url, name, loop
+        self.client = Client(url, token, peer=name)
+
+    def close(self) -> None:
+        self.loop.run(self.client.close())
+
+
+class SchedulerClient(_Jobs):
+    """The controller's handle: starts the scheduler process, renews its lease, submits/stops jobs."""
+
+    def __init__(self, run_dir: str, token: str, lease_s: float, startup_timeout_s: float, loop: LoopThread,
+                 rank: int = 0, owner: str = "controller-0") -> None:
+        """rank: the node whose rollout servers it starts (scheduler-N; node 0's is the controller's, another node's
+        is started by that node's first train rank, `owner`, which renews its lease)."""
+        self.run_dir, self.token, self.lease_s, self.loop = run_dir, token, lease_s, loop
+        self.name, self.owner = f"scheduler-{rank}", owner
+        ready = os.path.join(run_dir, "scheduler.url" if rank == 0 else f"scheduler-{rank}.url")
+        if os.path.exists(ready):
+            os.remove(ready)
+        self.proc = spawn([sys.executable, "-m", "rlhf.runtime.scheduler", "--run-dir", run_dir, "--ready-file", ready,
+                           "--lease-s", str(lease_s), "--rank", str(rank)],
+                          env={**os.environ, "RLHF_TOKEN": token},
+                          log_path=os.path.join(run_dir, "logs", "scheduler.stdout" if rank == 0 else
+                                                f"scheduler-{rank}.stdout"))
+        self.died = False
+        self.death_level = logging.ERROR  # WARNING when the controller starts another (resilience.restart_rollout)
+        self.url = wait_for_file(ready, startup_timeout_s, self.proc)
+        self.client = Client(self.url, token, peer=self.name)
+        self._renewer: asyncio.Future | None = asyncio.run_coroutine_threadsafe(self._renew_forever(), loop.loop)  # type: ignore[assignment]
+
+    async def _renew_forever(self) -> None:
+        while True:
+            code = self.proc.poll()
+            if code is not None:  # it died: nothing will stop the rollout servers' jobs; say so with its status
+                log.log(self.death_level, "%s (pid %d) died: %s", self.name, self.proc.pid, exits.describe(code))
+                exits.record_exit(self.run_dir, self.name, self.proc.pid, code, by=self.owner, expected=False)
+                self.died = True
+                return
+            try:
+                await self.client.call("/lease", {}, timeout_s=self.lease_s / 2, traced=False)
+            except (ConnectionError, TimeoutError, RuntimeError) as exc:
+                if self.proc.poll() is not None:
+                    continue  # it is dead: say so (above) rather than that a renewal failed
+                log.warning("scheduler lease renewal failed: %s", exc)
+            await asyncio.sleep(self.lease_s / 4)
+
     def close(self) -> None:
         if self._renewer is not None:
             self._renewer.cancel()
             self._renewer = None
         died = self.proc.poll() is not None  # it ended before we stopped it: between two renewals
         if died and not self.died:
-            log.log(self.death_level, "scheduler-0 (pid %d) died: %s", self.proc.pid,
+            log.log(self.death_level, "%s (pid %d) died: %s", self.name, self.proc.pid,
                     exits.describe(self.proc.returncode))
         code = stop_group(self.proc)
         if not self.died:  # else its death was recorded when it happened
-            exits.record_exit(self.run_dir, "scheduler-0", self.proc.pid, code, by="controller-0", expected=not died)
+            exits.record_exit(self.run_dir, self.name, self.proc.pid, code, by=self.owner, expected=not died)
 
 
 if __name__ == "__main__":

@@ -33,11 +33,12 @@ from rlhf.models import DTYPES, build_model_and_tokenizer, stop_token_ids
 from rlhf.rollout.engine import RolloutEngine
 from rlhf.runtime import checkpoint as ckpt
 from rlhf.runtime.batch_memory import BatchSizeMismatch
-from rlhf.runtime.client import Client
+from rlhf.runtime.client import Client, LoopThread
 from rlhf.runtime.colocation import DeviceLease, device_name, fresh_allocation
 from rlhf.runtime.dist import GlooDataParallel
 from rlhf.runtime.http import Service
 from rlhf.runtime.metaserver import push_shard
+from rlhf.runtime.scheduler import SchedulerClient
 from rlhf.tasks import build_task, reward_fn
 from rlhf.tracing.metrics import ACTIVITY, disk_wait_threads
 from rlhf.train.engine import TrainEngine
@@ -86,6 +87,19 @@ class TrainWorker:
         self.service.untraced_paths.add("/heartbeat")  # the watchdog polls it: no span, and what this rank does stays
         self.shutdown_grace_s = 30.0  # how long a request still running at shutdown gets to finish (and log why)
         self.service.route("/shutdown", self._shutdown, inline=True)
+        self.service.route("/start_scheduler", self.start_scheduler)
+        self.node_scheduler: SchedulerClient | None = None  # this node's, on a node without the controller
+        self._scheduler_loop: LoopThread | None = None
+
+    def start_scheduler(self, args: dict, tensors: dict) -> dict:
+        """Multi-node: the first train rank of a node without the controller starts that node's scheduler (its
+        rollout servers run on this host) and renews its lease; a rank that dies takes it along (PDEATHSIG)."""
+        if self.node_scheduler is None:
+            self._scheduler_loop = LoopThread(name=f"scheduler-lease-{self.rank}")
+            self.node_scheduler = SchedulerClient(self.run_dir, self.token, float(args["lease_s"]),
+                                                  float(args["startup_timeout_s"]), self._scheduler_loop,
+                                                  rank=int(args["node"]), owner=f"train-{self.rank}")
+        return {"url": self.node_scheduler.url, "pid": self.node_scheduler.proc.pid, "name": self.node_scheduler.name}
 
     def _shutdown(self, args: dict, tensors: dict) -> dict:
         """grace_s: what a request still running gets (the controller gives 1 s to ranks it found stalled)."""
@@ -387,6 +401,11 @@ class TrainWorker:
         return [self.model] + ([ref] if ref is not None else [])
 
     def close(self) -> None:
+        if self.node_scheduler is not None:  # its jobs stop with it (SIGTERM: the scheduler stops them first)
+            self.node_scheduler.close()
+            self.node_scheduler = None
+        if self._scheduler_loop is not None:
+            self._scheduler_loop.close()
         if self.lease is not None:
             self.lease.release()
 

@@ -26,18 +26,23 @@ from rlhf.devices import rollout_device
 from rlhf.procs import wait_for_file
 from rlhf.runtime.client import Client, LoopThread
 from rlhf.runtime.errors import HTTPStatusError, RpcConnectionError, RpcTimeout
+from rlhf.runtime.http import DEFAULT_HOST
 from rlhf.runtime.metaserver import MetaServer
-from rlhf.runtime.scheduler import SchedulerClient
+from rlhf.runtime.scheduler import RemoteScheduler, SchedulerClient
 
 log = logging.getLogger("rlhf.controller")
 
 
 class RolloutServices:
-    def __init__(self, cfg: Config, run_dir: str, token: str, loop: LoopThread, train_ranks: int) -> None:
+    def __init__(self, cfg: Config, run_dir: str, token: str, loop: LoopThread, train_ranks: int,
+                 nodes: list[int] | None = None, workers: list[Client] | None = None) -> None:
         self.cfg, self.run_dir, self.token, self.loop, self.train_ranks = cfg, run_dir, token, loop, train_ranks
+        self.nodes = nodes or [0] * train_ranks  # each train rank's node; rollout server r runs on rank r's
+        self.workers = workers or []
         self.metaserver: MetaServer | None = None
         self.metaserver_url = ""
-        self.scheduler: SchedulerClient | None = None
+        self.scheduler: SchedulerClient | None = None  # node 0's, the controller's own process
+        self.remote: dict[int, RemoteScheduler] = {}  # the other nodes', started by their first train rank
         self.rollout: list[Client] = []
         self.jobs: list[tuple[list[str], dict[str, str], str]] = []  # rollout server r's (command, env, ready file)
 
@@ -59,6 +64,7 @@ class RolloutServices:
             log.info("services up: metaserver %s, scheduler %s, %d sglang servers (%s), %d train ranks",
                      self.metaserver_url, self.scheduler.url, len(urls), cfg.rollout.sglang_launcher, self.train_ranks)
             return
+        self._start_node_schedulers()
         ready_files = []
         for r in range(cfg.rollout.servers):
             ready = os.path.join(self.run_dir, f"rollout-{r}.url")
@@ -75,8 +81,9 @@ class RolloutServices:
         self.rollout = [Client(u, self.token, cfg.runtime.rollout_timeout_s, peer=f"rollout-{r}",
                                retries=cfg.resilience.retry_idempotent)
                         for r, u in enumerate(urls)]
-        log.info("services up: metaserver %s, scheduler %s, %d rollout servers, %d train ranks",
-                 self.metaserver_url, self.scheduler.url, len(urls), self.train_ranks)
+        log.info("services up: metaserver %s, scheduler %s%s, %d rollout servers, %d train ranks",
+                 self.metaserver_url, self.scheduler.url,
+                 "".join(f" (+ {s.name} {s.url})" for s in self.remote.values()), len(urls), self.train_ranks)
 
     def _start_scheduler(self) -> SchedulerClient:
         cfg = self.cfg
@@ -107,13 +114,32 @@ class RolloutServices:
         dead.close()
         self.scheduler = self._start_scheduler()
 
+    def node_of(self, r: int) -> int:
+        """Rollout server r's node: that of train rank r (mod the train ranks), so a colocated pair shares a host."""
+        return self.nodes[r % len(self.nodes)]
+
+    def _start_node_schedulers(self) -> None:
+        """Multi-node: each other node that runs a rollout server gets a scheduler of its own, started by its first
+        train rank (the servers are processes of that host)."""
+        cfg = self.cfg
+        for node in sorted({self.node_of(r) for r in range(cfg.rollout.servers)} - {0}):
+            leader = self.nodes.index(node)
+            reply = self.loop.run(self.workers[leader].call("/start_scheduler", {
+                "node": node, "lease_s": cfg.runtime.scheduler_lease_s,
+                "startup_timeout_s": cfg.runtime.startup_timeout_s}, stage="startup"))[0]
+            self.remote[node] = RemoteScheduler(reply["url"], self.token, reply["name"], self.loop)
+
+    def _scheduler_of(self, r: int) -> Any:
+        node = self.node_of(r)
+        return self.scheduler if node == 0 else self.remote[node]
+
     def _submit(self, r: int) -> None:
         assert self.scheduler is not None
         cmd, env, ready = self.jobs[r]
         if os.path.exists(ready):
             os.remove(ready)
-        self.scheduler.submit(f"rollout-{r}", "rollout", cmd, env,
-                              colocate_with=f"train-{r}" if self.cfg.runtime.colocate else "")
+        self._scheduler_of(r).submit(f"rollout-{r}", "rollout", cmd, env,
+                                     colocate_with=f"train-{r}" if self.cfg.runtime.colocate else "")
 
     def revive(self, step: int) -> list[str]:
         """The policy's restart_rollout: every rollout server whose job has ended, or that does not answer
@@ -133,6 +159,8 @@ class RolloutServices:
             if self.scheduler.proc.poll() is not None:  # it ended after answering
                 self._restart_scheduler(step)
                 states = {}
+        for remote in self.remote.values():  # another node's scheduler lives and dies with that node's rank
+            states.update({j["name"]: j["state"] for j in remote.jobs()})
         restarted: list[int] = []
         for r, client in enumerate(self.rollout):
             name = f"rollout-{r}"
@@ -188,7 +216,7 @@ class RolloutServices:
             device = str(rollout_device(cfg.model.device, r, self.train_ranks, cfg.runtime.colocate))
             kind, _, index = device.partition(":")
             port = free_port()
-            flags = {"model_path": os.path.abspath(cfg.model.path), "host": "127.0.0.1", "port": port,
+            flags = {"model_path": os.path.abspath(cfg.model.path), "host": DEFAULT_HOST, "port": port,
                      "api_key": self.token, "dtype": cfg.model.dtype, "device": kind, "base_gpu_id": int(index or 0),
                      "mem_fraction_static": cfg.rollout.mem_fraction, "tp_size": cfg.rollout.tp_size,
                      "random_seed": (cfg.rollout.seed if cfg.rollout.seed >= 0 else cfg.seed + 17) + 1000 * r,
@@ -204,7 +232,7 @@ class RolloutServices:
                    "PYTHONPATH": _pythonpath()}
             scheduler.submit(f"rollout-{r}", "rollout", cmd, env,
                                 colocate_with=f"train-{r}" if cfg.runtime.colocate else "")
-            urls.append(f"http://127.0.0.1:{port}")
+            urls.append(f"http://{DEFAULT_HOST}:{port}")
         for r, url in enumerate(urls):
             self._wait_healthy(f"rollout-{r}", url)
             os.remove(os.path.join(self.run_dir, f"rollout-{r}.sglang.yaml"))  # read at start only; it holds the key
@@ -236,11 +264,10 @@ class RolloutServices:
             self.loop.run(probe.close())
 
     def stop(self, level: int = logging.ERROR) -> None:
-        """Every job through the scheduler (each error logged at `level` as it happens), then the MetaServer."""
-        if self.scheduler is not None:
-            scheduler = self.scheduler
+        """Every job through its scheduler (each error logged at `level` as it happens), then the MetaServer."""
+        for scheduler in [*self.remote.values(), *([self.scheduler] if self.scheduler is not None else [])]:
 
-            async def stop_all() -> list[Any]:
+            async def stop_all(scheduler: Any = scheduler) -> list[Any]:
                 jobs = (await scheduler.client.call("/jobs", method="GET", stage="cleanup"))[0]
                 return await asyncio.gather(*[scheduler.stop_job(j["name"], self.cfg.runtime.cleanup_timeout_s)
                                               for j in jobs], return_exceptions=True)
@@ -251,18 +278,19 @@ class RolloutServices:
                         log.log(level, "cleanup: stop job: %s: %s", type(result).__name__, result)
             except (RuntimeError, OSError, TimeoutError) as exc:
                 log.log(level, "cleanup: %s: %s", type(exc).__name__, exc)
-            scheduler.close()
+            scheduler.close()  # another node's: its first train rank stops the scheduler itself at shutdown
         if self.metaserver is not None:
             self.metaserver.stop()
 
     def clients(self) -> list[Client]:
-        return self.rollout + ([self.scheduler.client] if self.scheduler else [])
+        return self.rollout + ([self.scheduler.client] if self.scheduler else []) + \
+            [s.client for s in self.remote.values()]
 
 
 def free_port() -> int:
-    """A port free on 127.0.0.1 now (sglang takes its port as a flag, not 0)."""
+    """A port free on this host's service address now (sglang takes its port as a flag, not 0)."""
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((DEFAULT_HOST, 0))
         return sock.getsockname()[1]
 
 
