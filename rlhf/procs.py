@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 PR_SET_PDEATHSIG = 1
 
@@ -27,6 +27,20 @@ def set_pdeathsig(sig: int = signal.SIGKILL) -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != parent:  # the parent died before prctl took effect
         os.kill(os.getpid(), sig)
+
+
+def second_sigterm_stops(first_at: float) -> None:
+    """After a first SIGTERM was taken: the next one ends the process at once, except repeats within 1 s of the
+    first. A dying multithreaded parent (torchrun) delivers PDEATHSIG again each time a thread of it that had
+    adopted this child exits: one event, several signals."""
+
+    def handler(signum: int, frame: Any) -> None:
+        if time.monotonic() - first_at < 1.0:
+            return
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 def _child_setup() -> None:

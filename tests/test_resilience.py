@@ -111,10 +111,14 @@ def test_a_killed_scheduler_is_started_again_with_its_rollout_servers_and_the_ru
     assert sum(m["event"] == "inject" for m in injected) == 1
 
 
-def test_sigterm_to_the_run_finishes_its_step_and_checkpoint_and_the_same_command_resumes(tmp_path):
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_sigterm_to_the_run_finishes_its_step_and_checkpoint_and_the_same_command_resumes(sig, tmp_path):
     """An operator's (or a cluster scheduler's) SIGTERM to torchrun reaches every rank: the controller finishes the
     running step and its checkpoint, rank 1 serves it until the controller shuts it down, every process stops, the
-    run exits non-zero saying how to resume, and that command resumes after the drained step."""
+    run exits non-zero saying how to resume, and that command resumes after the drained step.
+
+    SIGKILL to torchrun: the ranks get SIGTERM from the kernel (PDEATHSIG), once per thread of the dying torchrun
+    that had adopted them; the repeats must not count as an operator's second SIGTERM (which stops at once)."""
     import signal
     import subprocess
 
@@ -127,7 +131,7 @@ def test_sigterm_to_the_run_finishes_its_step_and_checkpoint_and_the_same_comman
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         wait_for_rows(run_dir, 3, proc)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(getattr(signal, sig))
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:

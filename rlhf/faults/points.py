@@ -46,12 +46,13 @@ POINT_ROLES: dict[str, tuple[str, ...]] = {
 ROUTES: dict[str, tuple[str, ...]] = {
     "train": ("/sft_warm_start", "/begin_grpo", "/compute_logprobs", "/train_step", "/upload_weights",
               "/save_weights_dir", "/save", "/load", "/events", "/sft_begin", "/sft_step", "/sft_eval", "/sft_run_for",
-              "/health", "/weights_checksum", "/heartbeat", "/shutdown", "/preflight"),
+              "/health", "/weights_checksum", "/heartbeat", "/shutdown", "/preflight", "/start_scheduler"),
     # sglang's routes, then our extensions (/update_weights_from_meta, /events, /weights_checksum)
     "rollout": ("/generate", "/update_weights_from_disk", "/update_weight_version", "/release_memory_occupation",
                 "/resume_memory_occupation", "/abort_request", "/pause_generation", "/continue_generation",
                 "/flush_cache", "/health", "/health_generate", "/ready", "/model_info", "/get_model_info",
-                "/server_info", "/get_server_info", "/update_weights_from_meta", "/events", "/weights_checksum"),
+                "/server_info", "/get_server_info", "/update_weights_from_meta", "/events", "/weights_checksum",
+                "/rng_state"),
     "metaserver": ("/versions", "/weights/{version}/{shard}", "/weights/{version}/manifest", "/weights/{version}",
                    "/health"),
     "scheduler": ("/jobs", "/jobs/{name}", "/lease", "/health"),
@@ -61,10 +62,12 @@ ROUTES: dict[str, tuple[str, ...]] = {
 # retry_idempotent). Every GET (health, heartbeat, checksums, shard pulls, model info) and every DELETE (stop a
 # job, drop a weights version) is; of the POSTs, only these:
 #   /compute_logprobs   a pure function of the weights and the batch it carries
+#   /rng_state          sets the sampling generator to the state it carries
+#   /start_scheduler    starts this node's scheduler once; again, it answers with the one running
 # Never retried blindly: /train_step, /sft_step (an optimizer step each), /generate (new samples; migration is
 # its own behaviour), /upload_weights, /save, /load, /update_weights_* (they move state), /events (the policy's
 # acked_events delivers them, versioned, with its own attempts), /jobs (starts a process), /lease (its own loop).
-IDEMPOTENT_POSTS = frozenset({"/compute_logprobs"})
+IDEMPOTENT_POSTS = frozenset({"/compute_logprobs", "/rng_state", "/start_scheduler"})
 
 
 def idempotent(method: str, path: str) -> bool:

@@ -14,6 +14,7 @@ import os
 import secrets
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -22,7 +23,7 @@ import torch
 
 from rlhf import exits, faults, tracing
 from rlhf.config import Config
-from rlhf.procs import set_pdeathsig
+from rlhf.procs import second_sigterm_stops, set_pdeathsig
 from rlhf.run_dir import default_run_dir, make_run_dir, setup_logging
 from rlhf.runtime.controller import Controller
 from rlhf.runtime.dist import fetch, init_distributed, publish, restart_count, shutdown_distributed
@@ -79,7 +80,10 @@ def _restart_refused(run_dir: str) -> str:
 def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
     """mode 'grpo': the GRPO controller; 'sft': the SFT baseline controller (no rollout side)."""
     if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:
-        set_pdeathsig()  # a rank never outlives its torchrun agent, however the agent ends
+        # torchrun gone (killed, OOM-killed): SIGTERM drains the run as an operator's would (the controller finishes
+        # its step and checkpoint), and the orphan guard ends this rank DRAIN_WAIT_S later whatever it is doing
+        set_pdeathsig(signal.SIGTERM)
+        _orphan_guard()
     info = init_distributed(cfg.model.device)
     rank, world = info.rank, info.world_size
     if rank == 0:
@@ -189,6 +193,23 @@ def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
 DRAIN_WAIT_S = 25.0  # under torchrun's 30 s between its SIGTERM and its SIGKILL
 
 
+def _orphan_guard() -> None:
+    """A rank never outlives its torchrun agent by more than DRAIN_WAIT_S + 5 s, however the agent ended."""
+    parent, limit = os.getppid(), DRAIN_WAIT_S + 5
+    tick = threading.Event()  # never set: its wait is the guard's clock
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            tick.wait(0.5)
+        log.warning("torchrun (pid %d) is gone: this rank drains (SIGTERM) and ends within %.0f s", parent, limit)
+        tick.wait(limit)
+        log.error("torchrun (pid %d) is gone and this rank did not end within %.0f s: exiting", parent, limit)
+        logging.shutdown()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="orphan-guard", daemon=True).start()
+
+
 def _alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -201,7 +222,7 @@ class Terminated(Exception):
 
 
 def _terminated(signum: int, frame: Any) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    second_sigterm_stops(time.monotonic())
     raise Terminated("received SIGTERM (torchrun sends it to every rank once one rank has exited)")
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 from rlhf import diagnosis, faults, stacks, tracing
 from rlhf.config import Config
+from rlhf.procs import second_sigterm_stops
 from rlhf.run_dir import StepsWriter, write_json
 from rlhf.runtime import checkpoint as ckpt
 from rlhf.runtime.client import Client, LoopThread
@@ -119,7 +120,7 @@ class RunLifecycle:
 
         def drain(signum: int, frame: Any) -> None:
             self.drain_requested = True
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+            second_sigterm_stops(time.monotonic())
             log.warning("received SIGTERM during step %d: finishing it and its checkpoint, then stopping every "
                         "process (a second SIGTERM stops at once)", self.where["step"])
 
@@ -243,7 +244,7 @@ class RunLifecycle:
 
         def note(signum: int, frame: Any) -> None:
             log.warning("received SIGTERM during cleanup; finishing cleanup first")
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends the process at once
+            second_sigterm_stops(time.monotonic())
 
         if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None):
             signal.signal(signal.SIGTERM, note)
