@@ -107,8 +107,8 @@ class Controller(RunLifecycle):
         self.eval_before = state.get("eval_accuracy_before")  # the run's, not the resume's
         rng = state.get("rollout_rng") or []
         if not self.services.set_rng_states(rng):  # the rollouts then differ from the uninterrupted run's
-            log.info("rollout servers' sampling RNG starts from the seed: the checkpoint has %d server states for %d "
-                     "servers", len(rng), len(self.services.rollout))
+            log.info("rollout servers' sampling RNG: the checkpoint has %d state(s) for %d servers; the servers "
+                     "without theirs start from their seed", sum(s is not None for s in rng), len(self.services.rollout))
         log.info("resumed from %s at step %d", path, self.start_step)
         self.where.update(step=-1, stage="startup")
         return True

@@ -184,28 +184,41 @@ class RolloutServices:
                                      retries=cfg.resilience.retry_idempotent)
         return [f"rollout-{r}" for r in restarted]
 
-    def rng_states(self) -> list[str]:
-        """Every rollout server's sampling generator state (native backend; [] for sglang servers)."""
+    def rng_states(self) -> list[str | None]:
+        """Every rollout server's sampling generator state (native backend; [] for sglang servers). A server that
+        does not answer (it died this step; the next step starts it again) gives None: the checkpoint does not
+        wait for it, and the resumed server starts from its seed."""
         if self.cfg.rollout.backend != "native":
             return []
 
         async def get_all() -> list[Any]:
-            return await asyncio.gather(*[c.call("/rng_state", method="GET") for c in self.rollout])
+            return await asyncio.gather(*[c.call("/rng_state", method="GET") for c in self.rollout],
+                                        return_exceptions=True)
 
-        return [reply["state"] for reply, _ in self.loop.run(get_all())]
+        states: list[str | None] = []
+        for r, reply in enumerate(self.loop.run(get_all())):
+            if isinstance(reply, (RpcConnectionError, RpcTimeout, HTTPStatusError)):
+                log.info("rollout-%d's sampling RNG is not in this checkpoint: %s", r, reply)
+                states.append(None)
+            elif isinstance(reply, BaseException):
+                raise reply
+            else:
+                states.append(reply[0]["state"])
+        return states
 
-    def set_rng_states(self, states: list[str]) -> bool:
+    def set_rng_states(self, states: list[str | None]) -> bool:
         """Give each rollout server back its generator state from a checkpoint; False when the server count changed
-        (the samples then differ from the uninterrupted run's, nothing else does)."""
+        or a state is missing (those servers start from their seed; the samples then differ from the uninterrupted
+        run's, nothing else does)."""
         if self.cfg.rollout.backend != "native" or len(states) != len(self.rollout):
             return False
 
         async def set_all() -> list[Any]:
             return await asyncio.gather(*[c.call("/rng_state", {"state": s})
-                                          for c, s in zip(self.rollout, states)])
+                                          for c, s in zip(self.rollout, states) if s is not None])
 
         self.loop.run(set_all())
-        return True
+        return all(s is not None for s in states)
 
     def _start_sglang(self, threads: str) -> list[str]:
         """One sglang server job per rollout server, flags mapped from our config; waits for each /health."""
