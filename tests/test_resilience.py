@@ -188,3 +188,32 @@ def test_a_world_torchrun_restarts_resumes_and_continues_the_uninterrupted_run_e
     columns = ("response_length", "entropy", "loss", "kl", "rollout_tokens")
     assert [[killed[s][c] for c in columns] for s in range(3, 7)] == [[whole[s][c] for c in columns]
                                                                       for s in range(3, 7)]
+
+
+def test_a_rollout_server_killed_during_the_weights_update_is_started_again_and_updated(tmp_path):
+    """restart_rollout: rollout-1 is SIGKILLed while it serves step 3's /update_weights_from_meta (after that step's
+    health check); the update fails on it, the controller starts it again and updates once more, and the run
+    finishes with every step's weights verified."""
+    import csv
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+    from tests.test_runtime import assert_none_left
+
+    spec = tmp_path / "kill.yaml"
+    spec.write_text("faults:\n  - name: kill-rollout1\n    kind: process_kill\n    point: rpc.server.handle\n"
+                    "    target: {role: rollout, rank: 1, peer: /update_weights_from_meta}\n    when: {step: 3}\n"
+                    "    params: {signal: KILL}\n")
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, f"{ROOT}/examples/grpo_trainer.py", "--preset", "smoke", "--steps", "5",
+                          "--rollout.servers", "2", "--sft.max_steps", "0", "--run-dir", str(run_dir), "--faults",
+                          str(spec)], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert_none_left(run_dir)
+    assert out.returncode == 0, out.stderr[-3000:]
+    log = (run_dir / "logs" / "controller-0.log").read_text()
+    assert "step 3: rollout-1 went down during the weights update" in log, log[-3000:]
+    with open(run_dir / "steps.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [int(r["rollout_restarts"]) for r in rows] == [0, 0, 1, 0, 0]
+    assert all(r["weights_verified"] in ("True", "true", "1") for r in rows)

@@ -44,6 +44,7 @@ from rlhf.runtime.control.rollout_fanout import RolloutFanout, to_batch
 from rlhf.runtime.control.services import RolloutServices
 from rlhf.runtime.control.weights_sync import WeightSync
 from rlhf.runtime.control.workers import merge_train_metrics
+from rlhf.runtime.errors import RpcConnectionError
 from rlhf.tasks import build_task, reward_fn
 
 log = logging.getLogger("rlhf.controller")
@@ -119,10 +120,19 @@ class Controller(RunLifecycle):
         if cfg.resilience.restart_rollout:  # a dead rollout server is started again and gets this step's weights
             row["rollout_restarts"] = len(self.services.revive(step))
         with clock.stage("weights_update"):
-            row.update(self.weights.update(str(step), step))
-            row["weights_fallback"] = self.weights.fell_back
-            if cfg.weights.verify:
-                row["weights_verified"] = self.weights.verify(str(step), step)
+            try:
+                self._update_weights(step, row)
+            except RpcConnectionError as exc:
+                # a rollout server that died after this step's health check: start it again, update once more
+                if not (cfg.resilience.restart_rollout and exc.peer.startswith("rollout-")):
+                    raise
+                restarted = self.services.revive(step)
+                if not restarted:
+                    raise
+                log.warning("step %d: %s went down during the weights update (%s); started again, updating again",
+                            step, ", ".join(restarted), exc)
+                row["rollout_restarts"] = row.get("rollout_restarts", 0) + len(restarted)
+                self._update_weights(step, row)
         with clock.stage("events"):
             row["train_offload_mb"] = freed_mb(self.events.notify("rollout_start", step), "train")
         with clock.stage("rollout"):
@@ -162,6 +172,12 @@ class Controller(RunLifecycle):
                 "rollout_tokens": tokens, "rollout_tokens_per_s": tokens / clock.seconds["rollout"],
                 "batch_size": len(memory), "dp_imbalance": split["imbalance"],
                 **{f"{k}_s": v for k, v in clock.seconds.items()}}
+
+    def _update_weights(self, step: int, row: dict[str, Any]) -> None:
+        row.update(self.weights.update(str(step), step))
+        row["weights_fallback"] = self.weights.fell_back
+        if self.cfg.weights.verify:
+            row["weights_verified"] = self.weights.verify(str(step), step)
 
     def after_step(self, step: int, row: dict[str, Any]) -> None:
         if self.cfg.eval_every and step % self.cfg.eval_every == 0 and step < self.cfg.steps:
