@@ -12,7 +12,10 @@ from __future__ import annotations
 import faulthandler
 import os
 import signal
+import sys
+import threading
 import time
+import traceback
 from typing import IO
 
 SIGNAL = signal.SIGUSR2
@@ -45,7 +48,13 @@ def dump(run_dir: str, why: str, timeout_s: float = 2.0) -> dict[str, str]:
             with open(path, "a", encoding="utf-8") as fh:
                 fh.write(f"\n=== stacks of {name} (pid {pid}) at {time.strftime('%Y-%m-%dT%H:%M:%S')}: {why}\n")
             size = os.path.getsize(path)  # the dump is what comes after the header
-            os.kill(pid, SIGNAL)
+            if pid == os.getpid():
+                # this process (the watchdog's: rank 0) writes its own under the GIL: faulthandler's signal-time dump
+                # of all threads can crash a process whose threads are being started meanwhile (a GPF in libpython
+                # took rank 0 down once, as its stall diagnosis thread started)
+                _write_own(path)
+            else:
+                os.kill(pid, SIGNAL)
         except OSError:  # gone since (ProcessLookupError), or its file went away
             continue
         waiting[name] = (path, size)
@@ -58,6 +67,15 @@ def dump(run_dir: str, why: str, timeout_s: float = 2.0) -> dict[str, str]:
                 del waiting[name]
         time.sleep(0.05)
     return written
+
+
+def _write_own(path: str) -> None:
+    names = {t.ident: t.name for t in threading.enumerate()}
+    with open(path, "a", encoding="utf-8") as fh:
+        for ident, frame in sys._current_frames().items():
+            fh.write(f"\nThread 0x{ident:016x} ({names.get(ident, '?')}) (most recent call first):\n")
+            for line in reversed(traceback.format_stack(frame)):
+                fh.write(line)
 
 
 def tidy(run_dir: str) -> None:
