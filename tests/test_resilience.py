@@ -111,7 +111,7 @@ def test_a_killed_scheduler_is_started_again_with_its_rollout_servers_and_the_ru
     assert sum(m["event"] == "inject" for m in injected) == 1
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+@pytest.mark.parametrize("sig", ["SIGTERM", pytest.param("SIGKILL", marks=pytest.mark.slow)])  # SIGKILL: ~25 s
 def test_sigterm_to_the_run_finishes_its_step_and_checkpoint_and_the_same_command_resumes(sig, tmp_path):
     """An operator's (or a cluster scheduler's) SIGTERM to torchrun reaches every rank: the controller finishes the
     running step and its checkpoint, rank 1 serves it until the controller shuts it down, every process stops, the
