@@ -69,6 +69,53 @@ def test_eviction_and_delete_remove_shared_memory_files():
         meta.stop()
 
 
+def test_a_manifest_waiting_for_a_shard_that_never_comes_ends_when_the_version_goes_or_the_server_stops():
+    """A rollout server waits on the manifest while a train rank uploads; when that rank dies, nobody sends the shard.
+    Deleting the version, or stopping the MetaServer (the run's cleanup), answers the waiting request 410 at once
+    instead of holding it (and the server's shutdown) for its whole wait_s."""
+    import concurrent.futures
+    import time
+
+    from rlhf.runtime.errors import HTTPStatusError
+
+    meta = MetaServer(TOKEN, transport="http")
+    url = meta.start()
+    stopped = False
+
+    async def wait_for(version, then):
+        client = Client(url, TOKEN, peer="metaserver-0")
+        try:
+            await client.call("/versions", {"version": version, "shards": 2})
+            waiting = asyncio.create_task(client.call(f"/weights/{version}/manifest?wait_s=60", method="GET",
+                                                      timeout_s=90))
+            while not meta.waiting:  # the manifest request is in its wait
+                await asyncio.sleep(0.01)
+            t0 = time.monotonic()
+            await then()
+            with pytest.raises(HTTPStatusError) as info:
+                await waiting
+            return info.value, time.monotonic() - t0
+        finally:
+            await client.close()
+
+    async def delete():
+        await Client(url, TOKEN).call("/weights/1", method="DELETE")
+
+    async def stop():
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            await asyncio.get_running_loop().run_in_executor(pool, meta.stop)
+
+    try:
+        exc, took = asyncio.run(wait_for("1", delete))
+        assert exc.status == 410 and "dropped" in str(exc) and took < 5, (exc, took)
+        exc, took = asyncio.run(wait_for("2", stop))
+        stopped = True
+        assert exc.status == 410 and took < 5, (exc, took)
+    finally:
+        if not stopped:
+            meta.stop()
+
+
 def test_a_corrupted_tensor_is_named_by_the_puller():
     meta = MetaServer(TOKEN, transport="shm")
     url = meta.start()

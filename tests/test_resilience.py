@@ -1,6 +1,7 @@
 """The resilience policy: presets, one behaviour switched alone, recorded in config.yaml, seen by every process."""
 
 import dataclasses
+import time
 
 import pytest
 import yaml
@@ -109,6 +110,52 @@ def test_a_killed_scheduler_is_started_again_with_its_rollout_servers_and_the_ru
     assert " ERROR " not in log  # a death the run survived is a WARNING
     injected = [json.loads(line) for line in (run_dir / "faults" / "markers.jsonl").read_text().splitlines()]
     assert sum(m["event"] == "inject" for m in injected) == 1
+
+
+def test_a_scheduler_killed_mid_rollout_takes_both_servers_and_the_step_is_generated_again(tmp_path):
+    """restart_rollout: both rollout servers hang in step 3's /generate; the test SIGKILLs the scheduler then, so both
+    die with it (PDEATHSIG) mid-rollout and no server is left to migrate to. The controller starts a new scheduler
+    and both servers, gives them step 3's weights, generates the step's prompts again, and the run finishes with
+    full batches and no world restart."""
+    import csv
+    import subprocess
+    import sys
+
+    import psutil
+
+    from tests.conftest import ROOT
+    from tests.test_runtime import assert_none_left
+
+    spec = tmp_path / "hang.yaml"
+    spec.write_text("faults:\n  - name: hang-rollout\n    kind: hang\n    point: rollout.generate\n"
+                    "    target: {role: rollout}\n    when: {step: 3}\n    duration_s: 60\n")
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, f"{ROOT}/examples/grpo_trainer.py", "--preset", "smoke", "--steps", "5",
+                             "--rollout.servers", "2", "--sft.max_steps", "0", "--run-dir", str(run_dir), "--faults",
+                             str(spec)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        markers = run_dir / "faults" / "markers.jsonl"
+        deadline = time.monotonic() + 180
+        while not (markers.exists() and markers.read_text().count('"event": "inject"') >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, "the rollout servers never hung in step 3"
+            time.sleep(0.05)
+        scheduler = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                     if "rlhf.runtime.scheduler" in p.cmdline()]
+        assert len(scheduler) == 1, scheduler
+        scheduler[0].kill()
+        _out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert_none_left(run_dir)
+    assert proc.returncode == 0, err[-3000:]
+    log = (run_dir / "logs" / "controller-0.log").read_text()
+    assert "went down during the rollout" in log and "generating the step's prompts again" in log, log[-3000:]
+    with open(run_dir / "steps.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [int(r["rollout_restarts"]) for r in rows] == [0, 0, 2, 0, 0]
+    assert len({r["batch_size"] for r in rows}) == 1 and all(r["weights_verified"] in ("True", "true", "1") for r in rows)
+    assert " ERROR " not in log
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", pytest.param("SIGKILL", marks=pytest.mark.slow)])  # SIGKILL: ~25 s

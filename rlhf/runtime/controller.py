@@ -124,19 +124,22 @@ class Controller(RunLifecycle):
                 self._update_weights(step, row)
             except RpcConnectionError as exc:
                 # a rollout server that died after this step's health check: start it again, update once more
-                if not (cfg.resilience.restart_rollout and exc.peer.startswith("rollout-")):
+                if not self._revived(step, row, exc, "the weights update", "updating again"):
                     raise
-                restarted = self.services.revive(step)
-                if not restarted:
-                    raise
-                log.warning("step %d: %s went down during the weights update (%s); started again, updating again",
-                            step, ", ".join(restarted), exc)
-                row["rollout_restarts"] = row.get("rollout_restarts", 0) + len(restarted)
                 self._update_weights(step, row)
         with clock.stage("events"):
             row["train_offload_mb"] = freed_mb(self.events.notify("rollout_start", step), "train")
         with clock.stage("rollout"):
-            memory = self.fanout.generate(step, self.sampler.next(cfg.rollout.prompts_per_step))
+            examples = self.sampler.next(cfg.rollout.prompts_per_step)
+            try:
+                memory = self.fanout.generate(step, examples)
+            except RpcConnectionError as exc:
+                # no server left to migrate to (their scheduler died, and they with it): start them again with this
+                # step's weights and generate the step's prompts once more
+                if not self._revived(step, row, exc, "the rollout", "generating the step's prompts again"):
+                    raise
+                self._update_weights(step, row)
+                memory = self.fanout.generate(step, examples)
             row["rollout_migrated"] = self.fanout.migrated
         with clock.stage("events"):
             row["rollout_release_mb"] = freed_mb(self.events.notify("rollout_end", step), "rollout")
@@ -172,6 +175,19 @@ class Controller(RunLifecycle):
                 "rollout_tokens": tokens, "rollout_tokens_per_s": tokens / clock.seconds["rollout"],
                 "batch_size": len(memory), "dp_imbalance": split["imbalance"],
                 **{f"{k}_s": v for k, v in clock.seconds.items()}}
+
+    def _revived(self, step: int, row: dict[str, Any], exc: RpcConnectionError, during: str, then: str) -> bool:
+        """restart_rollout for a rollout server lost in the middle of a stage: start the dead ones again (they need
+        this step's weights before they are used). False: not a rollout server's loss, or none was down."""
+        if not (self.cfg.resilience.restart_rollout and exc.peer.startswith("rollout-")):
+            return False
+        restarted = self.services.revive(step)
+        if not restarted:
+            return False
+        log.warning("step %d: %s went down during %s (%s); started again, %s", step, ", ".join(restarted), during,
+                    exc, then)
+        row["rollout_restarts"] = row.get("rollout_restarts", 0) + len(restarted)
+        return True
 
     def _update_weights(self, step: int, row: dict[str, Any]) -> None:
         row.update(self.weights.update(str(step), step))

@@ -255,6 +255,10 @@ class ServiceThread:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    def run(self, coro: Any, timeout_s: float) -> Any:
+        """Run a coroutine on the server's loop (where its handlers' state lives) and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=timeout_s)
+
     def stop(self, timeout_s: float = 30.0) -> None:
         """Close the server; requests still running get timeout_s to finish (a rank that is exiting with a
         handler stuck in a collective or a long SFT passes a short one: nothing would come of waiting)."""

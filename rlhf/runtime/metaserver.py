@@ -83,8 +83,12 @@ class _Version:
     entries: dict[str, dict[str, Any]] = field(default_factory=dict)
     complete: asyncio.Event = field(default_factory=asyncio.Event)
     opened_at: float = field(default_factory=time.time)
+    dropped: bool = False
 
     def drop(self) -> None:
+        """Free its shards; a manifest request waiting for shards is answered at once (410). On the server's loop."""
+        self.dropped = True
+        self.complete.set()
         for shard in self.shards.values():
             shard.drop()
 
@@ -122,6 +126,7 @@ class MetaServer:
         self.service = Service("metaserver", 0, token, policy)
         self.max_versions, self.max_bytes = max_versions, max_bytes
         self.versions: dict[str, _Version] = {}
+        self.waiting = 0  # manifest requests waiting for shards now
         self.lock = threading.Lock()
         self.shm_dir = ""
         if transport == "shm":
@@ -145,7 +150,11 @@ class MetaServer:
 
     def stop(self) -> None:
         if getattr(self, "started", False):
-            self.thread.stop()
+            # first the versions, so that a manifest request waiting for shards that will never come (their uploader
+            # died) ends now instead of holding the server's shutdown for its whole wait
+            self.started = False
+            self.thread.run(self._drop_all(), timeout_s=5.0)
+            self.thread.stop(timeout_s=5.0)
         for v in self.versions.values():
             v.drop()
         if self.shm_dir:
@@ -215,12 +224,18 @@ class MetaServer:
         v = self._version(request)
         await afault_point("metaserver.get", peer="manifest")
         wait_s = float(request.query.get("wait_s", "0"))
+        self.waiting += 1
         try:
             with tracing.span("metaserver.wait_shards", expected=v.expected_shards, have=len(v.shards)):
                 await asyncio.wait_for(v.complete.wait(), timeout=wait_s)
         except asyncio.TimeoutError:
             return web.json_response(
                 {"error": "incomplete", "have": sorted(v.shards), "expected": v.expected_shards}, status=504)
+        finally:
+            self.waiting -= 1
+        if v.dropped:
+            return web.json_response({"error": f"weights version {request.match_info['version']!r} was dropped "
+                                               "(deleted, evicted or the MetaServer is stopping)"}, status=410)
         shards = {s: {"bytes": e.size, **({"path": e.path} if e.path else {})} for s, e in v.shards.items()}
         return web.json_response({"version": request.match_info["version"], "tensors": v.entries, "shards": shards})
 
@@ -232,6 +247,10 @@ class MetaServer:
             raise web.HTTPNotFound(text=f"shard {shard!r} not uploaded (have {sorted(v.shards)})")
         return web.Response(body=v.shards[shard].read(), content_type=wire.TENSORS_TYPE)
 
+    async def _drop_all(self) -> None:
+        for v in self.versions.values():
+            v.drop()
+
     async def _delete(self, request: web.Request) -> web.Response:
         dropped = self.versions.pop(request.match_info["version"], None)
         if dropped is not None:
@@ -239,7 +258,8 @@ class MetaServer:
         return web.json_response({"deleted": request.match_info["version"]})
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.json_response({"ok": True, "versions": sorted(self.versions), "bytes": self.bytes_held()})
+        return web.json_response({"ok": True, "versions": sorted(self.versions), "bytes": self.bytes_held(),
+                                  "waiting": self.waiting})
 
 
 async def push_shard(client: Any, version: str, shard: str, body: bytes | None, timeout_s: float,

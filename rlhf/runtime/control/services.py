@@ -141,6 +141,43 @@ class RolloutServices:
         self._scheduler_of(r).submit(f"rollout-{r}", "rollout", cmd, env,
                                      colocate_with=f"train-{r}" if self.cfg.runtime.colocate else "")
 
+    def _down(self, step: int) -> dict[int, str]:
+        """The rollout servers to start again, each with why: its job has ended, or it does not answer GET /health
+        within 2 s (its job is stopped). A scheduler found dead on the way (killed between two of these calls) is
+        started again, and then every server of it is down: its jobs went with it (PDEATHSIG)."""
+        cfg = self.cfg
+        assert self.scheduler is not None
+        try:
+            states = {j["name"]: j["state"] for j in self.scheduler.jobs()}
+            if self.scheduler.proc.poll() is not None:  # it ended after answering
+                return self._after_scheduler_death(step)
+            for remote in self.remote.values():  # another node's scheduler lives and dies with that node's rank
+                states.update({j["name"]: j["state"] for j in remote.jobs()})
+            down: dict[int, str] = {}
+            for r, client in enumerate(self.rollout):
+                name = f"rollout-{r}"
+                if states.get(name) != "running":
+                    down[r] = f"its job is {states.get(name, 'gone')}"
+                    continue
+                try:
+                    self.loop.run(client.call("/health", method="GET", timeout_s=2.0, traced=False))
+                except (RpcConnectionError, RpcTimeout, HTTPStatusError) as exc:
+                    down[r] = f"it does not answer /health ({type(exc).__name__})"
+                    self.loop.run(self._scheduler_of(r).stop_job(name, cfg.runtime.cleanup_timeout_s, step))
+            return down
+        except (RpcConnectionError, RpcTimeout):
+            if not self._scheduler_ended():
+                raise
+            return self._after_scheduler_death(step)
+
+    def _after_scheduler_death(self, step: int) -> dict[int, str]:
+        """scheduler-0 is started again; its servers are down, another node's are down when their job is not running."""
+        self._restart_scheduler(step)
+        states = {j["name"]: j["state"] for remote in self.remote.values() for j in remote.jobs()}
+        return {r: "its scheduler is gone" if self.node_of(r) == 0 else f"its job is {states.get(f'rollout-{r}', 'gone')}"
+                for r in range(len(self.rollout))
+                if self.node_of(r) == 0 or states.get(f"rollout-{r}") != "running"}
+
     def revive(self, step: int) -> list[str]:
         """The policy's restart_rollout: every rollout server whose job has ended, or that does not answer
         GET /health within 2 s, is (stopped and) started again; returns their names. Native, not colocated
@@ -148,35 +185,12 @@ class RolloutServices:
         cfg = self.cfg
         if self.scheduler is None or not self.jobs or not self._revivable():
             return []
-        try:
-            states = {j["name"]: j["state"] for j in self.scheduler.jobs()}
-        except (RpcConnectionError, RpcTimeout):
-            if not self._scheduler_ended():
-                raise
-            self._restart_scheduler(step)
-            states = {}  # its jobs went with it (PDEATHSIG)
-        else:
-            if self.scheduler.proc.poll() is not None:  # it ended after answering
-                self._restart_scheduler(step)
-                states = {}
-        for remote in self.remote.values():  # another node's scheduler lives and dies with that node's rank
-            states.update({j["name"]: j["state"] for j in remote.jobs()})
-        restarted: list[int] = []
-        for r, client in enumerate(self.rollout):
-            name = f"rollout-{r}"
-            why = "" if states.get(name) == "running" else f"its job is {states.get(name, 'gone')}"
-            if not why:
-                try:
-                    self.loop.run(client.call("/health", method="GET", timeout_s=2.0, traced=False))
-                except (RpcConnectionError, RpcTimeout, HTTPStatusError) as exc:
-                    why = f"it does not answer /health ({type(exc).__name__})"
-                    self.loop.run(self.scheduler.stop_job(name, cfg.runtime.cleanup_timeout_s, step))
-            if not why:
-                continue
-            log.warning("step %d: %s is down (%s); starting it again (resilience.restart_rollout); it gets step %d's "
-                        "weights with the others", step, name, why, step)
+        down = self._down(step)
+        for r, why in down.items():
+            log.warning("step %d: rollout-%d is down (%s); starting it again (resilience.restart_rollout); it gets step "
+                        "%d's weights with the others", step, r, why, step)
             self._submit(r)  # all of them first, then wait: they start side by side
-            restarted.append(r)
+        restarted = list(down)
         for r in restarted:
             url = wait_for_file(self.jobs[r][2], cfg.runtime.startup_timeout_s)
             self.loop.run(self.rollout[r].close())
@@ -277,7 +291,11 @@ class RolloutServices:
             self.loop.run(probe.close())
 
     def stop(self, level: int = logging.ERROR) -> None:
-        """Every job through its scheduler (each error logged at `level` as it happens), then the MetaServer."""
+        """The MetaServer, then every job through its scheduler (each error logged at `level` as it happens). The
+        MetaServer goes first: a rollout server waiting on it for shards that will not come (their uploader died)
+        is answered at once, and so stops at its SIGTERM instead of at the scheduler's SIGKILL."""
+        if self.metaserver is not None:
+            self.metaserver.stop()
         for scheduler in [*self.remote.values(), *([self.scheduler] if self.scheduler is not None else [])]:
 
             async def stop_all(scheduler: Any = scheduler) -> list[Any]:
@@ -292,8 +310,6 @@ class RolloutServices:
             except (RuntimeError, OSError, TimeoutError) as exc:
                 log.log(level, "cleanup: %s: %s", type(exc).__name__, exc)
             scheduler.close()  # another node's: its first train rank stops the scheduler itself at shutdown
-        if self.metaserver is not None:
-            self.metaserver.stop()
 
     def clients(self) -> list[Client]:
         return self.rollout + ([self.scheduler.client] if self.scheduler else []) + \
