@@ -76,6 +76,26 @@ def test_policy_is_frozen():
         Policy(preset="nope")
 
 
+def _smoke_run_survives(tmp_path, faults_yaml, steps):
+    """A 2-server smoke run with these faults; it must finish (exit 0) and leave nothing behind. Returns
+    (run_dir, the controller's log)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+    from tests.test_runtime import assert_none_left
+
+    spec = tmp_path / "faults.yaml"
+    spec.write_text(faults_yaml)
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, f"{ROOT}/examples/grpo_trainer.py", "--preset", "smoke", "--steps",
+                          str(steps), "--rollout.servers", "2", "--sft.max_steps", "0", "--run-dir", str(run_dir),
+                          "--faults", str(spec)], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert_none_left(run_dir)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run_dir, (run_dir / "logs" / "controller-0.log").read_text()
+
+
 def test_a_killed_scheduler_is_started_again_with_its_rollout_servers_and_the_run_finishes(tmp_path):
     """restart_rollout: the scheduler is SIGKILLed while it answers the controller's GET /jobs at the start of a
     step (its rollout servers die with it, PDEATHSIG); the controller starts a new scheduler, which starts both
@@ -83,23 +103,10 @@ def test_a_killed_scheduler_is_started_again_with_its_rollout_servers_and_the_ru
     is not killed again."""
     import csv
     import json
-    import subprocess
-    import sys
 
-    from tests.conftest import ROOT
-    from tests.test_runtime import assert_none_left
-
-    spec = tmp_path / "kill.yaml"
-    spec.write_text("faults:\n  - name: kill-scheduler\n    kind: process_kill\n    point: rpc.server.handle\n"
-                    "    target: {role: scheduler, peer: /jobs}\n    when: {after_s: 4, max_hits: 1}\n"
-                    "    params: {signal: KILL}\n")
-    run_dir = tmp_path / "run"
-    out = subprocess.run([sys.executable, f"{ROOT}/examples/grpo_trainer.py", "--preset", "smoke", "--steps", "40",
-                          "--rollout.servers", "2", "--sft.max_steps", "0", "--run-dir", str(run_dir), "--faults",
-                          str(spec)], capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert_none_left(run_dir)
-    assert out.returncode == 0, out.stderr[-3000:]
-    log = (run_dir / "logs" / "controller-0.log").read_text()
+    run_dir, log = _smoke_run_survives(tmp_path, "faults:\n  - name: kill-scheduler\n    kind: process_kill\n"
+                                       "    point: rpc.server.handle\n    target: {role: scheduler, peer: /jobs}\n"
+                                       "    when: {after_s: 4, max_hits: 1}\n    params: {signal: KILL}\n", 40)
     gone = [line for line in log.splitlines() if "scheduler-0 (pid" in line and "is gone" in line]
     assert len(gone) == 1 and "SIGKILL" in gone[0] and " WARNING " in gone[0], log[-3000:]
     step = int(gone[0].split("step ")[1].split(":")[0])
@@ -242,23 +249,9 @@ def test_a_rollout_server_killed_during_the_weights_update_is_started_again_and_
     health check); the update fails on it, the controller starts it again and updates once more, and the run
     finishes with every step's weights verified."""
     import csv
-    import subprocess
-    import sys
-
-    from tests.conftest import ROOT
-    from tests.test_runtime import assert_none_left
-
-    spec = tmp_path / "kill.yaml"
-    spec.write_text("faults:\n  - name: kill-rollout1\n    kind: process_kill\n    point: rpc.server.handle\n"
-                    "    target: {role: rollout, rank: 1, peer: /update_weights_from_meta}\n    when: {step: 3}\n"
-                    "    params: {signal: KILL}\n")
-    run_dir = tmp_path / "run"
-    out = subprocess.run([sys.executable, f"{ROOT}/examples/grpo_trainer.py", "--preset", "smoke", "--steps", "5",
-                          "--rollout.servers", "2", "--sft.max_steps", "0", "--run-dir", str(run_dir), "--faults",
-                          str(spec)], capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert_none_left(run_dir)
-    assert out.returncode == 0, out.stderr[-3000:]
-    log = (run_dir / "logs" / "controller-0.log").read_text()
+    run_dir, log = _smoke_run_survives(tmp_path, "faults:\n  - name: kill-rollout1\n    kind: process_kill\n"
+                                       "    point: rpc.server.handle\n    target: {role: rollout, rank: 1, peer: "
+                                       "/update_weights_from_meta}\n    when: {step: 3}\n    params: {signal: KILL}\n", 5)
     assert "step 3: rollout-1 went down during the weights update" in log, log[-3000:]
     with open(run_dir / "steps.csv") as fh:
         rows = list(csv.DictReader(fh))
