@@ -52,7 +52,7 @@ class Policy:
     stall_stops_run: bool = True
     """When the stall watchdog (runtime.watchdog_stall_s) finds a rank keeping the others waiting, the call fails at once with SyncStall naming it; off: the stall and the live diagnosis are logged and the run waits for the call's timeout, as the seeds' system did."""
     restart_rollout: bool = True
-    """Before each step the controller asks the scheduler whether every rollout server's job still runs and each running one whether it answers GET /health; one that died or does not answer is (stopped and) started again, a WARNING and a steps.csv count, and gets the step's weights with the others (native backend, not colocated); off: the step fails on it."""
+    """Before each step the controller asks the scheduler whether every rollout server's job still runs and each running one whether it answers GET /health; one that died or does not answer is (stopped and) started again, a WARNING and a steps.csv count, and gets the step's weights with the others (native backend, not colocated). A server lost during the step (in the weights update, or every server in the rollout, as when their scheduler is killed) is started again the same way, and that update or the step's generation is done once more; off: the step fails on it."""
     shed_load: bool = True
     """A rollout server with rollout.max_queued_requests calls already waiting answers another one 503 with Retry-After, and the client waits that long and sends it again (none of it ran, so any request may be) within its timeout, a WARNING and a span event each time; off: every call queues, however many wait."""
     graceful_drain: bool = True

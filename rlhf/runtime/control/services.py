@@ -188,7 +188,7 @@ class RolloutServices:
         down = self._down(step)
         for r, why in down.items():
             log.warning("step %d: rollout-%d is down (%s); starting it again (resilience.restart_rollout); it gets step "
-                        "%d's weights with the others", step, r, why, step)
+                        "%d's weights before it is used", step, r, why, step)
             self._submit(r)  # all of them first, then wait: they start side by side
         restarted = list(down)
         for r in restarted:
