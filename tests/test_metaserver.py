@@ -37,6 +37,14 @@ async def _publish_and_pull(url, meta, version, parts, transport, checksum="crc3
         await client.close()
 
 
+async def _delete(url, version):
+    client = Client(url, TOKEN)
+    try:
+        await client.call(f"/weights/{version}", method="DELETE")
+    finally:
+        await client.close()
+
+
 @pytest.mark.parametrize("transport", ["shm", "http"])
 def test_shards_arrive_bit_exact_with_digests_in_the_manifest(transport):
     meta = MetaServer(TOKEN, transport=transport)
@@ -63,7 +71,7 @@ def test_eviction_and_delete_remove_shared_memory_files():
         asyncio.run(_publish_and_pull(url, meta, "1", [_tensors(1)], "shm"))
         asyncio.run(_publish_and_pull(url, meta, "2", [_tensors(2)], "shm"))  # opening 2 evicts 1
         assert os.listdir(meta.shm_dir) == ["v2-rank0.safetensors"]
-        asyncio.run(Client(url, TOKEN).call("/weights/2", method="DELETE"))
+        asyncio.run(_delete(url, "2"))
         assert os.listdir(meta.shm_dir) == []
     finally:
         meta.stop()
@@ -99,7 +107,7 @@ def test_a_manifest_waiting_for_a_shard_that_never_comes_ends_when_the_version_g
             await client.close()
 
     async def delete():
-        await Client(url, TOKEN).call("/weights/1", method="DELETE")
+        await _delete(url, "1")
 
     async def stop():
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
