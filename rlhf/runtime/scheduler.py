@@ -245,7 +245,6 @@ class _Jobs:
                                        step=step, points=("scheduler.stop_job",)))[0]
 
 
-
 class RemoteScheduler(_Jobs):
     """Another node's scheduler, started (and its lease renewed) by that node's first train rank: the controller
     submits and stops that node's rollout server jobs through it."""

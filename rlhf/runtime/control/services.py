@@ -151,29 +151,32 @@ class RolloutServices:
             states = {j["name"]: j["state"] for j in self.scheduler.jobs()}
             if self.scheduler.proc.poll() is not None:  # it ended after answering
                 return self._after_scheduler_death(step)
-            for remote in self.remote.values():  # another node's scheduler lives and dies with that node's rank
-                states.update({j["name"]: j["state"] for j in remote.jobs()})
-            down: dict[int, str] = {}
-            for r, client in enumerate(self.rollout):
-                name = f"rollout-{r}"
-                if states.get(name) != "running":
-                    down[r] = f"its job is {states.get(name, 'gone')}"
-                    continue
-                try:
-                    self.loop.run(client.call("/health", method="GET", timeout_s=2.0, traced=False))
-                except (RpcConnectionError, RpcTimeout, HTTPStatusError) as exc:
-                    down[r] = f"it does not answer /health ({type(exc).__name__})"
-                    self.loop.run(self._scheduler_of(r).stop_job(name, cfg.runtime.cleanup_timeout_s, step))
+            states.update(self._remote_states())
+            down = {r: f"its job is {states.get(f'rollout-{r}', 'gone')}" for r in range(len(self.rollout))
+                    if states.get(f"rollout-{r}") != "running"}
+            running = [r for r in range(len(self.rollout)) if r not in down]
+            probes = self.loop.gather(*[self.rollout[r].call("/health", method="GET", timeout_s=2.0, traced=False)
+                                        for r in running], return_exceptions=True)  # side by side: 2 s at most
+            for r, probe in zip(running, probes):
+                if isinstance(probe, (RpcConnectionError, RpcTimeout, HTTPStatusError)):
+                    down[r] = f"it does not answer /health ({type(probe).__name__})"
+                    self.loop.run(self._scheduler_of(r).stop_job(f"rollout-{r}", cfg.runtime.cleanup_timeout_s, step))
+                elif isinstance(probe, BaseException):
+                    raise probe
             return down
         except (RpcConnectionError, RpcTimeout):
             if not self._scheduler_ended():
                 raise
             return self._after_scheduler_death(step)
 
+    def _remote_states(self) -> dict[str, str]:
+        """Job states on the other nodes' schedulers (each lives and dies with its node's first train rank)."""
+        return {j["name"]: j["state"] for remote in self.remote.values() for j in remote.jobs()}
+
     def _after_scheduler_death(self, step: int) -> dict[int, str]:
         """scheduler-0 is started again; its servers are down, another node's are down when their job is not running."""
         self._restart_scheduler(step)
-        states = {j["name"]: j["state"] for remote in self.remote.values() for j in remote.jobs()}
+        states = self._remote_states()
         return {r: "its scheduler is gone" if self.node_of(r) == 0 else f"its job is {states.get(f'rollout-{r}', 'gone')}"
                 for r in range(len(self.rollout))
                 if self.node_of(r) == 0 or states.get(f"rollout-{r}") != "running"}
