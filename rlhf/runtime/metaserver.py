@@ -86,7 +86,8 @@ class _Version:
     dropped: bool = False
 
     def drop(self) -> None:
-        """Free its shards; a manifest request waiting for shards is answered at once (410). On the server's loop."""
+        """Free its shards; a manifest request waiting for shards is answered at once (410, or 504 incomplete when the
+        MetaServer is stopping). On the server's loop."""
         self.dropped = True
         self.complete.set()
         for shard in self.shards.values():
@@ -127,6 +128,7 @@ class MetaServer:
         self.max_versions, self.max_bytes = max_versions, max_bytes
         self.versions: dict[str, _Version] = {}
         self.waiting = 0  # manifest requests waiting for shards now
+        self.stopping = False
         self.lock = threading.Lock()
         self.shm_dir = ""
         if transport == "shm":
@@ -233,9 +235,12 @@ class MetaServer:
                 {"error": "incomplete", "have": sorted(v.shards), "expected": v.expected_shards}, status=504)
         finally:
             self.waiting -= 1
+        if v.dropped and self.stopping:  # the missing shards will never come: the same answer as the wait's end
+            return web.json_response({"error": "incomplete", "have": sorted(v.shards), "expected": v.expected_shards,
+                                      "reason": "the MetaServer is stopping"}, status=504)
         if v.dropped:
             return web.json_response({"error": f"weights version {request.match_info['version']!r} was dropped "
-                                               "(deleted, evicted or the MetaServer is stopping)"}, status=410)
+                                               "(deleted or evicted)"}, status=410)
         shards = {s: {"bytes": e.size, **({"path": e.path} if e.path else {})} for s, e in v.shards.items()}
         return web.json_response({"version": request.match_info["version"], "tensors": v.entries, "shards": shards})
 
@@ -248,6 +253,7 @@ class MetaServer:
         return web.Response(body=v.shards[shard].read(), content_type=wire.TENSORS_TYPE)
 
     async def _drop_all(self) -> None:
+        self.stopping = True
         for v in self.versions.values():
             v.drop()
 
