@@ -5,14 +5,16 @@ Two workloads, same model, same prompts, runs interleaved, median of --repeats:
 
   equal-work   greedy, exactly --new-tokens tokens per sample, EOS ignored: both engines do
                the same arithmetic, so this measures the decode loop itself.
-  grpo         the GRPO rollout of the default config on the SFT-warmed default model:
-               n=8 samples per prompt, temperature 1, stop at EOS, max_new_tokens 6.
+  grpo         the GRPO rollout of the default config on the SFT-warmed model: n=8 samples per
+               prompt, temperature 1, stop at EOS, max_new_tokens 6 (--grpo-new-tokens).
                tokens = generated tokens up to and including EOS.
 
 batch = samples per call (prompts x n for grpo).
 
     python benchmarks/rollout.py                       # batches 64, 256, 512
     python benchmarks/rollout.py --batches 256 --new-tokens 32
+    python benchmarks/rollout.py --model llama-110m --batches 64 --new-tokens 32 --grpo-new-tokens 32 \
+        --warm-steps 30 --warm-batch 32 --warm-lr 3e-4 --repeats 3     # the ~110 M model, batch 64 x 32
 """
 
 import argparse
@@ -67,17 +69,19 @@ def native_rollout(engine, prompt_ids, n, max_new):
     return sum(len(r["output_ids"]) for r in res)
 
 
-def warm_model(model, tok, steps):
-    """SFT the default model as the default run's warm start does, so it stops at EOS like a real policy."""
+def warm_model(model, tok, steps, batch_size=256, lr=1e-3):
+    """SFT the model as the default run's warm start does, so it stops at EOS like a real policy."""
     import logging
 
     from rlhf.config import Config
     from rlhf.tasks import build_task, reward_fn
     from rlhf.trainers.sft import run_sft
 
-    logging.getLogger("rlhf").setLevel(logging.WARNING)
+    logging.getLogger("rlhf").setLevel(logging.ERROR)  # the warm model's own line below says where SFT stopped
     cfg = Config()
     cfg.sft.max_steps = steps
+    cfg.sft.batch_size = batch_size
+    cfg.sft.lr = lr
     result = run_sft(cfg, model, tok, build_task(cfg.task), reward_fn(cfg.task.reward))
     return result
 
@@ -100,6 +104,7 @@ def timed_pair(fn_a, fn_b, repeats):
         tokens_b = fn_b()
         times_b.append(time.perf_counter() - t)
     ratios = sorted(tb / ta for ta, tb in zip(times_a, times_b))
+    timed_pair.last_tokens = (tokens_a, tokens_b)  # the last run's tokens, for the workload's lengths
     return tokens_a / statistics.median(times_a), tokens_b / statistics.median(times_b), statistics.median(ratios)
 
 
@@ -114,6 +119,10 @@ def main() -> int:
     parser.add_argument("--hf-dtype", default="float32", help="HF generate's dtype (the peer)")
     parser.add_argument("--warm-steps", type=int, default=600,
                         help="max SFT steps for the grpo workload's warm model (band stop as in the default run); 0 skips it")
+    parser.add_argument("--warm-batch", type=int, default=256, help="SFT examples per warm-up step")
+    parser.add_argument("--warm-lr", type=float, default=1e-3, help="SFT learning rate of the warm-up")
+    parser.add_argument("--grpo-new-tokens", type=int, default=6,
+                        help="max_new_tokens of the grpo workload (the default config's is 6)")
     args = parser.parse_args()
     model, tok = build_model_and_tokenizer(ModelConfig(name=args.model, device=args.device, dtype=args.hf_dtype), seed=0)
     ours = model if args.dtype == args.hf_dtype else \
@@ -134,19 +143,24 @@ def main() -> int:
         print(f"| equal-work ({args.new_tokens} tok) | {batch} | {native:,.0f} | {hf:,.0f} | {speedup:.2f}x |",
               flush=True)
     if args.warm_steps:
-        warm = warm_model(model, tok, args.warm_steps)
+        warm = warm_model(model, tok, args.warm_steps, args.warm_batch, args.warm_lr)
         if ours is not model:
             ours.load_state_dict(model.state_dict())
+        lengths = []
         for batch in args.batches:
             n = 8
             prompt_ids = encode_prompts(tok, [p.prompt for p in problems[: batch // n]])
             native, hf, speedup = timed_pair(
-                lambda: native_rollout(engine, prompt_ids, n, 6),
-                lambda: hf_rollout(model, prompt_ids, n, 6, tok.pad_token_id, tok.eos_token_id),
+                lambda: native_rollout(engine, prompt_ids, n, args.grpo_new_tokens),
+                lambda: hf_rollout(model, prompt_ids, n, args.grpo_new_tokens, tok.pad_token_id, tok.eos_token_id),
                 args.repeats)
-            print(f"| grpo (n=8, T=1, EOS) | {batch} | {native:,.0f} | {hf:,.0f} | {speedup:.2f}x |", flush=True)
+            print(f"| grpo (n=8, T=1, EOS, {args.grpo_new_tokens} max) | {batch} | {native:,.0f} | {hf:,.0f} | "
+                  f"{speedup:.2f}x |", flush=True)
+            lengths.append(f"batch {batch}: {timed_pair.last_tokens[0] / batch:.1f} native, "
+                           f"{timed_pair.last_tokens[1] / batch:.1f} HF")
         print(f"\nwarm model: SFT stopped at step {warm['sft_steps']} ({warm['sft_stopped']}, "
-              f"val accuracy {warm['sft_val_accuracy']:.2f})")
+              f"val accuracy {warm['sft_val_accuracy']:.2f}); grpo mean completion tokens (incl. EOS) "
+              + "; ".join(lengths))
     return 0
 
 

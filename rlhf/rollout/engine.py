@@ -16,7 +16,7 @@ server exposes, with sglang's field names:
 How one call runs, for Bp prompts x n samples (B = Bp*n rows, a GRPO group's rows adjacent):
 
 1. **Prefill once per prompt** (not per sample): one batched causal pass over the Bp left-padded
-   prompts. Their keys/values stay in `prompt_kv`, (Bp, Hkv, P, D) per layer, and are never
+   prompts. Their keys/values stay in `prompt_kv`, (Bp, Hkv, D, P) / (Bp, Hkv, P, D) per layer, never
    copied: the n samples of a prompt read the same tensor.
 2. **Decode** into a preallocated cache of the generated tokens only, (Bp, Hkv, n, M, D) per
    layer. Queries are laid out (Bp, Hkv, n*rep, D) — the rep = H/Hkv query heads of a KV head
@@ -111,7 +111,7 @@ def sample_tokens(
         logprobs = torch.log_softmax(logits, dim=-1)  # (B, V)
         tokens = logits.argmax(dim=-1)  # (B,)
         return _with_top(tokens, logprobs, top)
-    logprobs = torch.log_softmax(logits / sp.temperature, dim=-1)  # (B, V)
+    logprobs = torch.log_softmax(logits if sp.temperature == 1 else logits / sp.temperature, dim=-1)  # (B, V)
     filtered = logprobs
     if sp.min_p > 0:
         floor = logprobs.max(dim=-1, keepdim=True).values + math.log(sp.min_p)  # (B, 1)
@@ -125,7 +125,7 @@ def sample_tokens(
         drop_sorted = probs.cumsum(dim=-1) - probs > sp.top_p  # the top token always stays
         filtered = filtered.masked_fill(torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted), float("-inf"))
     uniform = torch.rand(filtered.shape, generator=generator, device=filtered.device)  # (B, V) in [0, 1)
-    tokens = (filtered - (-uniform.log()).log()).argmax(dim=-1)  # Gumbel-max: -log(-log u) ~ Gumbel(0, 1)
+    tokens = (filtered - uniform.log_().neg_().log_()).argmax(dim=-1)  # Gumbel-max: -log(-log u) ~ Gumbel(0, 1)
     return _with_top(tokens, logprobs, top)
 
 
@@ -152,17 +152,27 @@ class StepControl:
         return {}
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _rms_norm(module: Any, x: torch.Tensor) -> torch.Tensor:
-    """The model's RMSNorm as one fused op (HF's module is 7 kernels); other norms run as they are."""
+def _norm(module: Any) -> tuple[Any, ...]:
+    """A layer norm as data: ("rms", weight, eps) for the RMSNorm of the supported models (one fused op; HF's
+    module is 7 kernels), else ("module", module) to call as it is."""
     eps = getattr(module, "variance_epsilon", None)
     if eps is None or getattr(module, "weight", None) is None:
-        return module(x)
-    return F.rms_norm(x, (x.shape[-1],), module.weight, eps)
+        return ("module", module)
+    return ("rms", module.weight, float(eps))
+
+
+def _residual_linear(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                     ) -> torch.Tensor:
+    """h + x @ weight.T (+ bias): one addmm for the decode step's 2-D rows."""
+    if bias is None and h.dim() == 2:
+        return torch.addmm(h, x, weight.t())
+    return h + F.linear(x, weight, bias)
+
+
+def _apply_norm(norm: tuple[Any, ...], x: torch.Tensor) -> torch.Tensor:
+    if norm[0] == "rms":
+        return F.rms_norm(x, (x.shape[-1],), norm[1], norm[2])
+    return norm[1](x)
 
 
 class RolloutEngine:
@@ -193,6 +203,12 @@ class RolloutEngine:
         self.tokens_generated = 0
         self.compact = os.environ.get("RLHF_ROLLOUT_COMPACT", "1") != "0"
         self._fused: tuple[tuple[int, ...], list[dict[str, Any]]] | None = None
+        self._rope_cache: tuple[tuple[torch.dtype, float], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def drop_caches(self) -> None:
+        """Free what the engine keeps between calls on its device (fused weights, rotary tables); rebuilt on use."""
+        self._fused = None
+        self._rope_cache = None
 
     # ------------------------------------------------------------------ weights
 
@@ -260,16 +276,20 @@ class RolloutEngine:
         return results
 
     def _fused_layers(self) -> list[dict[str, Any]]:
-        """Per layer: q/k/v and gate/up weights concatenated, so each is one matmul.
+        """Per layer: q/k/v and gate/up weights concatenated, so each is one matmul, and every other
+        weight the decode loop reads, as plain tensors (no module call per op).
 
         Cached, and rebuilt when any parameter changed in place (its `_version` counter), so weight
-        updates and a model shared with a trainer (the SFT warm start) are always seen.
+        updates and a model shared with a trainer (the SFT warm start) are always seen. The last
+        entry holds the model-level weights (embedding, final norm, LM head).
         """
         key = tuple(p._version for p in self.model.parameters())
         if self._fused is not None and self._fused[0] == key:
             return self._fused[1]
-        fused = []
-        for layer in self.model.model.layers:
+        body = self.model.model
+        silu = getattr(self.model.config, "hidden_act", "silu") in ("silu", "swish")
+        fused: list[dict[str, Any]] = []
+        for layer in body.layers:
             attn, mlp = layer.self_attn, layer.mlp
             qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
             has_bias = all(m.bias is not None for m in qkv)
@@ -278,10 +298,18 @@ class RolloutEngine:
                 "qkv_b": torch.cat([m.bias for m in qkv]) if has_bias else None,
                 "q_dim": attn.q_proj.out_features,
                 "kv_dim": attn.k_proj.out_features,
+                "o_w": attn.o_proj.weight, "o_b": attn.o_proj.bias,
                 "gate_up_w": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),  # (2*F, C)
+                "down_w": mlp.down_proj.weight, "down_b": mlp.down_proj.bias,
+                "act": None if silu else mlp.act_fn,  # None: SiLU, applied in place
                 "ffn": mlp.gate_proj.out_features,
+                "norm_in": _norm(layer.input_layernorm),
+                "norm_post": _norm(layer.post_attention_layernorm),
                 "scale": float(getattr(attn, "scaling", self.head_dim ** -0.5)),
             })
+        head = self.model.lm_head
+        fused.append({"embed": body.embed_tokens.weight, "norm": _norm(body.norm), "lm_w": head.weight,
+                      "lm_b": head.bias})
         self._fused = (key, fused)
         return fused
 
@@ -292,97 +320,134 @@ class RolloutEngine:
         cos, sin = self.model.model.rotary_emb(probe, positions)
         return cos[0], sin[0]  # (L, D) each
 
-    def _prefill(self, ids: torch.Tensor, valid: torch.Tensor, fused: list, rope: tuple) -> tuple[torch.Tensor, list]:
+    def _rope_tables(self, length: int, dtype: torch.dtype, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_rope_qk` for positions 0..length-1, kept between calls where the frequencies do not depend on
+        the sequence's length (default, linear and llama3 RoPE): a call reads the first `length` rows."""
+        if getattr(self.model.model.rotary_emb, "rope_type", None) not in ("default", "linear", "llama3"):
+            return self._rope_qk(self._rope_table(length, dtype), scale)  # e.g. dynamic NTK: per call
+        cached = self._rope_cache
+        if cached is None or cached[0] != (dtype, scale) or cached[1][0].shape[0] < length:
+            longest = max(length, cached[1][0].shape[0] if cached is not None and cached[0] == (dtype, scale) else 0)
+            cached = self._rope_cache = ((dtype, scale), self._rope_qk(self._rope_table(longest, dtype), scale))
+        return cached[1][0][:length], cached[1][1][:length]
+
+    def _rope_qk(self, rope: tuple, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary tables for q and k heads side by side, (L, H + Hkv, D) each: a layer rotates its q and k
+        in one pass as x*cos + roll(x, D/2)*sin (rotate_half folded into the sign of sin); q's rows carry
+        the attention scale, so the scores need no multiply."""
+        cos, sin = rope
+        D, H, Hkv = self.head_dim, self.num_heads, self.num_kv_heads
+        sign = torch.ones(D, device=cos.device, dtype=cos.dtype)
+        sign[: D // 2] = -1
+        sin = sin * sign
+        L = cos.shape[0]
+        cos_qk = torch.cat([(cos * scale)[:, None].expand(L, H, D), cos[:, None].expand(L, Hkv, D)], dim=1)
+        sin_qk = torch.cat([(sin * scale)[:, None].expand(L, H, D), sin[:, None].expand(L, Hkv, D)], dim=1)
+        return cos_qk.contiguous(), sin_qk.contiguous()
+
+    def _prefill(self, ids: torch.Tensor, valid: torch.Tensor, fused: list, rope_qk: tuple
+                 ) -> tuple[torch.Tensor, list]:
         """Causal pass over left-padded prompts ids (Bp, P). Returns last-position logits (Bp, V), per-layer (k, v)."""
-        body = self.model.model
+        top = fused[-1]
         Bp, P = ids.shape
+        H, Hkv, D, half = self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim // 2
         positions = (valid.long().cumsum(1) - 1).clamp(min=0)  # (Bp, P)
-        cos, sin = rope[0][positions].unsqueeze(1), rope[1][positions].unsqueeze(1)  # (Bp, 1, P, D)
+        cos, sin = rope_qk[0][positions], rope_qk[1][positions]  # (Bp, P, H + Hkv, D), q rows scaled
         # a query sees earlier real tokens and always itself (a pad row must not softmax over nothing)
         causal = torch.ones(P, P, dtype=torch.bool, device=ids.device).tril()
         allowed = (causal[None] & valid[:, None, :]) | torch.eye(P, dtype=torch.bool, device=ids.device)[None]
-        gqa = self.num_heads != self.num_kv_heads
-        h = body.embed_tokens(ids)  # (Bp, P, C)
+        gqa = H != Hkv
+        h = F.embedding(ids, top["embed"])  # (Bp, P, C)
         prompt_kv = []
-        for layer, f in zip(body.layers, fused):
-            attn = layer.self_attn
-            qkv = F.linear(layer.input_layernorm(h), f["qkv_w"], f["qkv_b"])  # (Bp, P, (H + 2Hkv) D)
-            q_dim, kv_dim = f["q_dim"], f["kv_dim"]
-            q = qkv[..., :q_dim].view(Bp, P, -1, self.head_dim).transpose(1, 2)  # (Bp, H, P, D)
-            k = qkv[..., q_dim:q_dim + kv_dim].view(Bp, P, -1, self.head_dim).transpose(1, 2)  # (Bp, Hkv, P, D)
-            v = qkv[..., q_dim + kv_dim:].view(Bp, P, -1, self.head_dim).transpose(1, 2).contiguous()
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            prompt_kv.append((k, v))
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=f["scale"],
-                                                 enable_gqa=gqa)  # (Bp, H, P, D)
-            h = h + attn.o_proj(out.transpose(1, 2).reshape(Bp, P, -1))
-            h = h + self._mlp(layer.mlp, f, layer.post_attention_layernorm(h))
-        return self.model.lm_head(body.norm(h[:, -1])).float(), prompt_kv  # (Bp, V)
+        for f in fused[:-1]:
+            qkv = F.linear(_apply_norm(f["norm_in"], h), f["qkv_w"], f["qkv_b"])  # (Bp, P, (H + 2Hkv) D)
+            qk = qkv[..., :f["q_dim"] + f["kv_dim"]].view(Bp, P, H + Hkv, D)
+            qk = torch.addcmul(qk * cos, qk.roll(half, dims=-1), sin)  # (Bp, P, H + Hkv, D)
+            q, k = qk.transpose(1, 2).split((H, Hkv), dim=1)  # (Bp, H, P, D), (Bp, Hkv, P, D)
+            v = qkv[..., f["q_dim"] + f["kv_dim"]:].view(Bp, P, Hkv, D).transpose(1, 2).contiguous()
+            prompt_kv.append((k.transpose(-1, -2).contiguous(), v))  # keys as (Bp, Hkv, D, P): the scores' matmul
+            # reads them contiguous
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=1.0,
+                                                 enable_gqa=gqa)  # (Bp, H, P, D); q carries the scale
+            h = h + F.linear(out.transpose(1, 2).reshape(Bp, P, -1), f["o_w"], f["o_b"])
+            h = h + self._mlp(f, _apply_norm(f["norm_post"], h))
+        return F.linear(_apply_norm(top["norm"], h[:, -1]), top["lm_w"], top["lm_b"]).float(), prompt_kv  # (Bp, V)
 
-    def _mlp(self, mlp: Any, fused: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, fused["gate_up_w"]).split(fused["ffn"], dim=-1)  # (..., F) each
-        return mlp.down_proj(mlp.act_fn(gate) * up)  # (..., C)
+    @staticmethod
+    def _mlp(f: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, f["gate_up_w"]).split(f["ffn"], dim=-1)  # (..., F) each: views of one buffer
+        act = F.silu(gate, inplace=True) if f["act"] is None else f["act"](gate)
+        return F.linear(act.mul_(up) if f["act"] is None else act * up, f["down_w"], f["down_b"])  # (..., C)
 
     def _decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, t: int | torch.Tensor,
                      idx: torch.Tensor | None,
                      state: dict[str, Any]) -> torch.Tensor:
         """One token for rows idx (all rows when None): tokens, positions (b,). Writes slot t. Returns (b, V)."""
-        body, fused = self.model.model, state["fused"]
+        fused = state["fused"]
+        top = fused[-1]
         Bp, n, B, rep = state["Bp"], state["n"], state["B"], self.num_heads // self.num_kv_heads
-        Hkv, D, b = self.num_kv_heads, self.head_dim, tokens.shape[0]
-        # rotary as x*cos + roll(x, D/2)*sin_signed (rotate_half folded into the sign of sin); q's tables carry
-        # the attention scale, so the scores need no multiply
-        cos_k, sin_k, cos_q, sin_q = (table[positions].unsqueeze(1) for table in state["rope_decode"])  # (b, 1, D)
-        half = self.head_dim // 2
+        H, Hkv, D, b = self.num_heads, self.num_kv_heads, self.head_dim, tokens.shape[0]
+        cos, sin = state["rope_qk"][0][positions], state["rope_qk"][1][positions]  # (b, H + Hkv, D)
+        half = D // 2
         S = state["M"] if state["static"] else int(t) + 1  # generated slots attended to (masked beyond t if static)
-        h = body.embed_tokens(tokens)  # (b, C)
-        for layer, f, (kp, vp), (kg, vg) in zip(body.layers, fused, state["prompt_kv"], state["gen_kv"]):
-            attn = layer.self_attn
-            qkv = F.linear(_rms_norm(layer.input_layernorm, h), f["qkv_w"], f["qkv_b"])  # (b, (H + 2Hkv) D)
-            q_dim, kv_dim = f["q_dim"], f["kv_dim"]
-            q = qkv[:, :q_dim].view(b, -1, D)  # (b, H, D)
-            k = qkv[:, q_dim:q_dim + kv_dim].view(b, Hkv, D)  # (b, Hkv, D)
-            v = qkv[:, q_dim + kv_dim:].view(b, Hkv, D)
-            q = q * cos_q + q.roll(half, dims=-1) * sin_q  # (b, H, D), scaled
-            k = k * cos_k + k.roll(half, dims=-1) * sin_k
-            if isinstance(t, torch.Tensor):  # CUDA graph: the slot is a device scalar, so one graph serves every t
+        pbias, gbias = state["pbias"], state["gbias"]  # (Bp*Hkv, 1, P); static only: (1, 1, M)
+        graph = isinstance(t, torch.Tensor)  # CUDA graph: the slot is a device scalar, so one graph serves every t
+        G = Bp * Hkv  # attention runs as batched matmuls over (group, KV head) and (group, KV head, sample)
+        h = F.embedding(tokens, top["embed"])  # (b, C)
+        for f, (kp, vp), (kg, vg) in zip(fused, state["prompt_kv"], state["gen_kv"]):
+            qkv = F.linear(_apply_norm(f["norm_in"], h), f["qkv_w"], f["qkv_b"])  # (b, (H + 2Hkv) D)
+            qk_dim = f["q_dim"] + f["kv_dim"]
+            qk = qkv.narrow(1, 0, qk_dim).view(b, H + Hkv, D)
+            qk = torch.addcmul(qk * cos, qk.roll(half, dims=-1), sin)  # (b, H + Hkv, D), q scaled
+            q, k = qk.split((H, Hkv), dim=1)
+            v = qkv.narrow(1, qk_dim, f["kv_dim"]).view(b, Hkv, D)
+            if graph:
                 kg.index_copy_(3, t, k.view(Bp, n, Hkv, 1, D).transpose(1, 2))
                 vg.index_copy_(3, t, v.view(Bp, n, Hkv, 1, D).transpose(1, 2))
                 q_all = q
             elif idx is None:  # cache layout (Bp, Hkv, n, M, D): row r = g*n + j is [g, :, j]
-                kg[:, :, :, t] = k.view(Bp, n, Hkv, D).transpose(1, 2)
-                vg[:, :, :, t] = v.view(Bp, n, Hkv, D).transpose(1, 2)
+                kg.select(3, t).copy_(k.view(Bp, n, Hkv, D).transpose(1, 2))
+                vg.select(3, t).copy_(v.view(Bp, n, Hkv, D).transpose(1, 2))
                 q_all = q
             else:
                 g_idx, j_idx = state["g_idx"], state["j_idx"]
                 kg[g_idx, :, j_idx, t] = k
                 vg[g_idx, :, j_idx, t] = v
-                q_all = q.new_zeros(B, self.num_heads, D).index_copy_(0, idx, q)
+                q_all = q.new_zeros(B, H, D).index_copy_(0, idx, q)
             qg = q_all.view(Bp, n, Hkv, rep, D).transpose(1, 2).contiguous()  # (Bp, Hkv, n, rep, D)
-            scores_p = torch.matmul(qg.view(Bp, Hkv, n * rep, D), kp.transpose(-1, -2))  # (Bp, Hkv, n*rep, P)
-            scores_g = torch.matmul(qg, kg[:, :, :, :S].transpose(-1, -2))  # (Bp, Hkv, n, rep, S)
+            scores_p = torch.bmm(qg.view(G, n * rep, D), kp.view(G, D, -1)).add_(pbias)  # (G, n*rep, P), pads -inf
             P = scores_p.shape[-1]
-            scores = torch.cat([scores_p.view(Bp, Hkv, n, rep, P), scores_g], dim=-1)  # q carries the scale
-            scores = scores + state["bias"] if state["static"] else scores + state["bias"][..., :P + S]
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qg.dtype)  # (Bp, Hkv, n, rep, P+S)
-            out = torch.matmul(probs[..., :P].reshape(Bp, Hkv, n * rep, P), vp).view(Bp, Hkv, n, rep, D)
-            out = out + torch.matmul(probs[..., P:], vg[:, :, :, :S])  # (Bp, Hkv, n, rep, D)
-            out = out.transpose(1, 2).reshape(B, -1)  # (B, H*D)
+            q_s = qg.view(G * n, rep, D)
+            k_s = kg.narrow(3, 0, S).view(G * n, S, D).transpose(1, 2)  # (G*n, D, S)
+            scores_g = torch.bmm(q_s, k_s)  # (G*n, rep, S)
+            if gbias is not None:
+                scores_g.add_(gbias)  # static shapes: slots after t are -inf
+            scores = torch.cat([scores_p.view(G * n, rep, P), scores_g], dim=-1)  # q carries the scale
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32)  # (G*n, rep, P+S): one softmax
+            if probs.dtype != qg.dtype:
+                probs = probs.to(qg.dtype)
+            out = torch.bmm(probs.narrow(-1, 0, P).view(G, n * rep, P), vp.view(G, P, D))  # (G, n*rep, D)
+            out = out.view(G * n, rep, D).add_(torch.bmm(probs.narrow(-1, P, S),
+                                                         vg.narrow(3, 0, S).view(G * n, S, D)))  # (G*n, rep, D)
+            out = out.view(Bp, Hkv, n, rep, D).transpose(1, 2).reshape(B, H * D)  # (B, H*D)
             if idx is not None:
                 out = out.index_select(0, idx)  # (b, H*D)
-            h = h + attn.o_proj(out)
-            h = h + self._mlp(layer.mlp, f, _rms_norm(layer.post_attention_layernorm, h))
-        return self.model.lm_head(_rms_norm(body.norm, h)).float()  # (b, V)
+            h = _residual_linear(h, out, f["o_w"], f["o_b"])
+            x = _apply_norm(f["norm_post"], h)
+            gate, up = F.linear(x, f["gate_up_w"]).split(f["ffn"], dim=-1)
+            act = F.silu(gate, inplace=True).mul_(up) if f["act"] is None else f["act"](gate) * up
+            h = _residual_linear(h, act, f["down_w"], f["down_b"])
+        return F.linear(_apply_norm(top["norm"], h), top["lm_w"], top["lm_b"]).float()  # (b, V)
 
     @staticmethod
     def _relayout(state: dict[str, Any], places: torch.Tensor) -> None:
         """Keep only the cache rows at `places` (flat layout rows), each its own group (n = 1)."""
         n = state["n"]
         g, j = places // n, places % n
-        state["prompt_kv"] = [(k[g], v[g]) for k, v in state["prompt_kv"]]  # (b, Hkv, P, D)
+        state["prompt_kv"] = [(k[g], v[g]) for k, v in state["prompt_kv"]]  # (b, Hkv, D, P), (b, Hkv, P, D)
         state["gen_kv"] = [(k[g, :, j].unsqueeze(2), v[g, :, j].unsqueeze(2)) for k, v in state["gen_kv"]]
-        state["bias"] = state["bias"][g]
+        Hkv, P = state["prompt_kv"][0][1].shape[1], state["pbias"].shape[-1]
+        state["pbias"] = state["pbias"].view(-1, Hkv, 1, P)[g].view(-1, 1, P)
         state["Bp"], state["n"], state["B"] = places.shape[0], 1, places.shape[0]
 
     def _capture(self, state: dict[str, Any]) -> Any:
@@ -449,25 +514,26 @@ class RolloutEngine:
             valid[i, P - len(p):] = True
         ids, valid = ids.to(device), valid.to(device)
         fused = self._fused_layers()
-        rope = self._rope_table(P + M, dtype)
-        logits, prompt_kv = self._prefill(ids, valid, fused, rope)  # (Bp, V)
-        Hkv, D = self.num_kv_heads, self.head_dim
-        gen_kv = [(torch.zeros(Bp, Hkv, n, M, D, device=device, dtype=dtype),
-                   torch.zeros(Bp, Hkv, n, M, D, device=device, dtype=dtype)) for _ in fused]
-        # additive bias over [prompt keys | generated slots]: pads masked; static mode masks slots > t per step
-        bias = torch.zeros(Bp, 1, 1, 1, P + M, device=device, dtype=dtype)
-        bias[..., :P].masked_fill_(~valid[:, None, None, None, :], float("-inf"))
-        scales = {f["scale"] for f in fused}
+        scales = {f["scale"] for f in fused[:-1]}
         if len(scales) != 1:
             raise NotImplementedError(f"native rollout engine: attention scale differs between layers ({sorted(scales)})")
-        scale = scales.pop()
-        sign = torch.ones(self.head_dim, device=device, dtype=dtype)
-        sign[: self.head_dim // 2] = -1
-        rope_decode = (rope[0], rope[1] * sign, rope[0] * scale, rope[1] * sign * scale)  # cos_k, sin_k, cos_q, sin_q
-        state = {"fused": fused, "rope": rope, "rope_decode": rope_decode, "prompt_kv": prompt_kv, "gen_kv": gen_kv,
-                 "Bp": Bp, "n": n, "B": B, "M": M, "static": static, "bias": bias}
-        if static:
-            bias[..., P:] = float("-inf")  # generated slots open one per step
+        rope_qk = self._rope_tables(P + M, dtype, scales.pop())
+        logits, prompt_kv = self._prefill(ids, valid, fused, rope_qk)  # (Bp, V)
+        Hkv, D = self.num_kv_heads, self.head_dim
+        # eager decode writes slot t of every row it reads before reading it (a row cut from the hidden path
+        # reads its unwritten slot, but its output is dropped): no zero fill; static mode masks unwritten slots
+        # with -inf, which needs finite memory behind them
+        alloc = torch.zeros if static else torch.empty
+        gen_kv = [(alloc(Bp, Hkv, n, M, D, device=device, dtype=dtype),
+                   alloc(Bp, Hkv, n, M, D, device=device, dtype=dtype)) for _ in prompt_kv]
+        # additive biases: pads of the prompt keys masked, per (group, KV head); in static mode also the
+        # generated slots, -inf until their step (eager decode reads only the written ones)
+        pbias = torch.zeros(Bp, Hkv, 1, P, device=device, dtype=dtype)
+        pbias.masked_fill_(~valid[:, None, None, :], float("-inf"))
+        gbias = torch.full((1, 1, M), float("-inf"), device=device, dtype=dtype) if static else None
+        state = {"fused": fused, "rope_qk": rope_qk, "prompt_kv": prompt_kv, "gen_kv": gen_kv,
+                 "Bp": Bp, "n": n, "B": B, "P": P, "M": M, "static": static,
+                 "pbias": pbias.view(Bp * Hkv, 1, P), "gbias": gbias}
         replay = self._capture(state) if static and device.type == "cuda" and M > 1 else None
         positions = valid.sum(1).repeat_interleave(n)  # (B,) position of each row's first generated token
         logits = logits.repeat_interleave(n, 0)  # (B, V): the n samples of a prompt start from its logits
@@ -536,7 +602,7 @@ class RolloutEngine:
                         state["g_idx"], state["j_idx"] = idx // state["n"], idx % state["n"]
                     tokens = out_tokens[rows, t]
             if static:
-                state["bias"][..., P + t] = 0  # slot t holds a key from this step on
+                gbias[..., t] = 0  # slot t holds a key from this step on
             pos = (positions if idx is None else positions[idx]) + t
             if replay is not None:
                 logits = replay(tokens, pos, t)

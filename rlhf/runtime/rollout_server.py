@@ -437,7 +437,7 @@ class RolloutServer:
         engine = self.engine
         if "weights" in tags and engine.device.type == "cuda" and next(engine.model.parameters()).device.type == "cuda":
             with engine.lock:
-                engine._fused = None  # the fused copies hold device memory too
+                engine.drop_caches()  # the fused copies and rotary tables hold device memory too
                 reply.update(relocate([engine.model], None, torch.device("cpu"), engine.device))
         if self.lease is not None and "kv_cache" in tags:
             self.lease.release()
