@@ -327,9 +327,9 @@ class RolloutEngine:
             return self._rope_qk(self._rope_table(length, dtype), scale)  # e.g. dynamic NTK: per call
         cached = self._rope_cache
         if cached is None or cached[0] != (dtype, scale) or cached[1][0].shape[0] < length:
-            longest = max(length, cached[1][0].shape[0] if cached is not None and cached[0] == (dtype, scale) else 0)
-            cached = self._rope_cache = ((dtype, scale), self._rope_qk(self._rope_table(longest, dtype), scale))
-        return cached[1][0][:length], cached[1][1][:length]
+            cached = self._rope_cache = ((dtype, scale), self._rope_qk(self._rope_table(length, dtype), scale))
+        cos, sin = cached[1]
+        return cos[:length], sin[:length]
 
     def _rope_qk(self, rope: tuple, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotary tables for q and k heads side by side, (L, H + Hkv, D) each: a layer rotates its q and k
@@ -369,15 +369,17 @@ class RolloutEngine:
             # reads them contiguous
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=1.0,
                                                  enable_gqa=gqa)  # (Bp, H, P, D); q carries the scale
-            h = h + F.linear(out.transpose(1, 2).reshape(Bp, P, -1), f["o_w"], f["o_b"])
-            h = h + self._mlp(f, _apply_norm(f["norm_post"], h))
+            h = _residual_linear(h, out.transpose(1, 2).reshape(Bp, P, -1), f["o_w"], f["o_b"])
+            h = _residual_linear(h, self._gated(f, _apply_norm(f["norm_post"], h)), f["down_w"], f["down_b"])
         return F.linear(_apply_norm(top["norm"], h[:, -1]), top["lm_w"], top["lm_b"]).float(), prompt_kv  # (Bp, V)
 
     @staticmethod
-    def _mlp(f: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
+    def _gated(f: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
+        """The MLP's act(gate) * up, (..., F); the down projection is the caller's residual matmul."""
         gate, up = F.linear(x, f["gate_up_w"]).split(f["ffn"], dim=-1)  # (..., F) each: views of one buffer
-        act = F.silu(gate, inplace=True) if f["act"] is None else f["act"](gate)
-        return F.linear(act.mul_(up) if f["act"] is None else act * up, f["down_w"], f["down_b"])  # (..., C)
+        if f["act"] is None:  # SiLU, in place on the matmul's own buffer
+            return F.silu(gate, inplace=True).mul_(up)
+        return f["act"](gate) * up
 
     def _decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, t: int | torch.Tensor,
                      idx: torch.Tensor | None,
@@ -433,10 +435,7 @@ class RolloutEngine:
             if idx is not None:
                 out = out.index_select(0, idx)  # (b, H*D)
             h = _residual_linear(h, out, f["o_w"], f["o_b"])
-            x = _apply_norm(f["norm_post"], h)
-            gate, up = F.linear(x, f["gate_up_w"]).split(f["ffn"], dim=-1)
-            act = F.silu(gate, inplace=True).mul_(up) if f["act"] is None else f["act"](gate) * up
-            h = _residual_linear(h, act, f["down_w"], f["down_b"])
+            h = _residual_linear(h, self._gated(f, _apply_norm(f["norm_post"], h)), f["down_w"], f["down_b"])
         return F.linear(_apply_norm(top["norm"], h), top["lm_w"], top["lm_b"]).float()  # (b, V)
 
     @staticmethod
@@ -532,7 +531,7 @@ class RolloutEngine:
         pbias.masked_fill_(~valid[:, None, None, :], float("-inf"))
         gbias = torch.full((1, 1, M), float("-inf"), device=device, dtype=dtype) if static else None
         state = {"fused": fused, "rope_qk": rope_qk, "prompt_kv": prompt_kv, "gen_kv": gen_kv,
-                 "Bp": Bp, "n": n, "B": B, "P": P, "M": M, "static": static,
+                 "Bp": Bp, "n": n, "B": B, "M": M, "static": static,
                  "pbias": pbias.view(Bp * Hkv, 1, P), "gbias": gbias}
         replay = self._capture(state) if static and device.type == "cuda" and M > 1 else None
         positions = valid.sum(1).repeat_interleave(n)  # (B,) position of each row's first generated token
