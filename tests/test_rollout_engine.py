@@ -11,6 +11,20 @@ from rlhf.train.engine import token_logprobs
 from tests.conftest import diverse_model
 
 PROMPTS = ["1+2=", "33+44=", "5+66=", "98+99=", "0+0=", "7+8=", "12+3=", "45+54="]
+LAYOUTS = ["block", "grouped"]  # the generated cache's two layouts (auto picks by n x max_new_tokens)
+
+
+@pytest.fixture
+def nan_for_uninitialised_memory():
+    """torch.empty and friends return NaN-filled memory: a read of a cache slot nobody wrote shows up as NaN."""
+    import torch.utils.deterministic
+
+    before = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    yield
+    torch.use_deterministic_algorithms(before[0])
+    torch.utils.deterministic.fill_uninitialized_memory = before[1]
 
 
 def _hf_greedy(model, prompt_ids, max_new, pad_id, stop_ids):
@@ -31,10 +45,12 @@ def _hf_greedy(model, prompt_ids, max_new, pad_id, stop_ids):
     return result
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-llama-gqa"])
-def test_greedy_equals_hf_generate(preset):
+def test_greedy_equals_hf_generate(preset, layout):
     model, tok = diverse_model(preset, seed=3)
     engine = RolloutEngine(model, tok)
+    engine.layout = layout
     prompt_ids = encode_prompts(tok, PROMPTS)
     # Random init rarely emits EOS: use a token the model does emit as an extra stop id, so some
     # rows stop early and leave the batch (exercises compaction) while others run to the length.
@@ -50,12 +66,14 @@ def test_greedy_equals_hf_generate(preset):
     assert any(r["meta_info"]["finish_reason"]["type"] == "length" for r in ours)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-llama-gqa"])
-def test_static_shapes_decode_as_the_eager_loop_does(preset):
+def test_static_shapes_decode_as_the_eager_loop_does(preset, layout):
     """The decode step CUDA graphs capture (every row every step, slots masked until written) gives the
     eager loop's tokens and logprobs; on CPU it runs uncaptured, so its arithmetic is checked here."""
     model, tok = diverse_model(preset, seed=3)
     engine = RolloutEngine(model, tok)
+    engine.layout = layout
     prompts = encode_prompts(tok, PROMPTS)
     free = engine.generate(prompts, {"max_new_tokens": 10, "temperature": 0.0})
     counts = {}
@@ -73,9 +91,13 @@ def test_static_shapes_decode_as_the_eager_loop_does(preset):
         assert a == pytest.approx(b, abs=1e-4)
 
 
-def test_rollout_logprobs_equal_train_engine_logprobs(diverse):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_rollout_logprobs_equal_train_engine_logprobs(diverse, layout, nan_for_uninitialised_memory):
+    """Sampled groups whose rows stop at different steps (rows leave the computation, caches stay): every
+    logprob matches the train engine's, and no row reads a cache slot left unwritten (NaN here)."""
     model, tok = diverse
     engine = RolloutEngine(model, tok, seed=5)
+    engine.layout = layout
     prompt_ids = encode_prompts(tok, PROMPTS)
     for temperature in (1.0, 0.7):
         params = {"max_new_tokens": 8, "temperature": temperature, "n": 4,
@@ -88,6 +110,39 @@ def test_rollout_logprobs_equal_train_engine_logprobs(diverse):
         assert diff <= 1e-4, f"rollout vs train logprobs differ by {diff} at T={temperature}"
         lengths = batch["response_mask"].sum(1)
         assert lengths.min() < 8 < lengths.max() + 1  # some rows stopped early, some ran to the length
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_rows_that_leave_early_leave_no_unwritten_slot_to_read(diverse, layout, nan_for_uninitialised_memory):
+    """Once half of the rows have stopped, the rest run alone while the caches keep their layout: the rows
+    that left write no more slots, and in the block layout their group's other queries still read (masked)
+    those columns. With uninitialised memory NaN, every logprob must still equal the train engine's."""
+    model, tok = diverse
+    prompt_ids = encode_prompts(tok, PROMPTS)
+    free = RolloutEngine(model, tok, seed=5).generate(prompt_ids, {"max_new_tokens": 8, "n": 4})
+    counts: dict[int, int] = {}
+    for r in free:
+        for t in r["output_ids"]:
+            counts[t] = counts.get(t, 0) + 1
+    stops = sorted(counts, key=counts.get)[-3:]  # the 3 most frequent tokens: most rows stop, at varied steps
+    engine = RolloutEngine(model, tok, seed=5)
+    engine.layout = layout
+    cut_steps = []
+    step = engine._decode_step
+
+    def spy(tokens, positions, t, idx, state):
+        if idx is not None:
+            cut_steps.append(t)
+        return step(tokens, positions, t, idx, state)
+
+    engine._decode_step = spy
+    results = engine.generate(prompt_ids, {"max_new_tokens": 8, "n": 4, "stop_token_ids": stops}, return_logprob=True)
+    assert cut_steps, "no step ran with rows left out; pick other stop tokens"
+    batch = build_rl_batch([p for p in prompt_ids for _ in range(4)], results, tok.pad_token_id)
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, batch["input_ids"], batch["attention_mask"], 1.0)
+    diff = ((lp - batch["old_logprobs"]) * batch["response_mask"]).abs().max().item()
+    assert diff <= 1e-4, f"rollout vs train logprobs differ by {diff}"
 
 
 def test_groups_are_adjacent_and_fields_follow_sglang(tiny):
@@ -133,6 +188,22 @@ def test_weight_update_changes_outputs_and_version(diverse):
     assert engine.weight_version == "3" and after[0]["meta_info"]["weight_version"] == "3"
     assert engine.weights_checksum() == checksum(export_state(other))
     assert [r["output_ids"] for r in before] != [r["output_ids"] for r in after]
+
+
+def test_sampler_draws_the_softmax_distribution_and_never_a_masked_token():
+    from rlhf.rollout.engine import sample_tokens
+
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.15, 0.05])  # token 1 masked (-inf logit)
+    rows = 40_000
+    logits = probs.log().expand(rows, -1).contiguous() * 2.0  # temperature 2 undoes the doubling
+    for top_k in (-1, 4):  # top-4 keeps the four tokens with mass: the same distribution
+        tokens, logprobs = sample_tokens(logits, SamplingParams(temperature=2.0, top_k=top_k),
+                                         torch.Generator().manual_seed(0))
+        freq = torch.bincount(tokens, minlength=5).double() / rows
+        assert freq[1] == 0
+        sigma = (probs.double() * (1 - probs.double()) / rows).sqrt()
+        assert ((freq - probs.double()).abs() <= 5 * sigma + 1e-12).all(), freq
+        assert torch.allclose(logprobs, probs.log()[tokens], atol=1e-5)
 
 
 def test_bad_sampling_params_are_named():

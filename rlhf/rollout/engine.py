@@ -2,9 +2,11 @@
 
 It runs a Llama-family causal LM (Llama, Mistral, Qwen2: RMSNorm, RoPE, GQA, SwiGLU, optional
 q/k/v bias, tied or untied LM head) with its own decode loop over the Hugging Face module
-weights: the norms, activation and rotary tables are the HF modules' own; q/k/v and gate/up are
-fused into single matmuls (cached until a weight changes). Its interface is the one the rollout
-server exposes, with sglang's field names:
+weights, kept as plain tensors (cached until a weight changes): q/k/v and gate/up fused into
+single matmuls, each q/k head's rows reordered so rotary pairs sit side by side (RoPE is one
+complex multiply over q, k and v, v's factor 1), and in float32 the RMSNorm weights folded into
+the matmul after them. The rotary tables are the HF module's own. Its interface is the one the
+rollout server exposes, with sglang's field names:
 
     engine.generate(input_ids=[[...], ...],
                     sampling_params={"max_new_tokens": 8, "temperature": 1.0, "top_p": 1.0,
@@ -16,21 +18,26 @@ server exposes, with sglang's field names:
 How one call runs, for Bp prompts x n samples (B = Bp*n rows, a GRPO group's rows adjacent):
 
 1. **Prefill once per prompt** (not per sample): one batched causal pass over the Bp left-padded
-   prompts. Their keys/values stay in `prompt_kv`, (Bp, Hkv, D, P) / (Bp, Hkv, P, D) per layer, never
-   copied: the n samples of a prompt read the same tensor.
-2. **Decode** into a preallocated cache of the generated tokens only, (Bp, Hkv, n, M, D) per
-   layer. Queries are laid out (Bp, Hkv, n*rep, D) — the rep = H/Hkv query heads of a KV head
-   side by side — so one matmul scores every sample of a group against its shared prompt keys,
-   and grouped-query attention needs no head repetition. Scores over prompt and generated keys
-   go through one softmax.
+   prompts. Their keys/values are stored once per prompt, never copied per sample.
+2. **Decode** into a cache preallocated for the call, in one of two layouts (RLHF_ROLLOUT_LAYOUT=
+   auto|block|grouped; auto: block while n x max_new_tokens <= BLOCK_COLUMNS, or n = 1):
+   - *block*: (2, Bp, Hkv, P + M*n, D) per layer, a group's prompt keys/values then its samples'
+     generated ones, slot-major. The n*rep queries of a (group, KV head) score all its columns
+     in one matmul, an additive mask keeps each query to the prompt and its own sample, one
+     softmax, one matmul for the values: few, larger kernels, right for GRPO's short answers.
+   - *grouped*: the prompt's keys (Bp, Hkv, D, P) and values (Bp, Hkv, P, D), and the generated
+     ones per sample, (2, Bp, Hkv, n, M, D); a query reads only its own sample's slots (long
+     generations), the prompt part scored for all n samples in one matmul, one softmax over both.
+   Queries are laid out (group, KV head, n*rep) — the rep = H/Hkv query heads of a KV head side
+   by side — so grouped-query attention needs no head repetition.
 3. **Finished rows** stop costing matmuls without any cache copy: when the rows still running
    fall to half of those computed, the hidden-state path (projections, MLP, LM head, sampling)
    is cut to the running rows by an index, while the caches keep their layout. On CUDA graphs
    (`static=True`) every row runs every step, so shapes never change.
 4. **Sampling** normalises once (log-softmax of the temperature-scaled logits: the logprob we
-   return, the same quantity the train engine computes) and draws with the Gumbel-max trick
-   (argmax of logprobs + Gumbel noise from the engine's generator: one uniform draw per entry), top-k/top-p applied as
-   masks. Tokens and logprobs go to (B, M) device buffers; one host transfer at the end.
+   return, the same quantity the train engine computes) and inverts the CDF at one uniform draw
+   per row from the engine's generator; top-k/top-p/min-p applied as masks. Tokens and logprobs
+   go to (B, M) device buffers; one host transfer at the end.
 
 With `n` > 1 each prompt's n samples are adjacent in the output (a GRPO group). `output_ids`
 include the matched stop token, because the policy must learn to stop; `text` does not (sglang
@@ -56,6 +63,8 @@ from rlhf.models import stop_token_ids as model_stop_ids
 from rlhf.weights import checksum, export_state, import_state, load_state_dir
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+BLOCK_COLUMNS = 128  # the block cache layout while a group's n samples x max_new_tokens generated slots fit this
+LAYOUTS = ("auto", "block", "grouped")  # RLHF_ROLLOUT_LAYOUT: auto picks by BLOCK_COLUMNS
 RELAYOUT = 4  # copy the running rows' caches into a dense layout once they are at most 1/RELAYOUT of the layout
 
 
@@ -104,8 +113,9 @@ def sample_tokens(
     """Pick one token per row. logits: (B, V) float32. Returns (tokens (B,), logprobs (B,)), and with
     top > 0 also the `top` most likely tokens' logprobs and ids, (B, top) each.
 
-    One normalisation over the vocabulary (log_softmax); sampling is argmax(logprobs + Gumbel),
-    which draws from softmax(logprobs) without a second softmax or a multinomial.
+    One normalisation over the vocabulary (log_softmax); sampling inverts the CDF of exp(logprobs) at one
+    uniform draw per row (a draw per vocabulary entry, as Gumbel-max or torch.multinomial take, costs more
+    than the rest of a step on a 32 k vocabulary on CPU).
     """
     if sp.temperature == 0:
         logprobs = torch.log_softmax(logits, dim=-1)  # (B, V)
@@ -124,8 +134,14 @@ def sample_tokens(
         probs = sorted_lp.exp()
         drop_sorted = probs.cumsum(dim=-1) - probs > sp.top_p  # the top token always stays
         filtered = filtered.masked_fill(torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted), float("-inf"))
-    uniform = torch.rand(filtered.shape, generator=generator, device=filtered.device)  # (B, V) in [0, 1)
-    tokens = (filtered - uniform.log_().neg_().log_()).argmax(dim=-1)  # Gumbel-max: -log(-log u) ~ Gumbel(0, 1)
+    # inverse CDF: one uniform per row. point = (1 - u) * total lies in (0, total], so the first cumulative
+    # entry >= point always belongs to a token with mass (a masked or underflowed token adds 0 and never
+    # starts a step of the CDF). A NaN row (a diverged policy) finds no entry: the clamp gives it a token
+    # whose logprob is NaN, which the train engine reports
+    cdf = filtered.exp().cumsum_(dim=-1)  # (B, V), nondecreasing
+    uniform = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device)  # (B, 1) in [0, 1)
+    point = torch.rsub(uniform, 1.0).mul_(cdf[:, -1:])
+    tokens = torch.searchsorted(cdf, point).squeeze(1).clamp_(max=cdf.shape[1] - 1)  # (B,)
     return _with_top(tokens, logprobs, top)
 
 
@@ -169,6 +185,26 @@ def _residual_linear(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bia
     return h + F.linear(x, weight, bias)
 
 
+def _rotate(x: torch.Tensor, turn: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x (..., heads, D) with rotary pairs side by side: x's pairs as complex numbers times
+    `turn` (..., heads, D/2), broadcast (see `_rope_qkv`). One multiply; bf16/fp16 rotate in float32."""
+    real = x if x.dtype in (torch.float32, torch.float64) else x.float()
+    out = torch.view_as_real(torch.view_as_complex(real.view(*x.shape[:-1], -1, 2)) * turn).view(x.shape)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def _norm_linear(norm: tuple[Any, ...], x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                 ) -> torch.Tensor:
+    """linear(norm(x), weight, bias). A "folded" RMSNorm has its weight in `weight`'s columns: the matmul
+    reads x as it is and each row is then scaled by 1/rms(x) = rsqrt(|x|^2 / C + eps)."""
+    if norm[0] != "folded":
+        return F.linear(_apply_norm(norm, x), weight, bias)
+    length = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # (..., 1)
+    scale = torch.addcmul(norm[1], length, length, value=norm[2]).rsqrt_()  # 1/rms
+    out = F.linear(x, weight)
+    return out.mul_(scale) if bias is None else torch.addcmul(bias, out, scale)
+
+
 def _apply_norm(norm: tuple[Any, ...], x: torch.Tensor) -> torch.Tensor:
     if norm[0] == "rms":
         return F.rms_norm(x, (x.shape[-1],), norm[1], norm[2])
@@ -188,7 +224,8 @@ class RolloutEngine:
             )
         self.model = model.eval()
         self.tokenizer = tokenizer
-        self.device = next(model.parameters()).device
+        self._params = list(model.parameters())  # listing them walks every module: once, not per call
+        self.device, self.dtype = self._params[0].device, self._params[0].dtype
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.weight_version = "0"
         self.lock = threading.Lock()  # one generate or weight load at a time
@@ -202,13 +239,20 @@ class RolloutEngine:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.tokens_generated = 0
         self.compact = os.environ.get("RLHF_ROLLOUT_COMPACT", "1") != "0"
+        self.layout = os.environ.get("RLHF_ROLLOUT_LAYOUT", "auto")  # the generated cache's: see `_decode`
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"RLHF_ROLLOUT_LAYOUT={self.layout!r}; choose one of: {', '.join(LAYOUTS)}")
+        self._bias: tuple[tuple[int, ...], torch.Tensor] | None = None  # the last no-pads block mask
         self._fused: tuple[tuple[int, ...], list[dict[str, Any]]] | None = None
         self._rope_cache: tuple[tuple[torch.dtype, float], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def drop_caches(self) -> None:
-        """Free what the engine keeps between calls on its device (fused weights, rotary tables); rebuilt on use."""
+        """Free what the engine keeps between calls on its device (fused weights, rotary tables); rebuilt on use.
+        Also call it after replacing the model's parameter objects (in-place updates are seen without it)."""
         self._fused = None
         self._rope_cache = None
+        self._bias = None
+        self._params = list(self.model.parameters())
 
     # ------------------------------------------------------------------ weights
 
@@ -282,29 +326,55 @@ class RolloutEngine:
         Cached, and rebuilt when any parameter changed in place (its `_version` counter), so weight
         updates and a model shared with a trainer (the SFT warm start) are always seen. The last
         entry holds the model-level weights (embedding, final norm, LM head).
+
+        In float32/float64 the RMSNorm weights before the q/k/v and gate/up matmuls are folded into their
+        rows (linear(x * r * g, W) = r * linear(x, W * g), r the row's 1/rms): the norm costs a row scale.
         """
-        key = tuple(p._version for p in self.model.parameters())
+        key = tuple(p._version for p in self._params)
         if self._fused is not None and self._fused[0] == key:
             return self._fused[1]
         body = self.model.model
         silu = getattr(self.model.config, "hidden_act", "silu") in ("silu", "swish")
+        D = self.head_dim
+        # HF rotates dim i with dim i + D/2; reordering each q/k head's rows to (0, D/2, 1, D/2+1, ...) puts
+        # every rotary pair side by side, so a rotation is one complex multiply. q and k get the same order:
+        # their dot products, hence the attention, are unchanged
+        pairs = torch.arange(D, device=self.device).view(2, D // 2).t().reshape(-1)
+
+        def paired(t: torch.Tensor, heads: int) -> torch.Tensor:
+            return t.view(heads, D, *t.shape[1:])[:, pairs].reshape(t.shape)
+
+        fold = self.dtype in (torch.float32, torch.float64)
+
+        def folded(norm: tuple[Any, ...], weight: torch.Tensor) -> tuple[tuple[Any, ...], torch.Tensor]:
+            if not fold or norm[0] != "rms":
+                return norm, weight
+            eps = torch.tensor(norm[2], device=self.device, dtype=self.dtype)
+            return ("folded", eps, 1.0 / weight.shape[1]), weight * norm[1]
+
         fused: list[dict[str, Any]] = []
         for layer in body.layers:
             attn, mlp = layer.self_attn, layer.mlp
             qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+            heads = (self.num_heads, self.num_kv_heads)
             has_bias = all(m.bias is not None for m in qkv)
+            norm_in, qkv_w = folded(_norm(layer.input_layernorm), torch.cat(
+                [paired(m.weight, h) for m, h in zip(qkv[:2], heads)] + [attn.v_proj.weight]))
+            norm_post, gate_up_w = folded(_norm(layer.post_attention_layernorm),
+                                          torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))  # (2*F, C)
             fused.append({
-                "qkv_w": torch.cat([m.weight for m in qkv]),  # (Hq*D + 2*Hkv*D, C)
-                "qkv_b": torch.cat([m.bias for m in qkv]) if has_bias else None,
+                "qkv_w": qkv_w,
+                "qkv_b": torch.cat([paired(m.bias, h) for m, h in zip(qkv[:2], heads)] + [attn.v_proj.bias])
+                if has_bias else None,  # (H*D + 2*Hkv*D, C), (H*D + 2*Hkv*D,)
                 "q_dim": attn.q_proj.out_features,
                 "kv_dim": attn.k_proj.out_features,
                 "o_w": attn.o_proj.weight, "o_b": attn.o_proj.bias,
-                "gate_up_w": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),  # (2*F, C)
+                "gate_up_w": gate_up_w,
                 "down_w": mlp.down_proj.weight, "down_b": mlp.down_proj.bias,
                 "act": None if silu else mlp.act_fn,  # None: SiLU, applied in place
                 "ffn": mlp.gate_proj.out_features,
-                "norm_in": _norm(layer.input_layernorm),
-                "norm_post": _norm(layer.post_attention_layernorm),
+                "norm_in": norm_in,
+                "norm_post": norm_post,
                 "scale": float(getattr(attn, "scaling", self.head_dim ** -0.5)),
             })
         head = self.model.lm_head
@@ -313,70 +383,69 @@ class RolloutEngine:
         self._fused = (key, fused)
         return fused
 
-    def _rope_table(self, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin (length, D) for positions 0..length-1, from the model's own rotary module."""
+    def _rope_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin (length, D) for positions 0..length-1, from the model's own rotary module, in float32."""
         positions = torch.arange(length, device=self.device)[None]  # (1, L)
-        probe = torch.empty(1, length, 1, device=self.device, dtype=dtype)
+        probe = torch.empty(1, length, 1, device=self.device, dtype=torch.float32)
         cos, sin = self.model.model.rotary_emb(probe, positions)
         return cos[0], sin[0]  # (L, D) each
 
-    def _rope_tables(self, length: int, dtype: torch.dtype, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """`_rope_qk` for positions 0..length-1, kept between calls where the frequencies do not depend on
+    def _rope_tables(self, length: int, dtype: torch.dtype, scale: float) -> torch.Tensor:
+        """`_rope_qkv` for positions 0..length-1, kept between calls where the frequencies do not depend on
         the sequence's length (default, linear and llama3 RoPE): a call reads the first `length` rows."""
         if getattr(self.model.model.rotary_emb, "rope_type", None) not in ("default", "linear", "llama3"):
-            return self._rope_qk(self._rope_table(length, dtype), scale)  # e.g. dynamic NTK: per call
+            return self._rope_qkv(self._rope_table(length), dtype, scale)  # e.g. dynamic NTK: per call
         cached = self._rope_cache
-        if cached is None or cached[0] != (dtype, scale) or cached[1][0].shape[0] < length:
-            cached = self._rope_cache = ((dtype, scale), self._rope_qk(self._rope_table(length, dtype), scale))
-        cos, sin = cached[1]
-        return cos[:length], sin[:length]
+        if cached is None or cached[0] != (dtype, scale) or cached[1].shape[0] < length:
+            cached = self._rope_cache = ((dtype, scale), self._rope_qkv(self._rope_table(length), dtype, scale))
+        return cached[1][:length]
 
-    def _rope_qk(self, rope: tuple, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotary tables for q and k heads side by side, (L, H + Hkv, D) each: a layer rotates its q and k
-        in one pass as x*cos + roll(x, D/2)*sin (rotate_half folded into the sign of sin); q's rows carry
-        the attention scale, so the scores need no multiply."""
+    def _rope_qkv(self, rope: tuple, dtype: torch.dtype, scale: float) -> torch.Tensor:
+        """The rotation of every head of a fused q/k/v row, (L, H + 2Hkv, D/2) complex: cos + i sin per rotary
+        pair for k, times the attention scale for q (the scores need no multiply), 1 for v (left as it is,
+        so q, k and v come out of one multiply and k, v go to the cache in one copy)."""
         cos, sin = rope
-        D, H, Hkv = self.head_dim, self.num_heads, self.num_kv_heads
-        sign = torch.ones(D, device=cos.device, dtype=cos.dtype)
-        sign[: D // 2] = -1
-        sin = sin * sign
-        L = cos.shape[0]
-        cos_qk = torch.cat([(cos * scale)[:, None].expand(L, H, D), cos[:, None].expand(L, Hkv, D)], dim=1)
-        sin_qk = torch.cat([(sin * scale)[:, None].expand(L, H, D), sin[:, None].expand(L, Hkv, D)], dim=1)
-        return cos_qk.contiguous(), sin_qk.contiguous()
+        H, Hkv, half = self.num_heads, self.num_kv_heads, self.head_dim // 2
+        ctype = torch.complex128 if dtype == torch.float64 else torch.complex64
+        turn = torch.complex(cos[:, :half], sin[:, :half]).to(ctype)  # (L, D/2): HF's cos/sin repeat per half
+        L = turn.shape[0]
+        return torch.cat([(turn * scale)[:, None].expand(L, H, half), turn[:, None].expand(L, Hkv, half),
+                          torch.ones(L, Hkv, half, dtype=ctype, device=turn.device)], dim=1).contiguous()
 
-    def _prefill(self, ids: torch.Tensor, valid: torch.Tensor, fused: list, rope_qk: tuple
-                 ) -> tuple[torch.Tensor, list]:
-        """Causal pass over left-padded prompts ids (Bp, P). Returns last-position logits (Bp, V), per-layer (k, v)."""
+    def _prefill(self, ids: torch.Tensor, valid: torch.Tensor | None, fused: list, rope: torch.Tensor,
+                 store: Any) -> torch.Tensor:
+        """Causal pass over left-padded prompts ids (Bp, P); valid (Bp, P) marks the real tokens (None: no pads).
+        Hands each layer's rotated keys and values, (Bp, P, 2Hkv, D), to store(layer, kv). Returns the
+        last position's logits (Bp, V)."""
         top = fused[-1]
         Bp, P = ids.shape
-        H, Hkv, D, half = self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim // 2
-        positions = (valid.long().cumsum(1) - 1).clamp(min=0)  # (Bp, P)
-        cos, sin = rope_qk[0][positions], rope_qk[1][positions]  # (Bp, P, H + Hkv, D), q rows scaled
-        # a query sees earlier real tokens and always itself (a pad row must not softmax over nothing)
-        causal = torch.ones(P, P, dtype=torch.bool, device=ids.device).tril()
-        allowed = (causal[None] & valid[:, None, :]) | torch.eye(P, dtype=torch.bool, device=ids.device)[None]
-        gqa = H != Hkv
-        h = F.embedding(ids, top["embed"])  # (Bp, P, C)
-        prompt_kv = []
-        for f in fused[:-1]:
-            qkv = F.linear(_apply_norm(f["norm_in"], h), f["qkv_w"], f["qkv_b"])  # (Bp, P, (H + 2Hkv) D)
-            qk = qkv[..., :f["q_dim"] + f["kv_dim"]].view(Bp, P, H + Hkv, D)
-            qk = torch.addcmul(qk * cos, qk.roll(half, dims=-1), sin)  # (Bp, P, H + Hkv, D)
-            q, k = qk.transpose(1, 2).split((H, Hkv), dim=1)  # (Bp, H, P, D), (Bp, Hkv, P, D)
-            v = qkv[..., f["q_dim"] + f["kv_dim"]:].view(Bp, P, Hkv, D).transpose(1, 2).contiguous()
-            prompt_kv.append((k.transpose(-1, -2).contiguous(), v))  # keys as (Bp, Hkv, D, P): the scores' matmul
-            # reads them contiguous
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=1.0,
-                                                 enable_gqa=gqa)  # (Bp, H, P, D); q carries the scale
-            h = _residual_linear(h, out.transpose(1, 2).reshape(Bp, P, -1), f["o_w"], f["o_b"])
-            h = _residual_linear(h, self._gated(f, _apply_norm(f["norm_post"], h)), f["down_w"], f["down_b"])
-        return F.linear(_apply_norm(top["norm"], h[:, -1]), top["lm_w"], top["lm_b"]).float(), prompt_kv  # (Bp, V)
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        if valid is None:
+            turn, mask = rope[:P], None  # (P, H + 2Hkv, D/2)
+        else:
+            turn = rope[(valid.long().cumsum(1) - 1).clamp(min=0)]  # (Bp, P, H + 2Hkv, D/2)
+            # a query sees earlier real tokens and always itself (a pad row must not softmax over nothing)
+            causal = torch.ones(P, P, dtype=torch.bool, device=ids.device).tril()
+            mask = ((causal[None] & valid[:, None, :]) | torch.eye(P, dtype=torch.bool, device=ids.device)[None])
+            mask = mask[:, None]  # (Bp, 1, P, P)
+        h = F.embedding(ids.view(-1), top["embed"])  # (Bp*P, C): 2-D rows, so the residual matmuls are addmm
+        for layer, f in enumerate(fused[:-1]):
+            qkv = _norm_linear(f["norm_in"], h, f["qkv_w"], f["qkv_b"])  # (Bp*P, (H + 2Hkv) D)
+            qkv = _rotate(qkv.view(Bp, P, H + 2 * Hkv, D), turn)
+            store(layer, qkv.narrow(2, H, 2 * Hkv))
+            q, k, v = qkv.transpose(1, 2).split((H, Hkv, Hkv), dim=1)  # (Bp, heads, P, D)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=1.0,
+                                                 enable_gqa=H != Hkv)  # (Bp, H, P, D); q carries the scale
+            h = _residual_linear(h, out.transpose(1, 2).reshape(Bp * P, H * D), f["o_w"], f["o_b"])
+            h = _residual_linear(h, self._gated(f, h), f["down_w"], f["down_b"])
+        last = h.view(Bp, P, -1)[:, -1]  # (Bp, C)
+        return F.linear(_apply_norm(top["norm"], last), top["lm_w"], top["lm_b"]).float()  # (Bp, V)
 
     @staticmethod
-    def _gated(f: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
-        """The MLP's act(gate) * up, (..., F); the down projection is the caller's residual matmul."""
-        gate, up = F.linear(x, f["gate_up_w"]).split(f["ffn"], dim=-1)  # (..., F) each: views of one buffer
+    def _gated(f: dict[str, Any], h: torch.Tensor) -> torch.Tensor:
+        """The MLP's act(gate) * up of the normed h, (..., F); the down projection is the caller's residual matmul."""
+        both, width = _norm_linear(f["norm_post"], h, f["gate_up_w"], None), f["ffn"]
+        gate, up = both.narrow(-1, 0, width), both.narrow(-1, width, width)  # views of one buffer
         if f["act"] is None:  # SiLU, in place on the matmul's own buffer
             return F.silu(gate, inplace=True).mul_(up)
         return f["act"](gate) * up
@@ -387,67 +456,105 @@ class RolloutEngine:
         """One token for rows idx (all rows when None): tokens, positions (b,). Writes slot t. Returns (b, V)."""
         fused = state["fused"]
         top = fused[-1]
-        Bp, n, B, rep = state["Bp"], state["n"], state["B"], self.num_heads // self.num_kv_heads
         H, Hkv, D, b = self.num_heads, self.num_kv_heads, self.head_dim, tokens.shape[0]
-        cos, sin = state["rope_qk"][0][positions], state["rope_qk"][1][positions]  # (b, H + Hkv, D)
-        half = D // 2
-        S = state["M"] if state["static"] else int(t) + 1  # generated slots attended to (masked beyond t if static)
-        pbias, gbias = state["pbias"], state["gbias"]  # (Bp*Hkv, 1, P); static only: (1, 1, M)
-        graph = isinstance(t, torch.Tensor)  # CUDA graph: the slot is a device scalar, so one graph serves every t
-        G = Bp * Hkv  # attention runs as batched matmuls over (group, KV head) and (group, KV head, sample)
+        turn = state["rope"][positions]  # (b, H + 2Hkv, D/2)
+        attend = self._attend_block if state["block"] else self._attend_grouped
+        if isinstance(t, torch.Tensor):  # CUDA graph: the slot is a device scalar, so one graph serves every t
+            state["slot"] = t * state["n"] + state["slot_base"] if state["block"] else t
         h = F.embedding(tokens, top["embed"])  # (b, C)
-        for f, (kp, vp), (kg, vg) in zip(fused, state["prompt_kv"], state["gen_kv"]):
-            qkv = F.linear(_apply_norm(f["norm_in"], h), f["qkv_w"], f["qkv_b"])  # (b, (H + 2Hkv) D)
-            qk_dim = f["q_dim"] + f["kv_dim"]
-            qk = qkv.narrow(1, 0, qk_dim).view(b, H + Hkv, D)
-            qk = torch.addcmul(qk * cos, qk.roll(half, dims=-1), sin)  # (b, H + Hkv, D), q scaled
-            q, k = qk.split((H, Hkv), dim=1)
-            v = qkv.narrow(1, qk_dim, f["kv_dim"]).view(b, Hkv, D)
-            if graph:
-                kg.index_copy_(3, t, k.view(Bp, n, Hkv, 1, D).transpose(1, 2))
-                vg.index_copy_(3, t, v.view(Bp, n, Hkv, 1, D).transpose(1, 2))
-                q_all = q
-            elif idx is None:  # cache layout (Bp, Hkv, n, M, D): row r = g*n + j is [g, :, j]
-                kg.select(3, t).copy_(k.view(Bp, n, Hkv, D).transpose(1, 2))
-                vg.select(3, t).copy_(v.view(Bp, n, Hkv, D).transpose(1, 2))
-                q_all = q
-            else:
-                g_idx, j_idx = state["g_idx"], state["j_idx"]
-                kg[g_idx, :, j_idx, t] = k
-                vg[g_idx, :, j_idx, t] = v
-                q_all = q.new_zeros(B, H, D).index_copy_(0, idx, q)
-            qg = q_all.view(Bp, n, Hkv, rep, D).transpose(1, 2).contiguous()  # (Bp, Hkv, n, rep, D)
-            scores_p = torch.bmm(qg.view(G, n * rep, D), kp.view(G, D, -1)).add_(pbias)  # (G, n*rep, P), pads -inf
-            P = scores_p.shape[-1]
-            q_s = qg.view(G * n, rep, D)
-            k_s = kg.narrow(3, 0, S).view(G * n, S, D).transpose(1, 2)  # (G*n, D, S)
-            scores_g = torch.bmm(q_s, k_s)  # (G*n, rep, S)
-            if gbias is not None:
-                scores_g.add_(gbias)  # static shapes: slots after t are -inf
-            scores = torch.cat([scores_p.view(G * n, rep, P), scores_g], dim=-1)  # q carries the scale
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32)  # (G*n, rep, P+S): one softmax
-            if probs.dtype != qg.dtype:
-                probs = probs.to(qg.dtype)
-            out = torch.bmm(probs.narrow(-1, 0, P).view(G, n * rep, P), vp.view(G, P, D))  # (G, n*rep, D)
-            out = out.view(G * n, rep, D).add_(torch.bmm(probs.narrow(-1, P, S),
-                                                         vg.narrow(3, 0, S).view(G * n, S, D)))  # (G*n, rep, D)
-            out = out.view(Bp, Hkv, n, rep, D).transpose(1, 2).reshape(B, H * D)  # (B, H*D)
-            if idx is not None:
-                out = out.index_select(0, idx)  # (b, H*D)
+        for f, cache in zip(fused, state["cache"]):
+            qkv = _norm_linear(f["norm_in"], h, f["qkv_w"], f["qkv_b"])  # (b, (H + 2Hkv) D)
+            qkv = _rotate(qkv.view(b, H + 2 * Hkv, D), turn)  # q (scaled) and k rotated, v as it was
+            out = attend(qkv.narrow(1, 0, H), qkv.narrow(1, H, 2 * Hkv), t, idx, cache, state)  # (b, H*D)
             h = _residual_linear(h, out, f["o_w"], f["o_b"])
-            h = _residual_linear(h, self._gated(f, _apply_norm(f["norm_post"], h)), f["down_w"], f["down_b"])
+            h = _residual_linear(h, self._gated(f, h), f["down_w"], f["down_b"])
         return F.linear(_apply_norm(top["norm"], h), top["lm_w"], top["lm_b"]).float()  # (b, V)
 
-    @staticmethod
-    def _relayout(state: dict[str, Any], places: torch.Tensor) -> None:
+    def _attend_block(self, q: torch.Tensor, new_kv: torch.Tensor, t: int | torch.Tensor, idx: torch.Tensor | None,
+                      kv: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
+        """Attention in the block layout: kv (2, Bp, Hkv, P + M*n, D) holds a group's prompt keys/values, then
+        its samples' generated ones slot-major (slot s of sample j at column P + s*n + j). The n*rep queries of
+        a (group, KV head) score every column in one matmul; `bias` leaves each its prompt and its own sample.
+        q (b, H, D), new_kv (b, 2Hkv, D): this step's rows. Returns (b, H*D)."""
+        Bp, n, B, P = state["Bp"], state["n"], state["B"], state["P"]
+        H, Hkv, D, rep = self.num_heads, self.num_kv_heads, self.head_dim, self.num_heads // self.num_kv_heads
+        G, L = Bp * Hkv, kv.shape[3]
+        if isinstance(t, torch.Tensor):
+            kv.index_copy_(3, state["slot"], new_kv.view(Bp, n, 2, Hkv, D).permute(2, 0, 3, 1, 4))
+        elif idx is None:
+            kv.narrow(3, P + t * n, n).copy_(new_kv.view(Bp, n, 2, Hkv, D).permute(2, 0, 3, 1, 4))
+        else:
+            kv[:, state["g_idx"], :, P + t * n + state["j_idx"]] = new_kv.view(-1, 2, Hkv, D)
+            q = q.new_zeros(B, H, D).index_copy_(0, idx, q)
+        W = L if state["static"] else P + (int(t) + 1) * n  # columns read (static: all, the future masked)
+        qg = q.view(Bp, n, Hkv, rep, D).transpose(1, 2).reshape(G, n * rep, D)  # a (group, KV head)'s queries
+        scores = torch.bmm(qg, kv[0].view(G, L, D).narrow(1, 0, W).transpose(1, 2))  # (G, n*rep, W)
+        scores.view(Bp, Hkv, n * rep, W).add_(state["bias"].narrow(-1, 0, W))  # other samples, pads: -inf
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)  # q carries the scale
+        if probs.dtype != qg.dtype:
+            probs = probs.to(qg.dtype)
+        out = torch.bmm(probs, kv[1].view(G, L, D).narrow(1, 0, W))  # (G, n*rep, D)
+        out = out.view(Bp, Hkv, n, rep, D).transpose(1, 2).reshape(B, H * D)
+        return out if idx is None else out.index_select(0, idx)
+
+    def _attend_grouped(self, q: torch.Tensor, new_kv: torch.Tensor, t: int | torch.Tensor,
+                        idx: torch.Tensor | None, cache: tuple, state: dict[str, Any]) -> torch.Tensor:
+        """Attention in the grouped layout, for long generations: a group's prompt keys kp (Bp, Hkv, D, P) and
+        values vp (Bp, Hkv, P, D) read once for its n samples; each sample's generated keys/values in kv_g
+        (2, Bp, Hkv, n, M, D), so a query reads only its own. Scores over both go through one softmax."""
+        kp, vp, kv_g = cache
+        Bp, n, B = state["Bp"], state["n"], state["B"]
+        H, Hkv, D, rep = self.num_heads, self.num_kv_heads, self.head_dim, self.num_heads // self.num_kv_heads
+        G = Bp * Hkv
+        S = state["M"] if state["static"] else int(t) + 1  # generated slots read (masked beyond t if static)
+        if isinstance(t, torch.Tensor):
+            kv_g.index_copy_(4, t, new_kv.view(Bp, n, 2, Hkv, 1, D).permute(2, 0, 3, 1, 4, 5))
+        elif idx is None:
+            kv_g.select(4, t).copy_(new_kv.view(Bp, n, 2, Hkv, D).permute(2, 0, 3, 1, 4))
+        else:
+            kv_g[:, state["g_idx"], :, state["j_idx"], t] = new_kv.view(-1, 2, Hkv, D)
+            q = q.new_zeros(B, H, D).index_copy_(0, idx, q)
+        qg = q.view(Bp, n, Hkv, rep, D).transpose(1, 2).contiguous()  # (Bp, Hkv, n, rep, D)
+        scores_p = torch.bmm(qg.view(G, n * rep, D), kp.view(G, D, -1))  # (G, n*rep, P)
+        if state["pad_bias"] is not None:
+            scores_p.view(Bp, Hkv, n * rep, -1).add_(state["pad_bias"])  # pads -inf
+        P = scores_p.shape[-1]
+        scores_g = torch.bmm(qg.view(G * n, rep, D), kv_g[0].narrow(3, 0, S).view(G * n, S, D).transpose(1, 2))
+        if state["static"]:
+            scores_g.add_(state["bias"])  # (1, 1, M): slots after t are -inf
+        scores = torch.cat([scores_p.view(G * n, rep, P), scores_g], dim=-1)  # (G*n, rep, P+S)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qg.dtype)  # one softmax; q carries the scale
+        out = torch.bmm(probs.narrow(-1, 0, P).view(G, n * rep, P), vp.view(G, P, D))  # (G, n*rep, D)
+        out = out.view(G * n, rep, D).add_(torch.bmm(probs.narrow(-1, P, S),
+                                                     kv_g[1].narrow(3, 0, S).view(G * n, S, D)))  # (G*n, rep, D)
+        out = out.view(Bp, Hkv, n, rep, D).transpose(1, 2).reshape(B, H * D)
+        return out if idx is None else out.index_select(0, idx)
+
+    def _relayout(self, state: dict[str, Any], places: torch.Tensor) -> None:
         """Keep only the cache rows at `places` (flat layout rows), each its own group (n = 1)."""
-        n = state["n"]
+        n, P, M = state["n"], state["P"], state["M"]
         g, j = places // n, places % n
-        state["prompt_kv"] = [(k[g], v[g]) for k, v in state["prompt_kv"]]  # (b, Hkv, D, P), (b, Hkv, P, D)
-        state["gen_kv"] = [(k[g, :, j].unsqueeze(2), v[g, :, j].unsqueeze(2)) for k, v in state["gen_kv"]]
-        Hkv, P = state["prompt_kv"][0][1].shape[1], state["pbias"].shape[-1]
-        state["pbias"] = state["pbias"].view(-1, Hkv, 1, P)[g].view(-1, 1, P)
+        if state["pad_bias"] is not None:
+            state["pad_bias"] = state["pad_bias"][g]  # (b, 1, 1, P)
+        if state["block"]:  # slot s of sample j: column P + s*n + j -> P + s
+            gen = [kv.narrow(3, P, M * n).unflatten(3, (M, n))[:, g, :, :, j].movedim(0, 1) for kv in state["cache"]]
+            state["cache"] = [torch.cat([kv[:, g, :, :P], sel], dim=3) for kv, sel in zip(state["cache"], gen)]
+            state["bias"] = self._block_bias(state["pad_bias"], 1, P, M, static=False)
+        else:
+            state["cache"] = [(kp[g], vp[g], kv_g[:, g, :, j].unsqueeze(3)) for kp, vp, kv_g in state["cache"]]
         state["Bp"], state["n"], state["B"] = places.shape[0], 1, places.shape[0]
+
+    def _block_bias(self, pad_bias: torch.Tensor | None, n: int, P: int, M: int, static: bool) -> torch.Tensor:
+        """The block layout's additive mask, (Bp or 1, 1, n*rep, P + M*n): a query row of sample j reads the
+        prompt's real tokens and the columns of its own sample, P + s*n + j (static: none until written)."""
+        rep, device = self.num_heads // self.num_kv_heads, self.device
+        dtype = self.dtype
+        own = (torch.arange(M * n, device=device) % n)[None] == torch.arange(n * rep, device=device)[:, None] // rep
+        gen = torch.zeros(n * rep, M * n, device=device, dtype=dtype)
+        gen.masked_fill_(~own if not static else torch.ones_like(own), float("-inf"))  # (n*rep, M*n)
+        prompt = torch.zeros(1, 1, n * rep, P, device=device, dtype=dtype) if pad_bias is None else \
+            pad_bias.expand(-1, -1, n * rep, P)
+        return torch.cat([prompt, gen.expand(prompt.shape[0], 1, -1, -1)], dim=-1).contiguous()
 
     def _capture(self, state: dict[str, Any]) -> Any:
         """Capture one decode step of this call's shapes as a CUDA graph; returns a replay function.
@@ -501,40 +608,67 @@ class RolloutEngine:
 
     def _decode(self, prompts: list[list[int]], sp: SamplingParams, static: bool | None = None, top: int = 0,
                 control: StepControl | None = None):
-        device, dtype = self.device, next(self.model.parameters()).dtype
+        device, dtype = self.device, self.dtype
         if static is None:  # CUDA: static shapes and a captured decode step (RLHF_CUDA_GRAPHS=0 turns it off)
             static = device.type == "cuda" and os.environ.get("RLHF_CUDA_GRAPHS", "1") != "0"
         Bp, n, M = len(prompts), sp.n, sp.max_new_tokens
-        B, P = Bp * n, max(len(p) for p in prompts)
-        ids = torch.full((Bp, P), self.pad_token_id, dtype=torch.long)
-        valid = torch.zeros((Bp, P), dtype=torch.bool)
-        for i, p in enumerate(prompts):  # left padding: every prompt ends at column P-1
-            ids[i, P - len(p):] = torch.tensor(p)
-            valid[i, P - len(p):] = True
-        ids, valid = ids.to(device), valid.to(device)
+        lengths = [len(p) for p in prompts]
+        B, P = Bp * n, max(lengths)
+        if min(lengths) == P:  # no pads: no masks anywhere
+            ids, valid = torch.tensor(prompts, device=device), None
+        else:
+            ids = torch.full((Bp, P), self.pad_token_id, dtype=torch.long)
+            valid = torch.zeros((Bp, P), dtype=torch.bool)
+            for i, p in enumerate(prompts):  # left padding: every prompt ends at column P-1
+                ids[i, P - len(p):] = torch.tensor(p)
+                valid[i, P - len(p):] = True
+            ids, valid = ids.to(device), valid.to(device)
         fused = self._fused_layers()
         scales = {f["scale"] for f in fused[:-1]}
         if len(scales) != 1:
             raise NotImplementedError(f"native rollout engine: attention scale differs between layers ({sorted(scales)})")
-        rope_qk = self._rope_tables(P + M, dtype, scales.pop())
-        logits, prompt_kv = self._prefill(ids, valid, fused, rope_qk)  # (Bp, V)
+        rope = self._rope_tables(P + M, dtype, scales.pop())  # (P + M, H + 2Hkv, D/2)
         Hkv, D = self.num_kv_heads, self.head_dim
+        # the block layout while a group's generated columns are few (every query scores all of them: one
+        # matmul, one softmax); the grouped layout for long generations (a query reads only its own sample's)
+        block = self.layout == "block" or self.layout == "auto" and (n == 1 or n * M <= BLOCK_COLUMNS)
         # eager decode writes slot t of every row it reads before reading it (a row cut from the hidden path
         # reads its unwritten slot, but its output is dropped): no zero fill; static mode masks unwritten slots
         # with -inf, which needs finite memory behind them
         alloc = torch.zeros if static else torch.empty
-        gen_kv = [(alloc(Bp, Hkv, n, M, D, device=device, dtype=dtype),
-                   alloc(Bp, Hkv, n, M, D, device=device, dtype=dtype)) for _ in prompt_kv]
-        # additive biases: pads of the prompt keys masked, per (group, KV head); in static mode also the
-        # generated slots, -inf until their step (eager decode reads only the written ones)
-        pbias = torch.zeros(Bp, Hkv, 1, P, device=device, dtype=dtype)
-        pbias.masked_fill_(~valid[:, None, None, :], float("-inf"))
-        gbias = torch.full((1, 1, M), float("-inf"), device=device, dtype=dtype) if static else None
-        state = {"fused": fused, "rope_qk": rope_qk, "prompt_kv": prompt_kv, "gen_kv": gen_kv,
-                 "Bp": Bp, "n": n, "B": B, "M": M, "static": static,
-                 "pbias": pbias.view(Bp * Hkv, 1, P), "gbias": gbias}
+        pad_bias = None  # (Bp, 1, 1, P): the prompt's pads -inf
+        if valid is not None:
+            pad_bias = torch.zeros(Bp, 1, 1, P, device=device, dtype=dtype)
+            pad_bias.masked_fill_(~valid[:, None, None, :], float("-inf"))
+        cache: list[Any] = []
+        if block:
+            cache = [alloc(2, Bp, Hkv, P + M * n, D, device=device, dtype=dtype) for _ in fused[:-1]]
+
+            def store(layer: int, kv: torch.Tensor) -> None:  # kv (Bp, P, 2Hkv, D)
+                cache[layer].narrow(3, 0, P).copy_(kv.view(Bp, P, 2, Hkv, D).permute(2, 0, 3, 1, 4))
+
+            if pad_bias is None and not static:  # read-only: kept for the next call of the same shape
+                if self._bias is None or self._bias[0] != (n, P, M):
+                    self._bias = ((n, P, M), self._block_bias(None, n, P, M, static=False))
+                bias = self._bias[1]
+            else:
+                bias = self._block_bias(pad_bias, n, P, M, static)
+        else:
+            def store(layer: int, kv: torch.Tensor) -> None:  # keys as (Bp, Hkv, D, P): the scores' matmul reads
+                # them contiguous
+                cache.append((kv[:, :, :Hkv].permute(0, 2, 3, 1).contiguous(), kv[:, :, Hkv:].transpose(1, 2).contiguous(),
+                              alloc(2, Bp, Hkv, n, M, D, device=device, dtype=dtype)))
+
+            bias = torch.full((1, 1, M), float("-inf"), device=device, dtype=dtype) if static else None
+        logits = self._prefill(ids, valid, fused, rope, store)  # (Bp, V)
+        state = {"fused": fused, "rope": rope, "cache": cache, "block": block, "Bp": Bp, "n": n, "B": B, "P": P,
+                 "M": M, "static": static, "pad_bias": pad_bias, "bias": bias,
+                 "slot_base": P + torch.arange(n, device=device)}
         replay = self._capture(state) if static and device.type == "cuda" and M > 1 else None
-        positions = valid.sum(1).repeat_interleave(n)  # (B,) position of each row's first generated token
+        if static and block:  # what slot t's n columns get once written: each query row its own sample's
+            own = self._block_bias(None, n, 0, 1, static=False)  # (1, 1, n*rep, n)
+        positions = (torch.full((B,), P, device=device) if valid is None else
+                     valid.sum(1).repeat_interleave(n))  # (B,) position of each row's first generated token
         logits = logits.repeat_interleave(n, 0)  # (B, V): the n samples of a prompt start from its logits
         stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.stop_ids))
         stop_tensor = torch.tensor(sorted(stops), device=device) if stops else None
@@ -599,9 +733,17 @@ class RolloutEngine:
                         idx = None
                     else:  # cut only the hidden-state path; the caches keep their layout
                         state["g_idx"], state["j_idx"] = idx // state["n"], idx % state["n"]
+                        if state["block"]:  # the rows left out no longer write their columns, which their
+                            # group's other queries read (masked): from slot t on they must hold finite values
+                            n_ = state["n"]
+                            for kv in state["cache"]:
+                                kv.narrow(3, P + t * n_, (M - t) * n_).zero_()
                     tokens = out_tokens[rows, t]
-            if static:
-                gbias[..., t] = 0  # slot t holds a key from this step on
+            if static:  # slot t holds a key from this step on
+                if block:
+                    state["bias"].narrow(-1, P + t * n, n).copy_(own)
+                else:
+                    state["bias"][..., t] = 0
             pos = (positions if idx is None else positions[idx]) + t
             if replay is not None:
                 logits = replay(tokens, pos, t)
