@@ -11,6 +11,10 @@ from rlhf.train.engine import token_logprobs
 from tests.conftest import diverse_model
 
 PROMPTS = ["1+2=", "33+44=", "5+66=", "98+99=", "0+0=", "7+8=", "12+3=", "45+54="]
+# rollout vs train logprobs: the same fp32 arithmetic in another order (the engine folds RMSNorm weights into
+# its matmuls), which the diverse model's large weights amplify to ~1e-4; a real mismatch (temperature,
+# position, mask) is 1e-2 or more
+LOGPROB_TOL = 3e-4
 LAYOUTS = ["block", "grouped"]  # the generated cache's two layouts (auto picks by n x max_new_tokens)
 
 
@@ -107,16 +111,17 @@ def test_rollout_logprobs_equal_train_engine_logprobs(diverse, layout, nan_for_u
         with torch.no_grad():
             lp, _ = token_logprobs(model, batch["input_ids"], batch["attention_mask"], temperature)
         diff = ((lp - batch["old_logprobs"]) * batch["response_mask"]).abs().max().item()
-        assert diff <= 1e-4, f"rollout vs train logprobs differ by {diff} at T={temperature}"
+        assert diff <= LOGPROB_TOL, f"rollout vs train logprobs differ by {diff} at T={temperature}"
         lengths = batch["response_mask"].sum(1)
         assert lengths.min() < 8 < lengths.max() + 1  # some rows stopped early, some ran to the length
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_rows_that_leave_early_leave_no_unwritten_slot_to_read(diverse, layout, nan_for_uninitialised_memory):
-    """Once half of the rows have stopped, the rest run alone while the caches keep their layout: the rows
-    that left write no more slots, and in the block layout their group's other queries still read (masked)
-    those columns. With uninitialised memory NaN, every logprob must still equal the train engine's."""
+    """Once half of the rows have stopped, the rest run alone while the caches keep their layout (the rows
+    that left write no more slots, and in the block layout their group's other queries still read, masked,
+    those columns); once a quarter are left, their caches are copied into a dense layout. With
+    uninitialised memory NaN, every logprob must still equal the train engine's."""
     model, tok = diverse
     prompt_ids = encode_prompts(tok, PROMPTS)
     free = RolloutEngine(model, tok, seed=5).generate(prompt_ids, {"max_new_tokens": 8, "n": 4})
@@ -124,25 +129,27 @@ def test_rows_that_leave_early_leave_no_unwritten_slot_to_read(diverse, layout, 
     for r in free:
         for t in r["output_ids"]:
             counts[t] = counts.get(t, 0) + 1
-    stops = sorted(counts, key=counts.get)[-3:]  # the 3 most frequent tokens: most rows stop, at varied steps
+    stops = sorted(counts, key=counts.get)[-6:]  # the 6 most frequent tokens: most rows stop, at varied steps
     engine = RolloutEngine(model, tok, seed=5)
     engine.layout = layout
-    cut_steps = []
+    cut_steps, dense_steps = [], []
     step = engine._decode_step
 
     def spy(tokens, positions, t, idx, state):
         if idx is not None:
             cut_steps.append(t)
+        if state["B"] < len(prompt_ids) * 4:
+            dense_steps.append(t)
         return step(tokens, positions, t, idx, state)
 
     engine._decode_step = spy
     results = engine.generate(prompt_ids, {"max_new_tokens": 8, "n": 4, "stop_token_ids": stops}, return_logprob=True)
-    assert cut_steps, "no step ran with rows left out; pick other stop tokens"
+    assert cut_steps and dense_steps, "no step ran with rows left out, or none in a dense layout; pick other stops"
     batch = build_rl_batch([p for p in prompt_ids for _ in range(4)], results, tok.pad_token_id)
     with torch.no_grad():
         lp, _ = token_logprobs(model, batch["input_ids"], batch["attention_mask"], 1.0)
     diff = ((lp - batch["old_logprobs"]) * batch["response_mask"]).abs().max().item()
-    assert diff <= 1e-4, f"rollout vs train logprobs differ by {diff}"
+    assert diff <= LOGPROB_TOL, f"rollout vs train logprobs differ by {diff}"
 
 
 def test_groups_are_adjacent_and_fields_follow_sglang(tiny):

@@ -195,14 +195,14 @@ def _rotate(x: torch.Tensor, turn: torch.Tensor) -> torch.Tensor:
 
 def _norm_linear(norm: tuple[Any, ...], x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                  ) -> torch.Tensor:
-    """linear(norm(x), weight, bias). A "folded" RMSNorm has its weight in `weight`'s columns: the matmul
-    reads x as it is and each row is then scaled by 1/rms(x) = rsqrt(|x|^2 / C + eps)."""
+    """linear(norm(x), weight, bias). A "folded" RMSNorm has its weight times sqrt(C) in `weight`'s columns:
+    the matmul reads x as it is, and each row is divided by sqrt(|x|^2 + C*eps) = hypot(|x|, sqrt(C*eps)),
+    which makes x * rsqrt(|x|^2 / C + eps), RMSNorm's scale."""
     if norm[0] != "folded":
         return F.linear(_apply_norm(norm, x), weight, bias)
-    length = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # (..., 1)
-    scale = torch.addcmul(norm[1], length, length, value=norm[2]).rsqrt_()  # 1/rms
+    length = torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), norm[1])  # (..., 1)
     out = F.linear(x, weight)
-    return out.mul_(scale) if bias is None else torch.addcmul(bias, out, scale)
+    return out.div_(length) if bias is None else torch.addcdiv(bias, out, length)
 
 
 def _apply_norm(norm: tuple[Any, ...], x: torch.Tensor) -> torch.Tensor:
@@ -349,8 +349,9 @@ class RolloutEngine:
         def folded(norm: tuple[Any, ...], weight: torch.Tensor) -> tuple[tuple[Any, ...], torch.Tensor]:
             if not fold or norm[0] != "rms":
                 return norm, weight
-            eps = torch.tensor(norm[2], device=self.device, dtype=self.dtype)
-            return ("folded", eps, 1.0 / weight.shape[1]), weight * norm[1]
+            width = weight.shape[1]
+            return ("folded", torch.tensor(math.sqrt(width * norm[2]), device=self.device, dtype=self.dtype)), \
+                weight * (norm[1] * math.sqrt(width))
 
         fused: list[dict[str, Any]] = []
         for layer in body.layers:
@@ -541,7 +542,8 @@ class RolloutEngine:
             state["cache"] = [torch.cat([kv[:, g, :, :P], sel], dim=3) for kv, sel in zip(state["cache"], gen)]
             state["bias"] = self._block_bias(state["pad_bias"], 1, P, M, static=False)
         else:
-            state["cache"] = [(kp[g], vp[g], kv_g[:, g, :, j].unsqueeze(3)) for kp, vp, kv_g in state["cache"]]
+            state["cache"] = [(kp[g], vp[g], torch.stack([kv_g[0][g, :, j], kv_g[1][g, :, j]]).unsqueeze(3))
+                              for kp, vp, kv_g in state["cache"]]  # (2, b, Hkv, 1, M, D)
         state["Bp"], state["n"], state["B"] = places.shape[0], 1, places.shape[0]
 
     def _block_bias(self, pad_bias: torch.Tensor | None, n: int, P: int, M: int, static: bool) -> torch.Tensor:
