@@ -569,43 +569,37 @@ def serve(server: RolloutServer, host: str, port: int, ready: Callable[[int], No
     """A rollout server process's main loop; returns its exit code.
 
     drain (the policy's graceful_drain): SIGTERM starts `server.drain`, which ends the loop once the calls it had
-    are answered (exit 0) or after drain_timeout_s (exit 1, at once: a stuck call's thread is not waited for); a
-    second SIGTERM exits at once. Off: SIGTERM exits at once (SystemExit unwinds the loop; replies are lost).
+    are answered (exit 0) or after drain_timeout_s (exit 1); a second SIGTERM exits at once. Off: SIGTERM exits at
+    once (128 + SIGTERM; replies are lost). An exit other than 0 does not wait for a call still on the engine thread.
+    SIGTERM goes through the loop's signal handler (a wakeup fd), so an idle loop blocked in select() wakes for it
+    even when the kernel hands the signal to another thread (an engine or OpenMP thread).
     """
-    if not drain:
-        signal.signal(signal.SIGTERM, _exit_on_signal)
-        try:
-            asyncio.run(serve_forever(server.service, host, port, ready))
-        except KeyboardInterrupt:
-            pass
-        finally:
-            on_exit()
-        return 0
-
     async def main() -> None:
         stop, loop = asyncio.Event(), asyncio.get_running_loop()
 
         def on_term() -> None:
-            if server.draining:
+            if not drain or server.draining:
                 raise SystemExit(128 + signal.SIGTERM)
             loop.create_task(server.drain(stop, drain_timeout_s))
 
         loop.add_signal_handler(signal.SIGTERM, on_term)
         await serve_forever(server.service, host, port, ready, stop)
 
+    code = 0
     try:
         asyncio.run(main())
     except KeyboardInterrupt:
         pass
+    except SystemExit as exc:
+        code = int(exc.code or 0)
     finally:
         on_exit()
-    if server.drain_left:
-        os._exit(1)  # a call still runs on the engine thread: do not wait for it at interpreter exit
+    if server.drain_left and not code:
+        code = 1
+    if code:  # as the default disposition would: a call still on the engine thread is not waited for
+        logging.shutdown()
+        os._exit(code)
     return 0
-
-
-def _exit_on_signal(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":
