@@ -474,12 +474,11 @@ class RolloutEngine:
     def _attend_block(self, q: torch.Tensor, new_kv: torch.Tensor, t: int | torch.Tensor, idx: torch.Tensor | None,
                       kv: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
         """Attention in the block layout: kv (2, Bp, Hkv, P + M*n, D) holds a group's prompt keys/values, then
-        its samples' generated ones slot-major (slot s of sample j at column P + s*n + j). The n*rep queries of
-        a (group, KV head) score every column in one matmul; `bias` leaves each its prompt and its own sample.
-        q (b, H, D), new_kv (b, 2Hkv, D): this step's rows. Returns (b, H*D)."""
+        its samples' generated ones slot-major (slot s of sample j at column P + s*n + j). Each query head of a
+        group scores every column in one fused attention call; `bias` (Bp or 1, 1, n, P + M*n) leaves sample j
+        its prompt and its own columns. q (b, H, D), new_kv (b, 2Hkv, D): this step's rows. Returns (b, H*D)."""
         Bp, n, B, P = state["Bp"], state["n"], state["B"], state["P"]
-        H, Hkv, D, rep = self.num_heads, self.num_kv_heads, self.head_dim, self.num_heads // self.num_kv_heads
-        G, L = Bp * Hkv, kv.shape[3]
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         if isinstance(t, torch.Tensor):
             kv.index_copy_(3, state["slot"], new_kv.view(Bp, n, 2, Hkv, D).permute(2, 0, 3, 1, 4))
         elif idx is None:
@@ -487,15 +486,11 @@ class RolloutEngine:
         else:
             kv[:, state["g_idx"], :, P + t * n + state["j_idx"]] = new_kv.view(-1, 2, Hkv, D)
             q = q.new_zeros(B, H, D).index_copy_(0, idx, q)
-        W = L if state["static"] else P + (int(t) + 1) * n  # columns read (static: all, the future masked)
-        qg = q.view(Bp, n, Hkv, rep, D).transpose(1, 2).reshape(G, n * rep, D)  # a (group, KV head)'s queries
-        scores = torch.bmm(qg, kv[0].view(G, L, D).narrow(1, 0, W).transpose(1, 2))  # (G, n*rep, W)
-        scores.view(Bp, Hkv, n * rep, W).add_(state["bias"].narrow(-1, 0, W))  # other samples, pads: -inf
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)  # q carries the scale
-        if probs.dtype != qg.dtype:
-            probs = probs.to(qg.dtype)
-        out = torch.bmm(probs, kv[1].view(G, L, D).narrow(1, 0, W))  # (G, n*rep, D)
-        out = out.view(Bp, Hkv, n, rep, D).transpose(1, 2).reshape(B, H * D)
+        W = kv.shape[3] if state["static"] else P + (int(t) + 1) * n  # columns read (static: all, the future masked)
+        out = F.scaled_dot_product_attention(  # q carries the scale; query head h reads KV head h // (H / Hkv)
+            q.view(Bp, n, H, D).transpose(1, 2), kv[0].narrow(2, 0, W), kv[1].narrow(2, 0, W),
+            attn_mask=state["bias"].narrow(-1, 0, W), scale=1.0, enable_gqa=H != Hkv)  # (Bp, H, n, D)
+        out = out.transpose(1, 2).reshape(B, H * D)
         return out if idx is None else out.index_select(0, idx)
 
     def _attend_grouped(self, q: torch.Tensor, new_kv: torch.Tensor, t: int | torch.Tensor,
@@ -547,15 +542,14 @@ class RolloutEngine:
         state["Bp"], state["n"], state["B"] = places.shape[0], 1, places.shape[0]
 
     def _block_bias(self, pad_bias: torch.Tensor | None, n: int, P: int, M: int, static: bool) -> torch.Tensor:
-        """The block layout's additive mask, (Bp or 1, 1, n*rep, P + M*n): a query row of sample j reads the
-        prompt's real tokens and the columns of its own sample, P + s*n + j (static: none until written)."""
-        rep, device = self.num_heads // self.num_kv_heads, self.device
-        dtype = self.dtype
-        own = (torch.arange(M * n, device=device) % n)[None] == torch.arange(n * rep, device=device)[:, None] // rep
-        gen = torch.zeros(n * rep, M * n, device=device, dtype=dtype)
-        gen.masked_fill_(~own if not static else torch.ones_like(own), float("-inf"))  # (n*rep, M*n)
-        prompt = torch.zeros(1, 1, n * rep, P, device=device, dtype=dtype) if pad_bias is None else \
-            pad_bias.expand(-1, -1, n * rep, P)
+        """The block layout's additive mask, (Bp or 1, 1, n, P + M*n): sample j's queries read the prompt's real
+        tokens and the columns of its own sample, P + s*n + j (static: none until written)."""
+        device, dtype = self.device, self.dtype
+        own = (torch.arange(M * n, device=device) % n)[None] == torch.arange(n, device=device)[:, None]
+        gen = torch.zeros(n, M * n, device=device, dtype=dtype)
+        gen.masked_fill_(~own if not static else torch.ones_like(own), float("-inf"))  # (n, M*n)
+        prompt = torch.zeros(1, 1, n, P, device=device, dtype=dtype) if pad_bias is None else \
+            pad_bias.expand(-1, -1, n, P)
         return torch.cat([prompt, gen.expand(prompt.shape[0], 1, -1, -1)], dim=-1).contiguous()
 
     def _capture(self, state: dict[str, Any]) -> Any:
@@ -668,7 +662,7 @@ class RolloutEngine:
                  "slot_base": P + torch.arange(n, device=device)}
         replay = self._capture(state) if static and device.type == "cuda" and M > 1 else None
         if static and block:  # what slot t's n columns get once written: each query row its own sample's
-            own = self._block_bias(None, n, 0, 1, static=False)  # (1, 1, n*rep, n)
+            own = self._block_bias(None, n, 0, 1, static=False)  # (1, 1, n, n)
         positions = (torch.full((B,), P, device=device) if valid is None else
                      valid.sum(1).repeat_interleave(n))  # (B,) position of each row's first generated token
         logits = logits.repeat_interleave(n, 0)  # (B, V): the n samples of a prompt start from its logits
