@@ -218,6 +218,8 @@ def test_bad_sampling_params_are_named():
         SamplingParams.from_dict({"temprature": 1.0})
     with pytest.raises(ValueError, match="out of range"):
         SamplingParams.from_dict({"top_p": 0.0})
+    with pytest.raises(ValueError, match=r"stop_token_ids \[3, -1\]"):
+        SamplingParams.from_dict({"stop_token_ids": [3, -1]})
 
 
 def test_min_new_tokens_masks_the_stop_token_until_then():
@@ -230,6 +232,9 @@ def test_min_new_tokens_masks_the_stop_token_until_then():
     held = engine.generate(prompt_ids, {"max_new_tokens": 8, "temperature": 0, "stop_token_ids": [first],
                                         "min_new_tokens": 3})[0]["output_ids"]
     assert len(held) > 3 and first not in held[:3]  # three tokens before a stop may be drawn, as in sglang
+    beyond = engine.generate(prompt_ids, {"max_new_tokens": 8, "temperature": 0, "min_new_tokens": 3,
+                                          "stop_token_ids": [first, 10 ** 9]})[0]["output_ids"]
+    assert beyond == held  # an id past the vocabulary is never drawn and masks nothing
 
 
 def test_step_control_finishes_rows_with_its_reason():

@@ -101,7 +101,9 @@ class SamplingParams:
             ("top_k", sp.top_k, sp.top_k == -1 or sp.top_k >= 1, "-1 (all) or at least 1"),
             ("min_p", sp.min_p, 0 <= sp.min_p <= 1, "in [0, 1]"),
             ("min_new_tokens", sp.min_new_tokens, 0 <= sp.min_new_tokens <= sp.max_new_tokens,
-             "between 0 and max_new_tokens")] if not ok]
+             "between 0 and max_new_tokens"),
+            ("stop_token_ids", list(sp.stop_token_ids), all(isinstance(i, int) and i >= 0 for i in sp.stop_token_ids),
+             "token ids, integers >= 0")] if not ok]
         if problems:
             raise ValueError("sampling_params out of range: " + "; ".join(problems))
         return sp
@@ -208,6 +210,9 @@ def _norm_linear(norm: tuple[Any, ...], x: torch.Tensor, weight: torch.Tensor, b
 def _apply_norm(norm: tuple[Any, ...], x: torch.Tensor) -> torch.Tensor:
     if norm[0] == "rms":
         return F.rms_norm(x, (x.shape[-1],), norm[1], norm[2])
+    if norm[0] == "scaled":  # ("scaled", weight * sqrt(C), sqrt(C * eps)): the folded norm's arithmetic, for a
+        # norm whose weight stays out of the next matmul (four small kernels; F.rms_norm on CPU is about six)
+        return x.mul(norm[1]).div_(torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), norm[2]))
     return norm[1](x)
 
 
@@ -378,9 +383,12 @@ class RolloutEngine:
                 "norm_post": norm_post,
                 "scale": float(getattr(attn, "scaling", self.head_dim ** -0.5)),
             })
-        head = self.model.lm_head
-        fused.append({"embed": body.embed_tokens.weight, "norm": _norm(body.norm), "lm_w": head.weight,
-                      "lm_b": head.bias})
+        head, top_norm = self.model.lm_head, _norm(body.norm)
+        if fold and top_norm[0] == "rms":  # not folded into the LM head: that would copy a vocabulary-sized matrix
+            width = top_norm[1].shape[0]
+            top_norm = ("scaled", top_norm[1] * math.sqrt(width),
+                        torch.tensor(math.sqrt(width * top_norm[2]), device=self.device, dtype=self.dtype))
+        fused.append({"embed": body.embed_tokens.weight, "norm": top_norm, "lm_w": head.weight, "lm_b": head.bias})
         self._fused = (key, fused)
         return fused
 
@@ -668,6 +676,9 @@ class RolloutEngine:
         logits = logits.repeat_interleave(n, 0)  # (B, V): the n samples of a prompt start from its logits
         stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.stop_ids))
         stop_tensor = torch.tensor(sorted(stops), device=device) if stops else None
+        # is_stop[token]: one gather a step (torch.isin sorts and searches); an id past the vocabulary is never drawn
+        is_stop = torch.zeros(logits.shape[-1], dtype=torch.bool, device=device)
+        is_stop[[i for i in stops if i < logits.shape[-1]]] = True
         out_tokens = torch.zeros(B, M, dtype=torch.long, device=device)
         out_logprobs = torch.zeros(B, M, dtype=torch.float32, device=device)
         stop_at = torch.full((B,), M + 1, dtype=torch.long, device=device)  # length incl. the stop token; M+1: running
@@ -681,7 +692,7 @@ class RolloutEngine:
         reasons: dict[int, dict[str, Any]] = {}  # rows the control finished, with its finish reason
         for t in range(M):
             if stop_tensor is not None and t < sp.min_new_tokens:
-                logits = logits.index_fill(1, stop_tensor, float("-inf"))  # no stop before min_new_tokens
+                logits = logits.masked_fill(is_stop, float("-inf"))  # no stop before min_new_tokens
             drawn = sample_tokens(logits, sp, generator, top)
             tokens, logprobs = drawn[0], drawn[1]  # (b,), (b,)
             if rows is None:
@@ -693,7 +704,7 @@ class RolloutEngine:
                 out_top[0][where, t], out_top[1][where, t] = drawn[2], drawn[3]
             if stop_tensor is not None:
                 sub = stop_at if rows is None else stop_at[rows]
-                sub = torch.where(torch.isin(tokens, stop_tensor) & (sub > M), t + 1, sub)
+                sub = torch.where(is_stop[tokens] & (sub > M), t + 1, sub)
                 if rows is None:
                     stop_at = sub
                 else:
