@@ -675,10 +675,10 @@ class RolloutEngine:
                      valid.sum(1).repeat_interleave(n))  # (B,) position of each row's first generated token
         logits = logits.repeat_interleave(n, 0)  # (B, V): the n samples of a prompt start from its logits
         stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.stop_ids))
-        stop_tensor = torch.tensor(sorted(stops), device=device) if stops else None
         # is_stop[token]: one gather a step (torch.isin sorts and searches); an id past the vocabulary is never drawn
         is_stop = torch.zeros(logits.shape[-1], dtype=torch.bool, device=device)
         is_stop[[i for i in stops if i < logits.shape[-1]]] = True
+        tracking = bool(stops)  # rows can end before max_new_tokens: look for the end
         out_tokens = torch.zeros(B, M, dtype=torch.long, device=device)
         out_logprobs = torch.zeros(B, M, dtype=torch.float32, device=device)
         stop_at = torch.full((B,), M + 1, dtype=torch.long, device=device)  # length incl. the stop token; M+1: running
@@ -691,7 +691,7 @@ class RolloutEngine:
                    torch.zeros(B, M, top, dtype=torch.long, device=device)) if top > 0 else None
         reasons: dict[int, dict[str, Any]] = {}  # rows the control finished, with its finish reason
         for t in range(M):
-            if stop_tensor is not None and t < sp.min_new_tokens:
+            if stops and t < sp.min_new_tokens:
                 logits = logits.masked_fill(is_stop, float("-inf"))  # no stop before min_new_tokens
             drawn = sample_tokens(logits, sp, generator, top)
             tokens, logprobs = drawn[0], drawn[1]  # (b,), (b,)
@@ -702,7 +702,7 @@ class RolloutEngine:
             if out_top is not None:
                 where = slice(None) if rows is None else rows
                 out_top[0][where, t], out_top[1][where, t] = drawn[2], drawn[3]
-            if stop_tensor is not None:
+            if stops:
                 sub = stop_at if rows is None else stop_at[rows]
                 sub = torch.where(is_stop[tokens] & (sub > M), t + 1, sub)
                 if rows is None:
@@ -717,13 +717,12 @@ class RolloutEngine:
                 if ended:
                     reasons.update((r, finished[r]) for r in ended)
                     stop_at[torch.tensor(ended, device=device)] = t + 1
-                    if stop_tensor is None:
-                        stop_tensor = torch.tensor([-1], device=device)  # rows can end now: track them (no id is -1)
+                    tracking = True
             if t == M - 1:
                 break
-            if stop_tensor is not None and static and t % 16 == 15 and not bool((stop_at > M).any()):
+            if tracking and static and t % 16 == 15 and not bool((stop_at > M).any()):
                 break  # static shapes: every row computes every step; look for the end only now and then
-            if stop_tensor is not None and not static:
+            if tracking and not static:
                 running = stop_at > M  # (B,)
                 alive = int(running.sum())
                 if alive == 0:
