@@ -202,9 +202,14 @@ def _norm_linear(norm: tuple[Any, ...], x: torch.Tensor, weight: torch.Tensor, b
     which makes x * rsqrt(|x|^2 / C + eps), RMSNorm's scale."""
     if norm[0] != "folded":
         return F.linear(_apply_norm(norm, x), weight, bias)
-    length = torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), norm[1])  # (..., 1)
+    length = _row_length(x, norm[1])  # (..., 1)
     out = F.linear(x, weight)
     return out.div_(length) if bias is None else torch.addcdiv(bias, out, length)
+
+
+def _row_length(x: torch.Tensor, root: torch.Tensor) -> torch.Tensor:
+    """sqrt(|x|^2 + C*eps) per row, (..., 1), with root = sqrt(C*eps): what a folded RMSNorm divides by."""
+    return torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), root)
 
 
 def _apply_norm(norm: tuple[Any, ...], x: torch.Tensor) -> torch.Tensor:
@@ -212,7 +217,7 @@ def _apply_norm(norm: tuple[Any, ...], x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), norm[1], norm[2])
     if norm[0] == "scaled":  # ("scaled", weight * sqrt(C), sqrt(C * eps)): the folded norm's arithmetic, for a
         # norm whose weight stays out of the next matmul (four small kernels; F.rms_norm on CPU is about six)
-        return x.mul(norm[1]).div_(torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), norm[2]))
+        return x.mul(norm[1]).div_(_row_length(x, norm[2]))
     return norm[1](x)
 
 
@@ -351,12 +356,13 @@ class RolloutEngine:
 
         fold = self.dtype in (torch.float32, torch.float64)
 
+        def root(norm: tuple[Any, ...]) -> torch.Tensor:  # sqrt(C * eps) of an RMSNorm over C features
+            return torch.tensor(math.sqrt(norm[1].shape[0] * norm[2]), device=self.device, dtype=self.dtype)
+
         def folded(norm: tuple[Any, ...], weight: torch.Tensor) -> tuple[tuple[Any, ...], torch.Tensor]:
             if not fold or norm[0] != "rms":
                 return norm, weight
-            width = weight.shape[1]
-            return ("folded", torch.tensor(math.sqrt(width * norm[2]), device=self.device, dtype=self.dtype)), \
-                weight * (norm[1] * math.sqrt(width))
+            return ("folded", root(norm)), weight * (norm[1] * math.sqrt(weight.shape[1]))
 
         fused: list[dict[str, Any]] = []
         for layer in body.layers:
@@ -385,9 +391,7 @@ class RolloutEngine:
             })
         head, top_norm = self.model.lm_head, _norm(body.norm)
         if fold and top_norm[0] == "rms":  # not folded into the LM head: that would copy a vocabulary-sized matrix
-            width = top_norm[1].shape[0]
-            top_norm = ("scaled", top_norm[1] * math.sqrt(width),
-                        torch.tensor(math.sqrt(width * top_norm[2]), device=self.device, dtype=self.dtype))
+            top_norm = ("scaled", top_norm[1] * math.sqrt(top_norm[1].shape[0]), root(top_norm))
         fused.append({"embed": body.embed_tokens.weight, "norm": top_norm, "lm_w": head.weight, "lm_b": head.bias})
         self._fused = (key, fused)
         return fused
