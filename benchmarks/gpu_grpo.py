@@ -12,7 +12,8 @@ start and no per-step checkpoint, then reads the run's steps.csv.
     python benchmarks/gpu_grpo.py --tiny               # the tiny default workload: the runtime's own cost
 
 `--tiny` runs the default tiny model and batch on the GPU and prints the runtime's own cost per
-step: all but generate, forward/backward and the optimizer (taken from the step's spans).
+step: all but generate, the reference/policy forward, forward/backward and the optimizer (taken from the
+step's spans).
 """
 
 import argparse
@@ -46,7 +47,8 @@ def run_ours(args, run_dir: str) -> list[dict]:
 
 
 def own_cost(run_dir: str, steps: list[dict]) -> float:
-    """Median per step of: step time minus generate, forward_backward and optimizer.step span time.
+    """Median per step of: step time minus generate, forward (logprobs), forward_backward and optimizer.step span
+    time.
 
     Spans of one step that run at the same time (two rollout servers) both count, so this is a floor.
     """
@@ -57,7 +59,7 @@ def own_cost(run_dir: str, steps: list[dict]) -> float:
     compute: dict[int, float] = {}
     for step, root in traces.step_roots().items():  # one trace per step, across every process
         compute[step] = sum(s.duration_s for s in by_trace.get(root.trace_id, [])
-                            if s.name in ("generate", "forward_backward", "optimizer.step"))
+                            if s.name in ("generate", "forward", "forward_backward", "optimizer.step"))
     values = [float(r["seconds"]) - compute.get(int(r["step"]), 0.0) for r in steps]
     return statistics.median(values)
 
@@ -103,7 +105,7 @@ def main() -> int:
     tokens = statistics.median(float(r["rollout_tokens_per_s"]) for r in steps)
     print(f"\nrollout tokens/s (prompt + completion, per the rollout stage): {tokens:,.0f}")
     try:
-        print(f"runtime's own cost per step (step minus generate, forward/backward, optimizer spans): "
+        print(f"runtime's own cost per step (step minus generate, forward, forward/backward, optimizer spans): "
               f"{own_cost(run_dir, steps) * 1000:.1f} ms")
     except (ImportError, AttributeError, KeyError, OSError) as exc:
         print(f"runtime's own cost: not read ({type(exc).__name__}: {exc})")

@@ -7,6 +7,7 @@ when the thread that started it dies, and `stop_group` can end it with everythin
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import signal
 import subprocess
@@ -15,6 +16,17 @@ import time
 from typing import Any, Sequence
 
 PR_SET_PDEATHSIG = 1
+
+
+def freeze_gc() -> None:
+    """Collect once, then move every object alive now (torch, transformers, the model, the services) out of the
+    garbage collector's reach, so the collections a step's allocations trigger scan only what steps allocate.
+
+    Called by each long-lived process once it is up. Without it a full collection walks every object of the
+    imports and the model, ~0.2 s on a 2-core machine, paid at random inside a step: one such pause in decoding
+    a 512-sample rollout reply (json.loads of 2.6 MB) took it from 35 ms to 230 ms."""
+    gc.collect()
+    gc.freeze()
 
 
 def set_pdeathsig(sig: int = signal.SIGKILL) -> None:

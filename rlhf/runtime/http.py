@@ -35,6 +35,7 @@ from aiohttp import web
 
 from rlhf import tracing
 from rlhf.faults import afault_effects
+from rlhf.procs import freeze_gc
 from rlhf.runtime import wire
 from rlhf.runtime.errors import ErrorInfo
 from rlhf.runtime.resilience import HARDENED, Policy
@@ -282,6 +283,7 @@ async def serve_forever(service: Service, host: str, port: int, on_ready: Callab
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
+    freeze_gc()  # the process is up: what it holds now is never garbage
     on_ready(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
     try:
         await (stop or asyncio.Event()).wait()

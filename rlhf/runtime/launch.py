@@ -23,7 +23,7 @@ import torch
 
 from rlhf import exits, faults, tracing
 from rlhf.config import Config
-from rlhf.procs import second_sigterm_stops, set_pdeathsig
+from rlhf.procs import freeze_gc, second_sigterm_stops, set_pdeathsig
 from rlhf.run_dir import default_run_dir, make_run_dir, setup_logging
 from rlhf.runtime.controller import Controller
 from rlhf.runtime.dist import fetch, init_distributed, publish, restart_count, shutdown_distributed
@@ -114,6 +114,7 @@ def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
     worker = TrainWorker(cfg, run_dir, rank, world, token, device=info.device)
     server = ServiceThread(worker.service)
     server.start()
+    freeze_gc()  # the model, its optimizer and the imports are never garbage
     publish(f"worker/{rank}", server.url)
     publish(f"node/{rank}", os.environ.get("GROUP_RANK", "0"))  # torchrun's node rank (--nnodes)
     logging.getLogger("rlhf.train_worker").info("train worker %d/%d serving on %s (pid %d)", rank, world,

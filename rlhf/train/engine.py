@@ -158,12 +158,15 @@ class TrainEngine:
         batch = self._to_device(batch)
         out = torch.zeros_like(batch["attention_mask"], dtype=torch.float32)
         B = batch["input_ids"].shape[0]
-        for start in range(0, B, self.cfg.micro_batch_size):
-            part = _trim(batch, slice(start, start + self.cfg.micro_batch_size))
-            with self._autocast():
-                lp, _ = token_logprobs(model, part["input_ids"], part["attention_mask"], self.temperature,
-                                       loss_mask=part.get("response_mask"))
-            out[start : start + lp.shape[0], : lp.shape[1]] = lp
+        with tracing.span("forward", model=which, sequences=B):
+            for start in range(0, B, self.cfg.micro_batch_size):
+                part = _trim(batch, slice(start, start + self.cfg.micro_batch_size))
+                with self._autocast():
+                    lp, _ = token_logprobs(model, part["input_ids"], part["attention_mask"], self.temperature,
+                                           loss_mask=part.get("response_mask"))
+                out[start : start + lp.shape[0], : lp.shape[1]] = lp
+            if out.is_cuda:  # the span ends with the work (the reply waits for it anyway)
+                torch.cuda.synchronize(out.device)
         model.train(was_training)
         return out
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from rlhf import diagnosis, faults, stacks, tracing
 from rlhf.config import Config
-from rlhf.procs import second_sigterm_stops
+from rlhf.procs import freeze_gc, second_sigterm_stops
 from rlhf.run_dir import StepsWriter, write_json
 from rlhf.runtime import checkpoint as ckpt
 from rlhf.runtime.client import Client, LoopThread
@@ -158,6 +158,7 @@ class RunLifecycle:
             with tracing.span("startup", new_trace=True, world_size=len(self.workers)):
                 self.startup()
                 preflight = self.preflight()
+            freeze_gc()  # the services, clients and the warm-started model stay for the run
             now = self.evaluate()
             log.info("eval accuracy %s: %.3f%s", "at resume" if self.resumed else f"before {self.label}", now,
                      self.eval_note())
