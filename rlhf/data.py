@@ -90,33 +90,35 @@ def build_rl_batch(prompt_ids: list[list[int]], results: list[dict[str, Any]], p
     """Right-padded tensors for the train engine from prompts (one per result) and rollout results."""
     if len(prompt_ids) != len(results):
         raise ValueError(f"build_rl_batch: {len(prompt_ids)} prompts for {len(results)} results")
-    rows = []
-    for i, (prompt, res) in enumerate(zip(prompt_ids, results)):
-        out = res["output_ids"]
-        lps = [lp for lp, _tok, _ in res["meta_info"]["output_token_logprobs"]]
+    return rl_batch(prompt_ids, [r["output_ids"] for r in results],
+                    [[lp for lp, _tok, _ in r["meta_info"]["output_token_logprobs"]] for r in results], pad_id)
+
+
+def rl_batch(prompt_ids: list[list[int]], output_ids: list[list[int]], logprobs: list[list[float]], pad_id: int
+             ) -> dict[str, torch.Tensor]:
+    """build_rl_batch from the columns: prompt, response and response logprobs per row. Each tensor is made in
+    one call from padded rows and the masks by comparing column indices with the row lengths (a 512-row batch
+    took tens of ms row by row)."""
+    for i, (out, lps) in enumerate(zip(output_ids, logprobs)):
         if len(lps) != len(out):
             raise InvalidTensorShape(f"sample {i}: rollout result has {len(out)} tokens but {len(lps)} logprobs")
         if not out:  # an aborted request: a row with nothing to score, train or normalise by
-            empty = sum(1 for r in results if not r["output_ids"])
-            raise InvalidTensorShape(f"response tensor of sample {i} has shape [0]: {empty} of {len(results)} samples "
-                                     "have no response tokens (aborted or lost rollout requests)")
-        rows.append((prompt, out, lps))
-    width = max(len(p) + len(o) for p, o, _ in rows)
-    B = len(rows)
-    input_ids = torch.full((B, width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((B, width), dtype=torch.long)
-    response_mask = torch.zeros((B, width), dtype=torch.float32)
-    old_logprobs = torch.zeros((B, width), dtype=torch.float32)
-    for i, (prompt, out, lps) in enumerate(rows):
-        n_p, n_o = len(prompt), len(out)
-        input_ids[i, : n_p + n_o] = torch.tensor(prompt + out, dtype=torch.long)
-        attention_mask[i, : n_p + n_o] = 1
-        response_mask[i, n_p : n_p + n_o] = 1.0
-        old_logprobs[i, n_p : n_p + n_o] = torch.tensor(lps, dtype=torch.float32)
+            empty = sum(1 for o in output_ids if not o)
+            raise InvalidTensorShape(f"response tensor of sample {i} has shape [0]: {empty} of {len(output_ids)} "
+                                     "samples have no response tokens (aborted or lost rollout requests)")
+    n_p = [len(p) for p in prompt_ids]
+    n_t = [a + len(o) for a, o in zip(n_p, output_ids)]
+    width = max(n_t)
+    input_ids = torch.tensor([p + o + [pad_id] * (width - t) for p, o, t in zip(prompt_ids, output_ids, n_t)],
+                             dtype=torch.long)  # (B, width)
+    old_logprobs = torch.tensor([[0.0] * a + lps + [0.0] * (width - t) for a, lps, t in zip(n_p, logprobs, n_t)],
+                                dtype=torch.float32)  # (B, width)
+    col = torch.arange(width)[None]  # (1, width)
+    start, end = torch.tensor(n_p)[:, None], torch.tensor(n_t)[:, None]  # (B, 1)
     return {
         "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "response_mask": response_mask,
+        "attention_mask": (col < end).long(),
+        "response_mask": ((col >= start) & (col < end)).float(),
         "old_logprobs": old_logprobs,
     }
 

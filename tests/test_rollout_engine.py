@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlhf.data import build_rl_batch, encode_prompts
-from rlhf.rollout.engine import RolloutEngine, SamplingParams, slot_buckets
+from rlhf.rollout.engine import RolloutEngine, SamplingParams
 from rlhf.train.engine import token_logprobs
 from tests.conftest import diverse_model
 
@@ -70,20 +70,11 @@ def test_greedy_equals_hf_generate(preset, layout):
     assert any(r["meta_info"]["finish_reason"]["type"] == "length" for r in ours)
 
 
-def test_static_steps_read_the_slots_of_their_bucket(monkeypatch):
-    assert slot_buckets(128) == [32, 64, 96, 128] and slot_buckets(10) == [3, 5, 8, 10] and slot_buckets(2) == [1, 2]
-    monkeypatch.setenv("RLHF_CUDA_GRAPH_BUCKETS", "1")
-    assert slot_buckets(128) == [128]
-
-
-@pytest.mark.parametrize("buckets", ["4", "1"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-llama-gqa"])
-def test_static_shapes_decode_as_the_eager_loop_does(preset, layout, buckets, monkeypatch):
-    """The decode step CUDA graphs capture (every row every step, slots masked until written; a step reads its
-    bucket's slots) gives the eager loop's tokens and logprobs; on CPU it runs uncaptured, so its arithmetic is
-    checked here."""
-    monkeypatch.setenv("RLHF_CUDA_GRAPH_BUCKETS", buckets)
+def test_static_shapes_decode_as_the_eager_loop_does(preset, layout):
+    """The decode step CUDA graphs capture (every row every step, slots masked until written) gives the
+    eager loop's tokens and logprobs; on CPU it runs uncaptured, so its arithmetic is checked here."""
     model, tok = diverse_model(preset, seed=3)
     engine = RolloutEngine(model, tok)
     engine.layout = layout

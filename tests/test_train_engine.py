@@ -84,3 +84,27 @@ def test_weights_roundtrip_through_safetensors_bytes(diverse, tiny):
     assert checksum(export_state(dst)) == checksum(src)
     with pytest.raises(ValueError, match="missing"):
         import_state(dst, {k: v for k, v in src.items() if "layers.0." not in k})
+
+
+def test_rl_batch_pads_each_row_and_masks_only_its_response():
+    """The batch the train ranks get, against a row-by-row construction: prompt + response right-padded, the
+    attention mask over both, the response mask and the rollout logprobs over the response only."""
+    import random
+
+    from rlhf.data import rl_batch
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, 50) for _ in range(rng.randint(1, 9))] for _ in range(13)]
+    outputs = [[rng.randrange(1, 50) for _ in range(rng.randint(1, 7))] for _ in range(13)]
+    logprobs = [[-rng.random() * 5 for _ in o] for o in outputs]
+    batch = rl_batch(prompts, outputs, logprobs, pad_id=0)
+    width = max(len(p) + len(o) for p, o in zip(prompts, outputs))
+    assert batch["input_ids"].shape == (13, width)
+    for i, (p, o, lp) in enumerate(zip(prompts, outputs, logprobs)):
+        a, b = len(p), len(p) + len(o)
+        assert batch["input_ids"][i].tolist() == p + o + [0] * (width - b)
+        assert batch["attention_mask"][i].tolist() == [1] * b + [0] * (width - b)
+        assert batch["response_mask"][i].tolist() == [0.0] * a + [1.0] * len(o) + [0.0] * (width - b)
+        assert batch["old_logprobs"][i].tolist() == [0.0] * a + torch.tensor(lp).tolist() + [0.0] * (width - b)
+    with pytest.raises(ValueError, match="sample 2: rollout result has 3 tokens but 2 logprobs"):
+        rl_batch(prompts[:3], outputs[:2] + [[1, 2, 3]], logprobs[:2] + [[-1.0, -2.0]], pad_id=0)

@@ -22,7 +22,7 @@ import torch
 
 from rlhf import tracing
 from rlhf.config import Config
-from rlhf.data import build_rl_batch, completion_text, encode_prompts
+from rlhf.data import completion_text, encode_prompts, rl_batch
 from rlhf.runtime.batch_memory import DistributedBatchMemory
 from rlhf.runtime.client import Client, LoopThread
 from rlhf.runtime.control.services import RolloutServices
@@ -182,9 +182,7 @@ class RolloutFanout:
 
 def to_batch(shard: DistributedBatchMemory, pad_id: int) -> dict[str, torch.Tensor]:
     """A shard of the rollout batch as the train ranks' padded tensors (built where first needed)."""
-    results = [{"output_ids": o, "meta_info": {"output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, o)]}}
-               for o, lps in zip(shard["output_ids"], shard["logprobs"])]
-    return build_rl_batch(shard["prompt_ids"], results, pad_id)
+    return rl_batch(shard["prompt_ids"], shard["output_ids"], shard["logprobs"], pad_id)
 
 
 def chunk(items: list[int], n: int) -> list[list[int]]:
