@@ -9,6 +9,7 @@ from rlhf.config import build_config
 from rlhf.data import encode_prompts
 from rlhf.procs import spawn, stop_group, wait_for_file
 from rlhf.rollout.engine import RolloutEngine
+from rlhf.rollout.sglang_api import unpack_logprobs
 from rlhf.runtime.client import Client, LoopThread
 from rlhf.runtime.colocation import DeviceLease
 from rlhf.runtime.errors import HTTPStatusError, RemoteError
@@ -84,6 +85,16 @@ def test_weights_via_metaserver_then_generate_matches_in_process_engine(rollout_
         local = RolloutEngine(model, tok).generate(prompts, params, return_logprob=True)
         assert [r["output_ids"] for r in remote] == [r["output_ids"] for r in local]
         assert all(r["meta_info"]["weight_version"] == "2" for r in remote)
+        # our extension: the same logprobs as float32 in base64 (the controller asks our servers for it)
+        sampled = {"input_ids": prompts, "sampling_params": {"max_new_tokens": 6, "n": 2, "sampling_seed": 3},
+                   "return_logprob": True}
+        plain, _ = loop.run(client.call("/generate", sampled))
+        packed, _ = loop.run(client.call("/generate", {**sampled, "return_logprob_packed": True}))
+        assert [r["output_ids"] for r in packed] == [r["output_ids"] for r in plain]
+        assert [unpack_logprobs(r["meta_info"]["output_token_logprobs_packed"]) for r in packed] == \
+            [[lp for lp, _t, _ in r["meta_info"]["output_token_logprobs"]] for r in plain]
+        assert all("output_token_logprobs" not in r["meta_info"] and
+                   r["meta_info"]["output_token_logprobs_length"] == len(r["output_ids"]) for r in packed)
         info, _ = loop.run(client.call("/model_info", method="GET"))
         assert info["model_type"] == "llama" and info["weight_version"] == "2"
     finally:

@@ -13,10 +13,16 @@ contract test drives it with sglang's own client and decodes every reply with sg
   completion_tokens, cached_tokens, reasoning_tokens, num_retractions, weight_version, e2e_latency,
   and with return_logprob the input/output logprobs, their top-k and output_token_logprobs_length).
   Stop strings and stop tokens are trimmed from `text` unless `no_stop_trim`; `output_ids` keep them.
+- One extension, off unless asked for: `"return_logprob_packed": true` (with return_logprob) puts each
+  output's logprobs in `meta_info.output_token_logprobs_packed`, base64 of little-endian float32, instead of
+  the `[logprob, token_id, null]` list (`unpack_logprobs` reads it). Our controller asks for it from our own
+  servers: a 512 x 128 reply shrinks from 2.6 MB of JSON to about 0.9 MB.
 """
 
 from __future__ import annotations
 
+import base64
+import struct
 import threading
 import time
 import uuid
@@ -76,6 +82,7 @@ class GenerateCall:
     batch: bool  # the reply is a list (batch input, or n > 1)
     stream: bool = False
     return_text_in_logprobs: bool = False
+    packed_logprobs: bool = False  # return_logprob_packed (our extension)
     started: float = field(default_factory=time.time)
 
 
@@ -184,7 +191,17 @@ def parse_generate(body: Any, tokenizer: Any) -> GenerateCall:
         prompts.append(prompt)
     n_out = sum(p.sampling.n for p in prompts)
     return GenerateCall(prompts, batch or n_out > 1, bool(body.get("stream", False)),
-                        bool(body.get("return_text_in_logprobs", False)))
+                        bool(body.get("return_text_in_logprobs", False)), bool(body.get("return_logprob_packed", False)))
+
+
+def pack_logprobs(values: list[float]) -> str:
+    """Logprobs as base64 of little-endian float32 (the engine computes them in float32: nothing is lost)."""
+    return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode("ascii")
+
+
+def unpack_logprobs(text: str) -> list[float]:
+    raw = base64.b64decode(text)
+    return list(struct.unpack(f"<{len(raw) // 4}f", raw))
 
 
 class RequestControl(StepControl):
@@ -262,7 +279,8 @@ def decode_text(tokenizer: Any, ids: list[int], prompt: Prompt, finish: dict[str
 
 
 def reply(prompt: Prompt, j: int, result: dict[str, Any] | None, weight_version: str, started: float,
-          tokenizer: Any, extra: dict[str, Any] | None = None, text_in_logprobs: bool = False) -> dict[str, Any]:
+          tokenizer: Any, extra: dict[str, Any] | None = None, text_in_logprobs: bool = False,
+          packed: bool = False) -> dict[str, Any]:
     """One output in sglang's shape (result None: max_new_tokens 0, nothing generated)."""
     ids = list(result["output_ids"]) if result else []
     finish = result["meta_info"]["finish_reason"] if result else {"type": "length", "length": 0}
@@ -273,12 +291,16 @@ def reply(prompt: Prompt, j: int, result: dict[str, Any] | None, weight_version:
         "weight_version": weight_version, "e2e_latency": time.time() - started,
     }
     if prompt.return_logprob:
-        out = [list(e) for e in (result["meta_info"].get("output_token_logprobs", []) if result else [])]
-        if text_in_logprobs and tokenizer is not None:
-            for e in out:
-                e[2] = tokenizer.decode([e[1]])
-        meta["output_token_logprobs"] = out
-        meta["output_token_logprobs_length"] = len(out)
+        entries = result["meta_info"].get("output_token_logprobs", []) if result else []
+        if packed:
+            meta["output_token_logprobs_packed"] = pack_logprobs([e[0] for e in entries])
+        else:
+            out = [list(e) for e in entries]
+            if text_in_logprobs and tokenizer is not None:
+                for e in out:
+                    e[2] = tokenizer.decode([e[1]])
+            meta["output_token_logprobs"] = out
+        meta["output_token_logprobs_length"] = len(entries)
         meta["input_token_logprobs"] = (extra or {}).get("input_token_logprobs", [])
         if prompt.top_logprobs_num > 0:
             meta["output_top_logprobs"] = result["meta_info"].get("output_top_logprobs", []) if result else []

@@ -257,7 +257,7 @@ class RolloutServer:
                 for j in range(p.sampling.n):
                     result = {"output_ids": [], "meta_info": {"finish_reason": finish}} if finish else None
                     outputs[offsets[i] + j] = sglang_reply(p, j, result, engine.weight_version, call.started, tok,
-                                                           extra, call.return_text_in_logprobs)
+                                                           extra, call.return_text_in_logprobs, call.packed_logprobs)
                 continue
             groups.setdefault(p.engine_key(), []).append(i)
         n_samples = sum(call.prompts[i].sampling.n for idx in groups.values() for i in idx)
@@ -282,7 +282,8 @@ class RolloutServer:
                         extra[i] = engine.prompt_logprobs([p.ids], p.logprob_start_len, p.top_logprobs_num)[0]
                 for (i, j), result in zip(rows, results):
                     outputs[offsets[i] + j] = sglang_reply(call.prompts[i], j, result, result["meta_info"]["weight_version"],
-                                                           call.started, tok, extra.get(i), call.return_text_in_logprobs)
+                                                           call.started, tok, extra.get(i), call.return_text_in_logprobs,
+                                                           call.packed_logprobs)
             sp.set_attribute("rlhf.tokens", engine.tokens_generated - before)
             sp.set_attribute("rlhf.samples", n_samples)
         return [o for o in outputs if o is not None]

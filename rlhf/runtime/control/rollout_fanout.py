@@ -23,6 +23,7 @@ import torch
 from rlhf import tracing
 from rlhf.config import Config
 from rlhf.data import completion_text, encode_prompts, rl_batch
+from rlhf.rollout.sglang_api import unpack_logprobs
 from rlhf.runtime.batch_memory import DistributedBatchMemory
 from rlhf.runtime.client import Client, LoopThread
 from rlhf.runtime.control.services import RolloutServices
@@ -59,8 +60,13 @@ class RolloutFanout:
             if not idx:
                 return
             sampling = [{**params[i], "n": per} for i in idx] if isinstance(params, list) else {**params, "n": per}
-            out = (await client.call("/generate", {"input_ids": [prompt_ids[i] for i in idx], "sampling_params": sampling,
-                                                   "return_logprob": logprobs}, stage="rollout", step=step))[0]
+            body = {"input_ids": [prompt_ids[i] for i in idx], "sampling_params": sampling, "return_logprob": logprobs}
+            if logprobs and self.cfg.rollout.backend == "native":
+                body["return_logprob_packed"] = True  # our servers' extension: float32 logprobs, a third of the JSON
+            out = (await client.call("/generate", body, stage="rollout", step=step))[0]
+            if logprobs:
+                for res in out:
+                    res["logprobs"] = result_logprobs(res)
             done.update((i, out[k * per:(k + 1) * per]) for k, i in enumerate(idx))
 
         outcomes = self.loop.gather(*[one(c, idx) for c, idx in zip(servers, chunks)], return_exceptions=True)
@@ -121,10 +127,10 @@ class RolloutFanout:
         for k, rs in tails.items():
             i, j = todo[k]
             head, tail = done[i][j], rs[0]
-            meta = dict(tail["meta_info"])
-            meta["output_token_logprobs"] = head["meta_info"]["output_token_logprobs"] + meta["output_token_logprobs"]
+            meta = {k: v for k, v in tail["meta_info"].items() if not k.startswith("output_token_logprobs")}
             meta["completion_tokens"] = len(head["output_ids"]) + len(tail["output_ids"])
-            done[i][j] = {"output_ids": head["output_ids"] + tail["output_ids"], "meta_info": meta}
+            done[i][j] = {"output_ids": head["output_ids"] + tail["output_ids"], "meta_info": meta,
+                          "logprobs": head["logprobs"] + tail["logprobs"]}
             self.migrated += 1
 
     def generate(self, step: int, examples: list[Any]) -> DistributedBatchMemory:
@@ -143,8 +149,8 @@ class RolloutFanout:
             if isinstance(exc, RpcTimeout):  # in-flight requests are kept, aborted, with no tokens
                 log.warning("step %d: rollout-%d timed out (%s); keeping its %d samples as aborted (no tokens)",
                             step, r, exc, len(idx) * g)
-                done.update((i, [{"output_ids": [], "meta_info": {"output_token_logprobs": [],
-                                                                   "weight_version": ABORTED}}] * g) for i in idx)
+                done.update((i, [{"output_ids": [], "meta_info": {"weight_version": ABORTED}, "logprobs": []}] * g)
+                            for i in idx)
             else:  # the seeds' controller goes on with what it has
                 log.warning("step %d: rollout-%d failed (%s: %s); continuing with the samples of the other servers",
                             step, r, type(exc).__name__, exc)
@@ -157,7 +163,7 @@ class RolloutFanout:
             "sample_index": list(range(len(rep))),
             "prompt_ids": [prompt_ids[i] for i in rep],
             "output_ids": [r["output_ids"] for r in results],
-            "logprobs": [[lp for lp, _t, _ in r["meta_info"]["output_token_logprobs"]] for r in results],
+            "logprobs": [r["logprobs"] for r in results],
             "num_tokens": [len(prompt_ids[i]) + len(r["output_ids"]) for i, r in zip(rep, results)],
             "prompts": [examples[i].prompt for i in rep],
             "answers": [examples[i].answer for i in rep],
@@ -183,6 +189,14 @@ class RolloutFanout:
 def to_batch(shard: DistributedBatchMemory, pad_id: int) -> dict[str, torch.Tensor]:
     """A shard of the rollout batch as the train ranks' padded tensors (built where first needed)."""
     return rl_batch(shard["prompt_ids"], shard["output_ids"], shard["logprobs"], pad_id)
+
+
+def result_logprobs(result: dict[str, Any]) -> list[float]:
+    """A /generate output's token logprobs, packed (our servers' return_logprob_packed) or sglang's triples."""
+    meta = result.get("meta_info") or {}
+    if "output_token_logprobs_packed" in meta:
+        return unpack_logprobs(meta["output_token_logprobs_packed"])
+    return [lp for lp, _t, _ in meta.get("output_token_logprobs") or []]
 
 
 def chunk(items: list[int], n: int) -> list[list[int]]:
