@@ -10,10 +10,12 @@ start and no per-step checkpoint, then reads the run's steps.csv.
     python benchmarks/gpu_grpo.py --dtype float32 --steps 6
     python benchmarks/gpu_grpo.py --peer trl           # also TRL's GRPOTrainer, when trl is installed
     python benchmarks/gpu_grpo.py --tiny               # the tiny default workload: the runtime's own cost
+    python benchmarks/gpu_grpo.py --tiny --device cpu --peer trl    # the same, against TRL, on a CPU (float32)
 
 `--tiny` runs the default tiny model and batch on the GPU and prints the runtime's own cost per
 step: all but generate, the reference/policy forward, forward/backward and the optimizer (taken from the
-step's spans).
+step's spans). `--peer trl` then runs TRL's GRPOTrainer in this process on the same model, prompts, group
+size, lengths, sampling, coefficients and optimizer steps per generation, and prints both step times.
 """
 
 import argparse
@@ -23,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
@@ -30,15 +33,20 @@ sys.path.insert(0, ROOT)
 STAGES = ["weights_update", "events", "rollout", "reward", "reference", "advantage", "train", "latest_recover_save"]
 
 
+def workload(args) -> list[tuple[str, str]]:
+    """The run's settings as dotted overrides: what our runtime gets as flags and TRL's config is built from."""
+    dotted = [("model.device", args.device), ("model.dtype", args.dtype), ("sft.max_steps", "0"),
+              ("checkpoint.latest_every", "0"), ("weights.verify", "false"), ("task.eval_size", "64")]
+    if not args.tiny:
+        dotted += [("model.name", "llama-110m"), ("rollout.prompts_per_step", "64"), ("rollout.group_size", "8"),
+                   ("rollout.max_new_tokens", "128"), ("rollout.ignore_eos", "true"), ("train.mini_batches", "1"),
+                   ("train.micro_batch_size", str(args.micro_batch))]
+    return dotted
+
+
 def run_ours(args, run_dir: str) -> list[dict]:
     cmd = [sys.executable, os.path.join(ROOT, "examples", "grpo_trainer.py"), "--run-dir", run_dir,
-           "--steps", str(args.steps), "--model.device", "cuda", "--model.dtype", args.dtype,
-           "--sft.max_steps", "0", "--checkpoint.latest_every", "0", "--weights.verify", "false",
-           "--task.eval_size", "64"]
-    if not args.tiny:
-        cmd += ["--model.name", "llama-110m", "--rollout.prompts_per_step", "64", "--rollout.group_size", "8",
-                "--rollout.max_new_tokens", "128", "--rollout.ignore_eos", "true", "--train.mini_batches", "1",
-                "--train.micro_batch_size", str(args.micro_batch)]
+           "--steps", str(args.steps)] + [x for key, value in workload(args) for x in (f"--{key}", value)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if out.returncode != 0:
         raise SystemExit(f"run failed ({out.returncode}):\n{out.stderr[-4000:]}")
@@ -65,35 +73,103 @@ def own_cost(run_dir: str, steps: list[dict]) -> float:
 
 
 def run_trl(args) -> float | None:
+    """TRL's GRPOTrainer on the same workload: the same model (preset and seed), prompts, group size, completion
+    length, sampling, KL and clip coefficients, learning rate, and optimizer steps per generation (one
+    generation of the whole batch, then `train.mini_batches` optimizer steps over it, as ours). Its tokenizer
+    is the Hugging Face twin of ours (the same ids). Returns its median seconds per GRPO step, or None when trl
+    is not installed."""
     try:
-        import trl  # noqa: F401
+        import trl
+        from datasets import Dataset
     except ImportError:
         print("peer: trl is not installed (pip install trl); skipped")
         return None
-    raise SystemExit("--peer trl: not wired on this machine yet (trl was importable, but this script does not "
-                     "drive it; see the README)")
+    import torch
+    from transformers import TrainerCallback
+    from transformers.utils import logging as hf_logging
+
+    from rlhf.config import build_config
+    from rlhf.models import build_model_and_tokenizer
+    from rlhf.models.hf_dir import make_tokenizer
+    from rlhf.tasks import build_task, reward_fn
+
+    hf_logging.set_verbosity_error()
+    cfg = build_config(dotted=workload(args))
+    ro, tr, alg = cfg.rollout, cfg.train, cfg.algorithm
+    batch = ro.prompts_per_step * ro.group_size
+    micro = min(tr.micro_batch_size, batch // tr.mini_batches)
+    model, _ = build_model_and_tokenizer(cfg.model, seed=cfg.seed, dtype="float32")  # fp32 master, as ours
+    model_dir = tempfile.mkdtemp(prefix="rlhf-trl-model-")  # TRL loads its reference model from a path
+    model.save_pretrained(model_dir)
+    tokenizer = make_tokenizer()
+    tokenizer.save_pretrained(model_dir)
+    del model
+    score = reward_fn(cfg.task.reward)
+
+    def reward(prompts, completions, answer, **_):
+        return score(completions, answer, prompts)
+
+    ends: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, _args, state, control, **kwargs):
+            ends.append(time.perf_counter())
+
+    problems = build_task(cfg.task).split("train")
+    config = trl.GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="rlhf-trl-"), report_to="none", save_strategy="no", disable_tqdm=True,
+        logging_steps=10**6, seed=cfg.seed, use_cpu=args.device == "cpu", bf16=args.dtype == "bfloat16",
+        per_device_train_batch_size=micro, gradient_accumulation_steps=batch // tr.mini_batches // micro,
+        steps_per_generation=batch // micro, num_generations=ro.group_size, max_completion_length=ro.max_new_tokens,
+        temperature=ro.temperature, top_p=ro.top_p, top_k=max(ro.top_k, 0), beta=alg.kl_coef,
+        epsilon=alg.clip_eps_low, epsilon_high=alg.clip_eps_high, learning_rate=tr.lr, weight_decay=tr.weight_decay,
+        max_grad_norm=tr.grad_clip, max_steps=args.steps * tr.mini_batches,
+        generation_kwargs={"min_new_tokens": ro.max_new_tokens} if ro.ignore_eos else None,
+        model_init_kwargs={"dtype": torch.float32})
+    trainer = trl.GRPOTrainer(model=model_dir, reward_funcs=[reward], args=config, processing_class=tokenizer,
+                              train_dataset=Dataset.from_list([{"prompt": p.prompt, "answer": p.answer}
+                                                               for p in problems]),
+                              callbacks=[Clock()])
+    start = time.perf_counter()
+    trainer.train()
+    marks = [start] + ends[tr.mini_batches - 1::tr.mini_batches]  # the end of each GRPO step (its last optimizer step)
+    steps = [b - a for a, b in zip(marks, marks[1:])][args.warmup:]
+    step_s = statistics.median(steps)
+    print(f"\npeer: TRL {trl.__version__} GRPOTrainer, same workload: {step_s:.3f} s a step (median of {len(steps)} "
+          f"after {args.warmup} warm-up; {tr.mini_batches} optimizer step(s) of {batch // tr.mini_batches} samples "
+          f"a step)")
+    return step_s
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=8, help="GRPO steps of each run (the first --warmup left out)")
     ap.add_argument("--warmup", type=int, default=2, help="leading steps left out of the medians")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                    help="default: bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--micro-batch", type=int, default=128, help="train.micro_batch_size of the 110 M workload")
     ap.add_argument("--tiny", action="store_true", help="the default tiny workload instead of the 110 M one")
-    ap.add_argument("--peer", choices=["trl"], default=None)
+    ap.add_argument("--peer", choices=["trl"], default=None,
+                    help="also run TRL's GRPOTrainer on the same workload and print the ratio (needs: pip install trl)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cpu: the same comparison on a machine without a GPU (float32)")
     ap.add_argument("--timeout", type=int, default=540)
     ap.add_argument("--run-dir", default="", help="keep the run here (default: a temporary folder)")
     args = ap.parse_args()
     import torch
 
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/gpu_grpo.py needs a CUDA device")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("benchmarks/gpu_grpo.py: no CUDA device here (--device cpu runs the comparison on the CPU)")
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    if args.device == "cpu" and args.dtype != "float32":
+        raise SystemExit("benchmarks/gpu_grpo.py --device cpu: use --dtype float32 (bf16 autocast on a CPU measures "
+                         "nothing a GPU user sees)")
     run_dir = args.run_dir or tempfile.mkdtemp(prefix="rlhf-gpu-grpo-")
     steps = run_ours(args, run_dir)
     step_s = statistics.median(float(r["seconds"]) for r in steps)
     what = "tiny default workload" if args.tiny else "llama-110m, 64 prompts x 8 samples, 128 new tokens (EOS ignored)"
-    print(f"\nGRPO on {torch.cuda.get_device_name()}, {what}, {args.dtype}, median of {len(steps)} steps "
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu ({os.cpu_count()} cores)"
+    print(f"\nGRPO on {where}, {what}, {args.dtype}, median of {len(steps)} steps "
           f"after {args.warmup} warm-up\n")
     print("| stage | seconds | share |")
     print("|---|---:|---:|")
@@ -111,7 +187,9 @@ def main() -> int:
         print(f"runtime's own cost: not read ({type(exc).__name__}: {exc})")
     print(f"run directory: {run_dir}")
     if args.peer == "trl":
-        run_trl(args)
+        peer = run_trl(args)
+        if peer is not None:
+            print(f"ours {step_s:.3f} s a step, TRL {peer:.3f} s: TRL / ours = {peer / step_s:.2f}x")
     return 0
 
 
