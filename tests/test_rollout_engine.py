@@ -213,6 +213,34 @@ def test_sampler_draws_the_softmax_distribution_and_never_a_masked_token():
         assert torch.allclose(logprobs, probs.log()[tokens], atol=1e-5)
 
 
+def test_two_level_inverse_cdf_draws_the_distribution_of_a_large_vocabulary():
+    """From 2048 tokens on the sampler finds the block, then the token: the same distribution (mass on tokens at
+    block edges, in the last, padded block, and at the very end), never a zero-weight token, and the token one
+    scan over the whole row gives, but for rounding."""
+    from rlhf.rollout.engine import CDF_BLOCK, inverse_cdf
+
+    V = 20 * CDF_BLOCK + 77  # not a whole number of blocks
+    where = torch.tensor([0, CDF_BLOCK - 1, CDF_BLOCK, 7 * CDF_BLOCK + 5, 20 * CDF_BLOCK + 3, V - 1])
+    probs = torch.tensor([0.2, 0.1, 0.25, 0.05, 0.15, 0.25])
+    rows = 40_000
+    weights = torch.zeros(rows, V)
+    weights[:, where] = probs
+    tokens = inverse_cdf(weights, torch.rand(rows, 1, generator=torch.Generator().manual_seed(0)))
+    freq = torch.bincount(tokens, minlength=V).double() / rows
+    assert freq.sum() == 1 and freq[where].sum() == 1  # only weighted tokens
+    sigma = (probs.double() * (1 - probs.double()) / rows).sqrt()
+    assert ((freq[where] - probs.double()).abs() <= 5 * sigma).all(), freq[where]
+    random_rows = torch.softmax(torch.randn(256, 32_000, generator=torch.Generator().manual_seed(1)) * 3, dim=-1)
+    uniform = torch.rand(256, 1, generator=torch.Generator().manual_seed(2))
+    cdf = random_rows.cumsum(dim=-1)
+    one_scan = torch.searchsorted(cdf, (1 - uniform) * cdf[:, -1:]).squeeze(1)
+    assert (inverse_cdf(random_rows, uniform) == one_scan).float().mean() >= 0.99
+    u_one = torch.full((1, 1), 0.999999)  # a point just past the first block's mass: rounding must not leave it
+    w = torch.zeros(1, V)
+    w[0, 3], w[0, CDF_BLOCK + 9] = 1e-30, 1.0
+    assert inverse_cdf(w, u_one).item() in (3, CDF_BLOCK + 9)
+
+
 def test_bad_sampling_params_are_named():
     with pytest.raises(ValueError, match="unknown field.*temprature"):
         SamplingParams.from_dict({"temprature": 1.0})
