@@ -98,12 +98,6 @@ def run_trl(args) -> float | None:
     ro, tr, alg = cfg.rollout, cfg.train, cfg.algorithm
     batch = ro.prompts_per_step * ro.group_size
     micro = min(tr.micro_batch_size, batch // tr.mini_batches)
-    model, _ = build_model_and_tokenizer(cfg.model, seed=cfg.seed, dtype="float32")  # fp32 master, as ours
-    model_dir = tempfile.mkdtemp(prefix="rlhf-trl-model-")  # TRL loads its reference model from a path
-    model.save_pretrained(model_dir)
-    tokenizer = make_tokenizer()
-    tokenizer.save_pretrained(model_dir)
-    del model
     score = reward_fn(cfg.task.reward)
 
     def reward(prompts, completions, answer, **_):
@@ -116,22 +110,30 @@ def run_trl(args) -> float | None:
             ends.append(time.perf_counter())
 
     problems = build_task(cfg.task).split("train")
-    config = trl.GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="rlhf-trl-"), report_to="none", save_strategy="no", disable_tqdm=True,
-        logging_steps=10**6, seed=cfg.seed, use_cpu=args.device == "cpu", bf16=args.dtype == "bfloat16",
-        per_device_train_batch_size=micro, gradient_accumulation_steps=batch // tr.mini_batches // micro,
-        steps_per_generation=batch // micro, num_generations=ro.group_size, max_completion_length=ro.max_new_tokens,
-        temperature=ro.temperature, top_p=ro.top_p, top_k=max(ro.top_k, 0), beta=alg.kl_coef,
-        epsilon=alg.clip_eps_low, epsilon_high=alg.clip_eps_high, learning_rate=tr.lr, weight_decay=tr.weight_decay,
-        max_grad_norm=tr.grad_clip, max_steps=args.steps * tr.mini_batches,
-        generation_kwargs={"min_new_tokens": ro.max_new_tokens} if ro.ignore_eos else None,
-        model_init_kwargs={"dtype": torch.float32})
-    trainer = trl.GRPOTrainer(model=model_dir, reward_funcs=[reward], args=config, processing_class=tokenizer,
-                              train_dataset=Dataset.from_list([{"prompt": p.prompt, "answer": p.answer}
-                                                               for p in problems]),
-                              callbacks=[Clock()])
-    start = time.perf_counter()
-    trainer.train()
+    with tempfile.TemporaryDirectory(prefix="rlhf-trl-") as work:  # the model TRL loads, its output dir: removed
+        model_dir = os.path.join(work, "model")  # TRL loads its reference model from a path
+        model, _ = build_model_and_tokenizer(cfg.model, seed=cfg.seed, dtype="float32")  # fp32 master, as ours
+        model.save_pretrained(model_dir)
+        del model
+        tokenizer = make_tokenizer()
+        tokenizer.save_pretrained(model_dir)
+        config = trl.GRPOConfig(
+            output_dir=os.path.join(work, "out"), report_to="none", save_strategy="no", disable_tqdm=True,
+            logging_steps=10**6, seed=cfg.seed, use_cpu=args.device == "cpu", bf16=args.dtype == "bfloat16",
+            per_device_train_batch_size=micro, gradient_accumulation_steps=batch // tr.mini_batches // micro,
+            steps_per_generation=batch // micro, num_generations=ro.group_size,
+            max_completion_length=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p,
+            top_k=max(ro.top_k, 0), beta=alg.kl_coef, epsilon=alg.clip_eps_low, epsilon_high=alg.clip_eps_high,
+            learning_rate=tr.lr, weight_decay=tr.weight_decay, max_grad_norm=tr.grad_clip,
+            max_steps=args.steps * tr.mini_batches,
+            generation_kwargs={"min_new_tokens": ro.max_new_tokens} if ro.ignore_eos else None,
+            model_init_kwargs={"dtype": torch.float32})
+        trainer = trl.GRPOTrainer(model=model_dir, reward_funcs=[reward], args=config, processing_class=tokenizer,
+                                  train_dataset=Dataset.from_list([{"prompt": p.prompt, "answer": p.answer}
+                                                                   for p in problems]),
+                                  callbacks=[Clock()])
+        start = time.perf_counter()
+        trainer.train()
     marks = [start] + ends[tr.mini_batches - 1::tr.mini_batches]  # the end of each GRPO step (its last optimizer step)
     steps = [b - a for a, b in zip(marks, marks[1:])][args.warmup:]
     step_s = statistics.median(steps)

@@ -114,7 +114,7 @@ def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
     worker = TrainWorker(cfg, run_dir, rank, world, token, device=info.device)
     server = ServiceThread(worker.service)
     server.start()
-    freeze_gc()  # the model, its optimizer and the imports are never garbage
+    freeze_gc()  # the model, the worker and the imports are never garbage
     publish(f"worker/{rank}", server.url)
     publish(f"node/{rank}", os.environ.get("GROUP_RANK", "0"))  # torchrun's node rank (--nnodes)
     logging.getLogger("rlhf.train_worker").info("train worker %d/%d serving on %s (pid %d)", rank, world,

@@ -127,7 +127,7 @@ class RolloutFanout:
         for k, rs in tails.items():
             i, j = todo[k]
             head, tail = done[i][j], rs[0]
-            meta = {k: v for k, v in tail["meta_info"].items() if not k.startswith("output_token_logprobs")}
+            meta = {key: v for key, v in tail["meta_info"].items() if not key.startswith("output_token_logprobs")}
             meta["completion_tokens"] = len(head["output_ids"]) + len(tail["output_ids"])
             done[i][j] = {"output_ids": head["output_ids"] + tail["output_ids"], "meta_info": meta,
                           "logprobs": head["logprobs"] + tail["logprobs"]}
