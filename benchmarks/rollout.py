@@ -65,7 +65,9 @@ def hf_rollout(model, prompt_ids, n, max_new, pad_id, eos_id):
 
 
 def native_rollout(engine, prompt_ids, n, max_new):
-    res = engine.generate(prompt_ids, {"max_new_tokens": max_new, "temperature": 1.0, "n": n}, return_logprob=True)
+    # token ids and logprobs, no text: HF generate returns ids only (the rollout server decodes in its reply)
+    res = engine.generate(prompt_ids, {"max_new_tokens": max_new, "temperature": 1.0, "n": n}, return_logprob=True,
+                          detokenize=False)
     return sum(len(r["output_ids"]) for r in res)
 
 
@@ -88,7 +90,7 @@ def warm_model(model, tok, steps, batch_size=256, lr=1e-3):
 
 def native_generate(engine, prompt_ids, new_tokens):
     res = engine.generate(prompt_ids, {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True},
-                          return_logprob=True)
+                          return_logprob=True, detokenize=False)  # ids and logprobs, as native_rollout
     return sum(len(r["output_ids"]) for r in res)
 
 
