@@ -379,6 +379,11 @@ def _busy_evidence(metrics: dict[str, list[dict[str, Any]]], surfaced: Evidence,
         activity = row.get("activity", "")
         if not (activity.startswith(("POST /", "GET /")) or "all_reduce" in activity or "broadcast" in activity):
             continue
+        if activity.endswith("/manifest"):
+            # the MetaServer's long poll for a version's shards: it waits on the uploaders by design (a victim, not
+            # a stall). It shares rank 0's heartbeat, and whichever request of that process ended last decides
+            # whether the row shows it, so a slow uploader could be outranked by the wait it causes
+            continue
         try:
             age = float(row.get("activity_age_s") or 0.0) + max(0.0, at - row["_time"])
         except ValueError:

@@ -130,6 +130,12 @@ def test_a_straggler_still_inside_its_request_is_named_from_its_heartbeat(tmp_pa
     assert (d.root.process, d.root.stage, d.root.step) == ("train-1", "weights_update", 3)
     assert d.root.category == "timeout" and "POST /upload_weights" in d.root.summary
     assert d.stalls and "train-1" in d.stalls[0]
+    # rank 0's heartbeat may show the MetaServer's long poll for the shards (it shares that process), entered a
+    # moment before the upload: a wait the slow uploader causes, never its root
+    metrics["train-0"] = [{"time": t, "pid": 6, "activity": "GET /weights/{version}/manifest", "activity_step": 3,
+                           "activity_age_s": t - 0.1} for t in range(1, 9)]
+    d = diagnose(str(make_run(tmp_path / "with-poll", logs, metrics=metrics)))
+    assert (d.root.process, d.root.stage, d.root.step) == ("train-1", "weights_update", 3), d.render()
 
 
 def test_a_process_that_vanished_without_an_exit_record_was_killed(tmp_path):
