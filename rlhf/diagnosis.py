@@ -380,9 +380,9 @@ def _busy_evidence(metrics: dict[str, list[dict[str, Any]]], surfaced: Evidence,
         if not (activity.startswith(("POST /", "GET /")) or "all_reduce" in activity or "broadcast" in activity):
             continue
         if activity.endswith("/manifest"):
-            # the MetaServer's long poll for a version's shards: it waits on the uploaders by design (a victim, not
-            # a stall). It shares rank 0's heartbeat, and whichever request of that process ended last decides
-            # whether the row shows it, so a slow uploader could be outranked by the wait it causes
+            # the MetaServer's long poll for a version's shards waits on the uploaders by design (a victim, not a
+            # stall). It no longer writes rank 0's heartbeat (Service.waits); runs recorded before that can show it
+            # there, where it outranked the slow uploader it waits for
             continue
         try:
             age = float(row.get("activity_age_s") or 0.0) + max(0.0, at - row["_time"])

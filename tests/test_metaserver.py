@@ -10,6 +10,7 @@ import torch
 
 from rlhf.runtime.client import Client
 from rlhf.runtime.metaserver import SHM_PREFIX, MetaServer, pull_weights, push_shard, shm_root
+from rlhf.tracing.metrics import ACTIVITY
 from rlhf.weights import ShardCorrupt, encode_shard, write_shard
 
 TOKEN = "meta-test-token"
@@ -99,6 +100,7 @@ def test_a_manifest_waiting_for_a_shard_that_never_comes_ends_when_the_version_g
                                                       timeout_s=90))
             while not meta.waiting:  # the manifest request is in its wait
                 await asyncio.sleep(0.01)
+            assert ACTIVITY.name == "idle"  # a long poll is not what this process (rank 0's) is doing
             t0 = time.monotonic()
             await then()
             with pytest.raises(HTTPStatusError) as info:

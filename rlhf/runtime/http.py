@@ -66,6 +66,9 @@ class Service:
         self.app = web.Application(middlewares=[self._trace, self._auth], client_max_size=1 << 34)
         self.stage, self.step = "", -1
         self.untraced_paths: set[str] = set()
+        # routes that wait on other processes by design (a long poll): never this process's activity in its
+        # heartbeat, which other services of the process (a train worker beside the MetaServer) write too
+        self.waits: set[str] = set()
         self.open_paths: tuple[str, ...] = ()  # path prefixes served without the token (health probes)
         self.inflight = 0  # handlers running now on the worker thread
         self.running: tuple[str, int, float] | None = None  # (request, step, since) on the worker thread (heartbeat)
@@ -82,7 +85,9 @@ class Service:
                 return await handler(request)
         route = request.match_info.route.resource
         name = f"{request.method} {route.canonical if route is not None else request.path}"
-        ACTIVITY.set(name, step)
+        beat = name not in self.waits
+        if beat:
+            ACTIVITY.set(name, step)
         with tracing.use_role(self.role, self.rank, step):
             token = tracing.otel_context.attach(tracing.extract_context(request.headers))
             try:
@@ -98,9 +103,9 @@ class Service:
                 tracing.otel_context.detach(token)
                 tracing.flush_soon()  # the request's span is exported now: a SIGKILL later cannot lose it
                 running = self.running  # an inline request (health) ends while a handler still runs: that shows
-                if running is not None and running[0] != name:
+                if beat and running is not None and running[0] != name:
                     ACTIVITY.name, ACTIVITY.step, ACTIVITY.since = running
-                else:
+                elif beat:
                     ACTIVITY.set("idle", step)
 
     @web.middleware

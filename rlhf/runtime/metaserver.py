@@ -140,6 +140,7 @@ class MetaServer:
         route("POST", "/versions", self._open)
         route("PUT", "/weights/{version}/{shard}", self._put)
         route("GET", "/weights/{version}/manifest", self._manifest)
+        self.service.waits.add("GET /weights/{version}/manifest")  # a long poll for the uploaders' shards
         route("GET", "/weights/{version}/{shard}", self._get)
         route("DELETE", "/weights/{version}", self._delete)
         route("GET", "/health", self._health)
