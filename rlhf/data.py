@@ -90,8 +90,9 @@ def build_rl_batch(prompt_ids: list[list[int]], results: list[dict[str, Any]], p
     """Right-padded tensors for the train engine from prompts (one per result) and rollout results."""
     if len(prompt_ids) != len(results):
         raise ValueError(f"build_rl_batch: {len(prompt_ids)} prompts for {len(results)} results")
-    return rl_batch(prompt_ids, [r["output_ids"] for r in results],
-                    [[lp for lp, _tok, _ in r["meta_info"]["output_token_logprobs"]] for r in results], pad_id)
+    from rlhf.rollout.sglang_api import output_logprobs  # at use: the rollout package loads the engine
+
+    return rl_batch(prompt_ids, [r["output_ids"] for r in results], [output_logprobs(r) for r in results], pad_id)
 
 
 def rl_batch(prompt_ids: list[list[int]], output_ids: list[list[int]], logprobs: list[list[float]], pad_id: int

@@ -204,6 +204,14 @@ def unpack_logprobs(text: str) -> list[float]:
     return list(struct.unpack(f"<{len(raw) // 4}f", raw))
 
 
+def output_logprobs(result: dict[str, Any]) -> list[float]:
+    """A /generate output's token logprobs, packed (return_logprob_packed) or sglang's [logprob, id, text] list."""
+    meta = result.get("meta_info") or {}
+    if "output_token_logprobs_packed" in meta:
+        return unpack_logprobs(meta["output_token_logprobs_packed"])
+    return [lp for lp, _t, _ in meta.get("output_token_logprobs") or []]
+
+
 class RequestControl(StepControl):
     """One engine call's abort, pause, stop strings and stream, between decode steps.
 

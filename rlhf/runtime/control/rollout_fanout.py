@@ -23,7 +23,7 @@ import torch
 from rlhf import tracing
 from rlhf.config import Config
 from rlhf.data import completion_text, encode_prompts, rl_batch
-from rlhf.rollout.sglang_api import unpack_logprobs
+from rlhf.rollout.sglang_api import output_logprobs
 from rlhf.runtime.batch_memory import DistributedBatchMemory
 from rlhf.runtime.client import Client, LoopThread
 from rlhf.runtime.control.services import RolloutServices
@@ -66,7 +66,7 @@ class RolloutFanout:
             out = (await client.call("/generate", body, stage="rollout", step=step))[0]
             if logprobs:
                 for res in out:
-                    res["logprobs"] = result_logprobs(res)
+                    res["logprobs"] = output_logprobs(res)
             done.update((i, out[k * per:(k + 1) * per]) for k, i in enumerate(idx))
 
         outcomes = self.loop.gather(*[one(c, idx) for c, idx in zip(servers, chunks)], return_exceptions=True)
@@ -189,14 +189,6 @@ class RolloutFanout:
 def to_batch(shard: DistributedBatchMemory, pad_id: int) -> dict[str, torch.Tensor]:
     """A shard of the rollout batch as the train ranks' padded tensors (built where first needed)."""
     return rl_batch(shard["prompt_ids"], shard["output_ids"], shard["logprobs"], pad_id)
-
-
-def result_logprobs(result: dict[str, Any]) -> list[float]:
-    """A /generate output's token logprobs, packed (our servers' return_logprob_packed) or sglang's triples."""
-    meta = result.get("meta_info") or {}
-    if "output_token_logprobs_packed" in meta:
-        return unpack_logprobs(meta["output_token_logprobs_packed"])
-    return [lp for lp, _t, _ in meta.get("output_token_logprobs") or []]
 
 
 def chunk(items: list[int], n: int) -> list[list[int]]:
