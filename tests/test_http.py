@@ -1,6 +1,10 @@
 """HTTP layer: token on every endpoint, typed errors round-trip, faithful bare 500s, tensors, timeouts."""
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -11,6 +15,8 @@ from rlhf.runtime.client import Client, LoopThread
 from rlhf.runtime.errors import HTTPStatusError, RemoteError, RpcConnectionError, RpcTimeout
 from rlhf.runtime.http import BARE_500, Service, ServiceThread
 from rlhf.runtime.resilience import FAITHFUL, HARDENED
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class BoomError(RuntimeError):
@@ -174,3 +180,37 @@ def _check_retries(client, plain, loop, hits, caplog):
     with pytest.raises(HTTPStatusError):
         loop.run(plain.call("/compute_logprobs", {}))
     assert hits["/compute_logprobs"] == 1
+
+
+def test_a_process_computes_on_its_computing_service_thread_and_every_other_thread_is_serial():
+    """One OpenMP pool a process (rlhf.procs.own_threads): the computing service's thread runs torch ops with its
+    threads; the main thread and threads started later run them serially, so they start no pool of their own."""
+    script = """
+import json, threading, psutil, torch
+from rlhf.procs import own_threads
+from rlhf.runtime.http import Service
+own_threads(1)
+compute = Service("train", 0, "t", threads=2)
+other = Service("metaserver", 0, "t")  # not a computing service: serial
+own_threads(1)
+big = torch.randn(512, 512)
+def threads_after(fn):
+    before = psutil.Process().num_threads()
+    fn()
+    return psutil.Process().num_threads() - before
+seen = {"main": torch.get_num_threads(), "main_pool": threads_after(lambda: big @ big)}
+seen["compute"] = compute.executor.submit(torch.get_num_threads).result()
+seen["compute_pool"] = compute.executor.submit(threads_after, lambda: [big @ big for _ in range(3)]).result()
+seen["other"] = other.executor.submit(torch.get_num_threads).result()
+later = threading.Thread(target=lambda: seen.update(later=torch.get_num_threads(),
+                                                    later_pool=threads_after(lambda: big @ big)))
+later.start(); later.join()
+print(json.dumps(seen))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "2"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (seen["main"], seen["compute"], seen["other"], seen["later"]) == (1, 2, 1, 1), seen
+    assert seen["compute_pool"] == 1, seen  # its own pool: one OpenMP worker beside the thread itself
+    assert seen["main_pool"] == 0 and seen["later_pool"] == 0, seen  # serial threads start no pool

@@ -35,7 +35,7 @@ from aiohttp import web
 
 from rlhf import tracing
 from rlhf.faults import afault_effects
-from rlhf.procs import freeze_gc
+from rlhf.procs import freeze_gc, own_threads
 from rlhf.runtime import wire
 from rlhf.runtime.errors import ErrorInfo
 from rlhf.runtime.resilience import HARDENED, Policy
@@ -60,9 +60,14 @@ _EFFECTS: contextvars.ContextVar[list] = contextvars.ContextVar("rlhf_transport_
 class Service:
     """An aiohttp application with auth, typed errors and handlers run on one worker thread."""
 
-    def __init__(self, role: str, rank: int, token: str, policy: Policy = HARDENED) -> None:
+    def __init__(self, role: str, rank: int, token: str, policy: Policy = HARDENED, threads: int = 1) -> None:
+        """threads: torch's intra-op threads on the worker thread: a process's one computing service gets the
+        process's threads, every other thread stays serial (rlhf.procs.own_threads). The worker thread starts here,
+        which leaves `threads` as the count threads start from: the caller sets its own thread's afterwards."""
         self.role, self.rank, self.token, self.policy = role, rank, token, policy
-        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{role}-{rank}")
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{role}-{rank}",
+                                                              initializer=own_threads, initargs=(threads,))
+        self.executor.submit(int).result()
         self.app = web.Application(middlewares=[self._trace, self._auth], client_max_size=1 << 34)
         self.stage, self.step = "", -1
         self.untraced_paths: set[str] = set()

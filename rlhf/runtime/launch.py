@@ -19,11 +19,10 @@ import time
 from typing import Any
 
 import psutil
-import torch
 
 from rlhf import exits, faults, tracing
 from rlhf.config import Config
-from rlhf.procs import freeze_gc, second_sigterm_stops, set_pdeathsig
+from rlhf.procs import freeze_gc, own_threads, second_sigterm_stops, set_pdeathsig
 from rlhf.run_dir import default_run_dir, make_run_dir, setup_logging
 from rlhf.runtime.controller import Controller
 from rlhf.runtime.dist import fetch, init_distributed, publish, restart_count, shutdown_distributed
@@ -95,7 +94,7 @@ def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
     else:
         token, run_dir = fetch("token"), fetch("run_dir")
     make_run_dir(run_dir)
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    own_threads(1)  # the controller (rank 0) and every thread but the train worker's: serial (procs.own_threads)
     if rank == 0:
         with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as fh:
             fh.write(cfg.to_yaml())
@@ -111,7 +110,9 @@ def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
         faults.arm(run_dir, cfg.faults)
     exits.record_start(run_dir, f"train-{rank}")
     log.info("train-%d on %s, %s collectives (%s)", rank, info.device, info.backend, info.why)
-    worker = TrainWorker(cfg, run_dir, rank, world, token, device=info.device)
+    worker = TrainWorker(cfg, run_dir, rank, world, token, device=info.device,
+                         threads=max(1, (os.cpu_count() or 2) // world))
+    own_threads(1)  # the worker.s thread set the count threads start from to its own: back to serial
     server = ServiceThread(worker.service)
     server.start()
     freeze_gc()  # the model, the worker and the imports are never garbage

@@ -32,7 +32,7 @@ from rlhf.config import build_config
 from rlhf.devices import relocate
 from rlhf.faults import afault_point, fault_point
 from rlhf.models import build_model_and_tokenizer
-from rlhf.procs import set_pdeathsig, write_atomic
+from rlhf.procs import own_threads, set_pdeathsig, write_atomic
 from rlhf.rollout.engine import RolloutEngine
 from rlhf.rollout.sglang_api import SGLANG_VERSION, GenerateCall, RequestControl, output_id, parse_generate
 from rlhf.rollout.sglang_api import decode_text as sglang_decode
@@ -59,12 +59,13 @@ class RolloutServer:
     def __init__(self, engine: Any, rank: int, token: str, policy: Policy = HARDENED,
                  lease: DeviceLease | None = None, lease_timeout_s: float = 30.0, run_dir: str = "",
                  verify_checksum: str = "sha256", sglang_only: bool = False, model_path: str = "",
-                 max_queued: int = 0) -> None:
+                 max_queued: int = 0, threads: int = 1) -> None:
+        """threads: torch's intra-op threads on the engine's thread (rlhf.procs.own_threads)."""
         self.engine, self.rank, self.token, self.run_dir = engine, rank, token, run_dir
         self.verify_checksum = verify_checksum  # algorithm of /weights_checksum (weights.verify)
         self.device = device_name("rollout", rank, lease is not None)
         self.lease, self.lease_timeout_s = lease, lease_timeout_s
-        self.service = Service("rollout", rank, token, policy)
+        self.service = Service("rollout", rank, token, policy, threads=threads)
         self.service.open_paths = ("/health", "/ready")  # probes without the token, as sglang leaves them
         self.service.untraced_paths.update(("/health", "/ready"))  # the controller probes every step: no span each
         self.policy, self.sglang_only = policy, sglang_only
@@ -540,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("RLHF_TOKEN is not set (the run token is passed in the environment)")
     setup_logging(args.run_dir, "rollout", args.rank, console=False)
     exits.record_start(args.run_dir, f"rollout-{args.rank}")  # its end: the scheduler records its exit status
-    torch.set_num_threads(int(os.environ.get("RLHF_ROLLOUT_THREADS", "1")))
+    own_threads(1)  # the engine computes on its service's thread with RLHF_ROLLOUT_THREADS; the rest stays serial
     cfg = build_config(config_file=args.config)
     start_process_telemetry(args.run_dir, "rollout", args.rank, cfg.tracing)
     if cfg.faults:
@@ -551,7 +552,9 @@ def main(argv: list[str] | None = None) -> int:
     engine = RolloutEngine(model, tok, seed=seed)
     lease = DeviceLease(args.run_dir, args.rank, f"rollout-{args.rank}") if args.colocate else None
     server = RolloutServer(engine, args.rank, token, cfg.resilience, lease, cfg.runtime.lease_timeout_s,
-                           args.run_dir, cfg.weights.verify_checksum, max_queued=cfg.rollout.max_queued_requests)
+                           args.run_dir, cfg.weights.verify_checksum, max_queued=cfg.rollout.max_queued_requests,
+                           threads=int(os.environ.get("RLHF_ROLLOUT_THREADS", "1")))
+    own_threads(1)  # the engine's thread left its count as the one threads start from
 
     server.host = args.host
 

@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     from rlhf import exits, faults
     from rlhf.config import ModelConfig, build_config
     from rlhf.models import build_model_and_tokenizer
-    from rlhf.procs import set_pdeathsig
+    from rlhf.procs import own_threads, set_pdeathsig
     from rlhf.rollout.engine import RolloutEngine
     from rlhf.run_dir import setup_logging
     from rlhf.runtime.resilience import HARDENED
@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
             faults.arm(run_dir, cfg.faults)
     else:
         logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s] %(message)s")
-    if os.environ.get("RLHF_ROLLOUT_THREADS"):
-        torch.set_num_threads(int(os.environ["RLHF_ROLLOUT_THREADS"]))
+    threads = int(os.environ.get("RLHF_ROLLOUT_THREADS") or torch.get_num_threads())
+    own_threads(1)  # the engine computes on its service's thread with `threads`; the rest stays serial
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda":
         device = f"cuda:{args.base_gpu_id}"
@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = RolloutEngine(model, tok, seed=args.random_seed)
     server = RolloutServer(engine, rank, args.api_key or "", cfg.resilience if cfg else HARDENED, run_dir=run_dir,
                            sglang_only=True, model_path=args.served_model_name or args.model_path,
-                           max_queued=args.max_queued_requests or 0)
+                           max_queued=args.max_queued_requests or 0, threads=threads)
+    own_threads(1)  # the engine's thread left its count as the one threads start from
     if not args.api_key:
         server.service.open_paths = ("/",)  # sglang without --api-key: every route is open
     server.host = args.host

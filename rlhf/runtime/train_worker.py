@@ -55,13 +55,16 @@ def shard_names(names: list[str], rank: int, world_size: int) -> list[str]:
 
 class TrainWorker:
     def __init__(self, cfg: Config, run_dir: str, rank: int, world_size: int, token: str,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", threads: int = 1) -> None:
+        """threads: torch's intra-op threads on the service's thread, which builds the model and runs every
+        handler (the rest of the process stays serial: rlhf.procs.own_threads)."""
         self.cfg, self.run_dir, self.rank, self.world_size, self.token = cfg, run_dir, rank, world_size, token
+        self.service = Service("train", rank, token, cfg.resilience, threads=threads)
         self.dp = GlooDataParallel(device)
         # bf16/fp16 runs keep fp32 master weights and optimizer state here and compute in the low dtype
         # (autocast); what leaves for the rollout servers is cast to model.dtype
-        self.model, self.tokenizer = build_model_and_tokenizer(cfg.model, seed=cfg.seed, device=device,
-                                                               dtype="float32")
+        self.model, self.tokenizer = self.service.executor.submit(
+            build_model_and_tokenizer, cfg.model, seed=cfg.seed, device=device, dtype="float32").result()
         self.wire_dtype = DTYPES[cfg.model.dtype]
         self.gpu: torch.device | None = None  # set while the model is offloaded for a colocated rollout
         self.stop_id = stop_token_ids(self.model, self.tokenizer)[0]  # what SFT appends to an answer
@@ -71,7 +74,6 @@ class TrainWorker:
         self.device = device_name("train", rank, cfg.runtime.colocate)
         if self.lease is not None:
             self.lease.acquire(cfg.runtime.lease_timeout_s)
-        self.service = Service("train", rank, token, cfg.resilience)
         for name in ("sft_warm_start", "begin_grpo", "compute_logprobs", "train_step", "upload_weights",
                      "save_weights_dir", "save", "load", "events", "sft_begin", "sft_step", "sft_eval",
                      "sft_run_for", "preflight"):
