@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import functools
 import importlib.util
 import inspect
 import textwrap
@@ -496,8 +497,10 @@ PRESETS: dict[str, Callable[[], Config]] = {"default": preset_default, "smoke": 
 # --------------------------------------------------------------------------------------------
 
 
+@functools.cache
 def _field_docs(cls: type) -> dict[str, str]:
-    """The docstring literal under each field of a dataclass (read from its source)."""
+    """The docstring literal under each field of a dataclass (read from its source once: every command reads them
+    twice, for --help's text and the boolean flags)."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError):  # source not available (frozen app): fall back to no docs
