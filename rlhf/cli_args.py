@@ -72,6 +72,9 @@ def parse_config(argv: list[str] | None, parser: argparse.ArgumentParser) -> tup
         )
     except ConfigError as err:
         parser.error(str(err))
+    missing = _missing_inputs(cfg)
+    if missing:
+        parser.error(missing)
     if args.faults:
         try:
             specs = [spec for path in args.faults for spec in load_fault_file(path)]
@@ -99,6 +102,17 @@ def parse_config(argv: list[str] | None, parser: argparse.ArgumentParser) -> tup
         print(cfg.to_yaml(), end="")
         raise SystemExit(0)
     return cfg, args
+
+
+def _missing_inputs(cfg: Config) -> str:
+    """What of the run's local inputs is not there (a one-line error before anything starts), or ''."""
+    if cfg.model.path and not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
+        what = "has no config.json" if os.path.isdir(cfg.model.path) else "is not a directory"
+        return (f"model.path: {cfg.model.path!r} {what} (expected a local Hugging Face model folder: config.json, "
+                f"*.safetensors, the tokenizer's files); or leave it empty for the built-in model.name")
+    if cfg.task.name == "jsonl" and not os.path.isfile(cfg.task.path):
+        return f"task.path: {cfg.task.path!r} is not a file (expected a JSONL file of {{\"prompt\", \"answer\"}} lines)"
+    return ""
 
 
 def _flatten(section: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
