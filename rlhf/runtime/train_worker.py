@@ -57,31 +57,31 @@ class TrainWorker:
     def __init__(self, cfg: Config, run_dir: str, rank: int, world_size: int, token: str,
                  device: str = "cpu", threads: int = 1) -> None:
         """threads: torch's intra-op threads on the service's thread, which builds the model and runs every
-        handler (the rest of the process stays serial: rlhf.procs.own_threads)."""
+        handler (the rest of the process stays serial: rlhf.procs.own_threads).
+
+        The model is built on that thread as its first job, while this returns: the rank serves at once, the
+        controller starts the rollout side meanwhile (on a 2-core machine a tiny run's startup was 2.3 s of
+        imports and init here, then 5 s of scheduler and rollout server start), and requests queue behind the
+        build. A build that failed fails every request with its error (`built`)."""
         self.cfg, self.run_dir, self.rank, self.world_size, self.token = cfg, run_dir, rank, world_size, token
         self.service = Service("train", rank, token, cfg.resilience, threads=threads)
         self.dp = GlooDataParallel(device)
-        # bf16/fp16 runs keep fp32 master weights and optimizer state here and compute in the low dtype
-        # (autocast); what leaves for the rollout servers is cast to model.dtype
-        self.model, self.tokenizer = self.service.executor.submit(
-            build_model_and_tokenizer, cfg.model, seed=cfg.seed, device=device, dtype="float32").result()
         self.wire_dtype = DTYPES[cfg.model.dtype]
         self.gpu: torch.device | None = None  # set while the model is offloaded for a colocated rollout
-        self.stop_id = stop_token_ids(self.model, self.tokenizer)[0]  # what SFT appends to an answer
         self.engine: TrainEngine | None = None
         self.shutdown = threading.Event()
         self.lease = DeviceLease(run_dir, rank, f"train-{rank}") if cfg.runtime.colocate else None
         self.device = device_name("train", rank, cfg.runtime.colocate)
-        if self.lease is not None:
-            self.lease.acquire(cfg.runtime.lease_timeout_s)
+        self.model: torch.nn.Module
+        self.tokenizer: Any
+        self.stop_id = -1  # what SFT appends to an answer: the first stop token, once the model is built
+        self.built = self.service.executor.submit(self._build, device)
         for name in ("sft_warm_start", "begin_grpo", "compute_logprobs", "train_step", "upload_weights",
                      "save_weights_dir", "save", "load", "events", "sft_begin", "sft_step", "sft_eval",
-                     "sft_run_for", "preflight"):
-            self.service.route(f"/{name}", getattr(self, name))
+                     "sft_run_for", "preflight", "weights_checksum"):
+            self.service.route(f"/{name}", self._once_built(getattr(self, name)))
         self.service.route("/health", lambda a, t: {"ok": True, "rank": self.rank, "pid": os.getpid()},
                            method="GET", inline=True)
-        self.service.route("/weights_checksum", lambda a, t: {"checksum": checksum(export_state(self.model, self.wire_dtype),
-                                                                                    cfg.weights.verify_checksum)})
         self.loop_phase, self.loop_step = "idle", 0
         self._writes: queue.Queue = queue.Queue()
         self._writer: threading.Thread | None = None
@@ -92,6 +92,27 @@ class TrainWorker:
         self.service.route("/start_scheduler", self.start_scheduler)
         self.node_scheduler: SchedulerClient | None = None  # this node's, on a node without the controller
         self._scheduler_loop: LoopThread | None = None
+
+    def _build(self, device: str) -> None:
+        # bf16/fp16 runs keep fp32 master weights and optimizer state here and compute in the low dtype
+        # (autocast); what leaves for the rollout servers is cast to model.dtype
+        self.model, self.tokenizer = build_model_and_tokenizer(self.cfg.model, seed=self.cfg.seed, device=device,
+                                                               dtype="float32")
+        self.stop_id = stop_token_ids(self.model, self.tokenizer)[0]
+        if self.lease is not None:
+            self.lease.acquire(self.cfg.runtime.lease_timeout_s)
+        log.info("train-%d: model built on %s", self.rank, device)
+
+    def _once_built(self, handler: Any) -> Any:
+        """handler, run only with the model built: a failed build is every request's error (its own exception)."""
+        def run(args: dict, tensors: dict) -> Any:
+            self.built.result()  # done before any request runs (the worker thread's first job): re-raises its error
+            return handler(args, tensors)
+        run.__name__ = getattr(handler, "__name__", "handler")
+        return run
+
+    def weights_checksum(self, args: dict, tensors: dict) -> dict:
+        return {"checksum": checksum(export_state(self.model, self.wire_dtype), self.cfg.weights.verify_checksum)}
 
     def start_scheduler(self, args: dict, tensors: dict) -> dict:
         """Multi-node: the first train rank of a node without the controller starts that node's scheduler (its
