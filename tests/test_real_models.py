@@ -146,3 +146,40 @@ def test_grpo_on_a_hf_directory_and_jsonl_task_learns(tmp_path):
     steps = (tmp_path / "run" / "steps.csv").read_text().splitlines()
     rewards = [float(line.split(",")[2]) for line in steps[1:]]
     assert max(rewards) > 0.2  # exact-match reward sees the right answers (no '</s>' left in the text)
+
+
+def test_a_model_dir_the_train_worker_cannot_load_fails_its_first_request_with_the_load_error(tmp_path):
+    """The model is built on the worker's thread while the rank already serves: a failed build is the error of
+    every request (typed, naming the file), not a hang or an AttributeError."""
+    import torch.distributed as dist
+
+    from rlhf.config import Config
+    from rlhf.runtime.client import Client, LoopThread
+    from rlhf.runtime.errors import RemoteError
+    from rlhf.runtime.http import ServiceThread
+    from rlhf.runtime.train_worker import TrainWorker
+
+    model_dir = write_model_dir(str(tmp_path / "model"))
+    (tmp_path / "model" / "config.json").write_text("{not json")
+    cfg = Config()
+    cfg.model.path = model_dir
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    loop = LoopThread()
+    try:
+        worker = TrainWorker(cfg, str(tmp_path), 0, 1, "t")
+        server = ServiceThread(worker.service)
+        server.start()
+        try:
+            client = Client(server.url, "t", peer="train-0")
+            for route in ("/weights_checksum", "/sft_warm_start"):
+                with pytest.raises(RemoteError) as err:
+                    loop.run(client.call(route, {}))
+                assert "train-0" in str(err.value) and "config.json" in str(err.value), str(err.value)
+            health, _ = loop.run(client.call("/health", {}, method="GET"))
+            assert health["ok"] is True  # the rank itself is up: what failed is its model
+            loop.run(client.close())
+        finally:
+            server.stop()
+    finally:
+        loop.close()
+        dist.destroy_process_group()

@@ -8,7 +8,9 @@ tokenizer if it was saved by this framework).
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
 from typing import Any, Callable
 
 import torch
@@ -53,6 +55,21 @@ MODEL_PRESETS: dict[str, Callable[[int], Any]] = {
 }
 
 
+# transformers imports its submodules on first use (a lazy module), and a `from transformers import X` in one thread
+# while another thread is importing fails ("cannot import name 'AutoTokenizer'"): the train worker builds its model
+# on its own thread while the controller loads the tokenizer. Loading goes through this lock, one thread at a time.
+_TRANSFORMERS = threading.RLock()
+
+
+def _serialised(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with _TRANSFORMERS:
+            return fn(*args, **kwargs)
+    return run
+
+
+@_serialised
 def build_model_and_tokenizer(model_cfg: Any, seed: int = 0, device: str | torch.device | None = None,
                               dtype: str | None = None) -> tuple[torch.nn.Module, Any]:
     """Return (model in eval mode, tokenizer) on `device` / in `dtype` (default: model_cfg's)."""
@@ -99,6 +116,7 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
         embeddings.weight[pad].zero_()
 
 
+@_serialised
 def load_model_dir(path: str, dtype: torch.dtype, device: torch.device) -> tuple[torch.nn.Module, Any]:
     """Load a local HF causal LM directory and its tokenizer (never downloads)."""
     from transformers import AutoModelForCausalLM
@@ -110,6 +128,7 @@ def load_model_dir(path: str, dtype: torch.dtype, device: torch.device) -> tuple
     return model.to(device).eval(), tokenizer
 
 
+@_serialised
 def load_tokenizer(path: str) -> Any:
     """The tokenizer of a local model directory (ours or an HF one), without loading the weights.
 
