@@ -38,8 +38,8 @@ def own_threads(n: int) -> None:
     between ops and sleep, and each op waits for them to wake: on a 2-core CPU the train worker's matmuls, on
     its service thread after the process's main thread had built the model with 2 threads, ran 1.6x slower
     (an SFT step 0.29 s against 0.16-0.19 s). So a process computes on one thread with the threads it is
-    given and every other thread stays serial: call own_threads(1) on the main thread before any torch op,
-    own_threads(n) on the computing thread (a Service's `threads`), then own_threads(1) on the main thread
+    given and every other thread stays serial: call own_threads(1) on the main thread before any torch op;
+    a Service with `threads` n runs own_threads(n) on its thread, then sets the constructing thread serial
     again, so threads started later (clients' event loops, other services) start serial."""
     import torch
 

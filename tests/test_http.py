@@ -192,7 +192,6 @@ from rlhf.runtime.http import Service
 own_threads(1)
 compute = Service("train", 0, "t", threads=2)
 other = Service("metaserver", 0, "t")  # not a computing service: serial
-own_threads(1)
 big = torch.randn(512, 512)
 def threads_after(fn):
     before = psutil.Process().num_threads()

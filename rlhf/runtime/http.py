@@ -62,12 +62,15 @@ class Service:
 
     def __init__(self, role: str, rank: int, token: str, policy: Policy = HARDENED, threads: int = 1) -> None:
         """threads: torch's intra-op threads on the worker thread: a process's one computing service gets the
-        process's threads, every other thread stays serial (rlhf.procs.own_threads). The worker thread starts here,
-        which leaves `threads` as the count threads start from: the caller sets its own thread's afterwards."""
+        process's threads, every other thread stays serial (rlhf.procs.own_threads). The worker thread starts here;
+        with threads > 1 the constructing thread (a process's main thread) is set serial again afterwards, which
+        also makes threads started later start serial."""
         self.role, self.rank, self.token, self.policy = role, rank, token, policy
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{role}-{rank}",
                                                               initializer=own_threads, initargs=(threads,))
         self.executor.submit(int).result()
+        if threads != 1:
+            own_threads(1)
         self.app = web.Application(middlewares=[self._trace, self._auth], client_max_size=1 << 34)
         self.stage, self.step = "", -1
         self.untraced_paths: set[str] = set()

@@ -112,7 +112,6 @@ def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
     log.info("train-%d on %s, %s collectives (%s)", rank, info.device, info.backend, info.why)
     worker = TrainWorker(cfg, run_dir, rank, world, token, device=info.device,
                          threads=max(1, (os.cpu_count() or 2) // world))
-    own_threads(1)  # the worker.s thread set the count threads start from to its own: back to serial
     server = ServiceThread(worker.service)
     server.start()
     freeze_gc()  # the model, the worker and the imports are never garbage

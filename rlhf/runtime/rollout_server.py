@@ -554,7 +554,6 @@ def main(argv: list[str] | None = None) -> int:
     server = RolloutServer(engine, args.rank, token, cfg.resilience, lease, cfg.runtime.lease_timeout_s,
                            args.run_dir, cfg.weights.verify_checksum, max_queued=cfg.rollout.max_queued_requests,
                            threads=int(os.environ.get("RLHF_ROLLOUT_THREADS", "1")))
-    own_threads(1)  # the engine's thread left its count as the one threads start from
 
     server.host = args.host
 

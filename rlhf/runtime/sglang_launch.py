@@ -103,7 +103,6 @@ def main(argv: list[str] | None = None) -> int:
     server = RolloutServer(engine, rank, args.api_key or "", cfg.resilience if cfg else HARDENED, run_dir=run_dir,
                            sglang_only=True, model_path=args.served_model_name or args.model_path,
                            max_queued=args.max_queued_requests or 0, threads=threads)
-    own_threads(1)  # the engine's thread left its count as the one threads start from
     if not args.api_key:
         server.service.open_paths = ("/",)  # sglang without --api-key: every route is open
     server.host = args.host
