@@ -152,6 +152,59 @@ def test_rows_that_leave_early_leave_no_unwritten_slot_to_read(diverse, layout, 
     assert diff <= LOGPROB_TOL, f"rollout vs train logprobs differ by {diff}"
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-llama-gqa"])
+def test_samples_that_drew_the_same_tokens_are_computed_once_and_keep_their_logprobs(preset, layout,
+                                                                                     nan_for_uninitialised_memory):
+    """top_k 2 at temperature 0.5 makes a group's 8 samples branch slowly, top_k 1 keeps them alike: steps compute
+    the distinct sequences only, also once rows have left (half of them end after 2 tokens: cut from the step;
+    a quarter after 4: the rest copied into a dense layout), and every row's logprobs still equal the train
+    engine's (a sequence's keys/values copied into another row's cache columns, or a row handed another
+    sequence's logits, would be off by far more than rounding)."""
+    from rlhf.rollout.engine import StepControl
+
+    class EndSamples(StepControl):  # samples 4-7 of each group end at t=1, samples 2-3 at t=3
+        def step(self, t, rows, tokens):
+            ends = {1: (4, 5, 6, 7), 3: (2, 3)}.get(t, ())
+            return {r: {"type": "abort", "message": "test"} for r in range(64) if r % 8 in ends}
+
+    model, tok = diverse_model(preset, seed=3)
+    prompt_ids = encode_prompts(tok, PROMPTS)
+    engine = RolloutEngine(model, tok, seed=5)
+    engine.layout = layout
+    steps = []  # (rows the step serves, sequences it computed, rows left out of it)
+    step = engine._decode_step
+
+    def spy(tokens, positions, t, idx, state):
+        served = state["B"] if idx is None else idx.shape[0]
+        steps.append((served, tokens.shape[0], idx is not None))
+        return step(tokens, positions, t, idx, state)
+
+    engine._decode_step = spy
+    for top_k in (2, 1):  # 2: branching samples; 1: a group's samples all alike, so every step shares
+        params = {"max_new_tokens": 8, "n": 8, "top_k": top_k, "temperature": 0.5, "ignore_eos": True}
+        steps.clear()
+        results = engine.generate(prompt_ids, params, return_logprob=True, control=EndSamples())
+        assert [len(r["output_ids"]) for r in results[:8]] == [8, 8, 4, 4, 2, 2, 2, 2]
+        assert [served for served, _, _ in steps] == [64, 32, 32, 16, 16, 16, 16]  # cut at t=1, dense from t=3
+        if top_k == 2:
+            assert steps[0][1] <= len(prompt_ids) * 2  # the first step: each group's 2 first tokens at most
+            assert steps[1][2] and steps[1][1] < 32  # rows cut from the step, and shared
+            assert steps[-1][1] == 16  # late steps where every sequence differs compute every row
+        else:
+            assert all(computed == len(prompt_ids) for _, computed, _ in steps)  # one sequence a group
+        batch = build_rl_batch([p for p in prompt_ids for _ in range(8)], results, tok.pad_token_id)
+        with torch.no_grad():
+            lp, _ = token_logprobs(model, batch["input_ids"], batch["attention_mask"], 0.5)
+        diff = ((lp - batch["old_logprobs"]) * batch["response_mask"]).abs().max().item()
+        assert diff <= LOGPROB_TOL, f"rollout vs train logprobs differ by {diff} (top_k {top_k})"
+
+    engine.share = False  # RLHF_ROLLOUT_SHARE=0: every row computed at every step
+    steps.clear()
+    engine.generate(prompt_ids, params, control=EndSamples())
+    assert all(computed == served for served, computed, _ in steps)
+
+
 def test_groups_are_adjacent_and_fields_follow_sglang(tiny):
     model, tok = tiny
     engine = RolloutEngine(model, tok, seed=1)
