@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import Any
@@ -105,11 +106,26 @@ def parse_config(argv: list[str] | None, parser: argparse.ArgumentParser) -> tup
 
 
 def _missing_inputs(cfg: Config) -> str:
-    """What of the run's local inputs is not there (a one-line error before anything starts), or ''."""
-    if cfg.model.path and not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
-        what = "has no config.json" if os.path.isdir(cfg.model.path) else "is not a directory"
-        return (f"model.path: {cfg.model.path!r} {what} (expected a local Hugging Face model folder: config.json, "
-                f"*.safetensors, the tokenizer's files); or leave it empty for the built-in model.name")
+    """What of the run's local inputs is not there or not usable (a one-line error before anything starts), or ''."""
+    if cfg.model.path:
+        config_file = os.path.join(cfg.model.path, "config.json")
+        if not os.path.isfile(config_file):
+            what = "has no config.json" if os.path.isdir(cfg.model.path) else "is not a directory"
+            return (f"model.path: {cfg.model.path!r} {what} (expected a local Hugging Face model folder: "
+                    f"config.json, *.safetensors, the tokenizer's files); or leave it empty for the built-in model.name")
+        try:
+            with open(config_file, encoding="utf-8") as f:
+                model_config = json.load(f)
+        except (OSError, ValueError) as err:  # JSONDecodeError says the line and column
+            return f"model.path: {config_file!r} is not readable JSON: {err}"
+        model_type = model_config.get("model_type") if isinstance(model_config, dict) else None
+        if not model_type:
+            return f"model.path: {config_file!r} has no \"model_type\" (a Hugging Face config names its architecture)"
+        from rlhf.rollout.engine import SUPPORTED_MODEL_TYPES
+
+        if cfg.rollout.backend == "native" and model_type not in SUPPORTED_MODEL_TYPES:
+            return (f"model.path: model_type {model_type!r} is not one the native rollout engine runs; valid: "
+                    f"{', '.join(SUPPORTED_MODEL_TYPES)} (or --rollout.backend sglang)")
     if cfg.task.name == "jsonl" and not os.path.isfile(cfg.task.path):
         return f"task.path: {cfg.task.path!r} is not a file (expected a JSONL file of {{\"prompt\", \"answer\"}} lines)"
     return ""

@@ -60,21 +60,28 @@ def test_help_lists_every_key_with_its_doc_and_bad_flags_exit_2():
     assert "algorithm.loss: 'ppo' is not valid" in bad.stderr and "grpo" in bad.stderr
 
 
-def test_a_missing_model_dir_or_jsonl_file_is_one_line_before_anything_starts(tmp_path, capsys):
+def test_a_missing_or_unusable_model_dir_or_jsonl_file_is_one_line_before_anything_starts(tmp_path, capsys):
     from rlhf.cli_args import make_parser, parse_config
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    cases = [(["--model.path", str(tmp_path / "none")], "is not a directory"),
-             (["--model.path", str(empty)], "has no config.json"),
-             (["--task.name", "jsonl", "--task.path", str(tmp_path / "none.jsonl")], "task.path: ")]
-    for argv, says in cases:
+    cases = [(["--model.path", str(tmp_path / "none")], "is not a directory", None),
+             (["--model.path", str(empty)], "has no config.json", None),
+             (["--model.path", str(empty)], "is not readable JSON: Expecting ',' delimiter: line 2 column 3",
+              '{"model_type": "llama"\n  "vocab_size": 99}'),
+             (["--model.path", str(empty)], 'has no "model_type"', '{"vocab_size": 99}'),
+             (["--model.path", str(empty)], "model_type 'gpt2' is not one the native rollout engine runs; valid: "
+              "llama, mistral, qwen2", '{"model_type": "gpt2"}'),
+             (["--task.name", "jsonl", "--task.path", str(tmp_path / "none.jsonl")], "task.path: ", None)]
+    for argv, says, config_json in cases:
+        if config_json is not None:
+            (empty / "config.json").write_text(config_json)
         with pytest.raises(SystemExit) as stop:
             parse_config(argv, make_parser("grpo_trainer.py", "test"))
         assert stop.value.code == 2
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert err.startswith("grpo_trainer.py: error: ") and says in err, err
-    (empty / "config.json").write_text("{}")
+    (empty / "config.json").write_text('{"model_type": "qwen2"}')
     data = tmp_path / "add.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
     cfg, _ = parse_config(["--model.path", str(empty), "--task.name", "jsonl", "--task.path", str(data)],
