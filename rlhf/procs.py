@@ -40,9 +40,13 @@ def own_threads(n: int) -> None:
     (an SFT step 0.29 s against 0.16-0.19 s). So a process computes on one thread with the threads it is
     given and every other thread stays serial: call own_threads(1) on the main thread before any torch op;
     a Service with `threads` n runs own_threads(n) on its thread, then sets the constructing thread serial
-    again, so threads started later (clients' event loops, other services) start serial."""
-    import torch
+    again, so threads started later (clients' event loops, other services) start serial.
 
+    A no-op in a process that has not loaded torch: the scheduler never does (it only routes JSON and starts
+    processes), and the processes that compute load it before they start their services."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
     torch.get_num_threads()  # torch sets a thread's count on its first op, from the process-wide value: do it now
     torch.set_num_threads(n)
 

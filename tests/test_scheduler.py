@@ -94,3 +94,19 @@ def test_an_exception_inside_the_scheduler_is_in_its_log_and_the_callers_error(s
     log = (tmp_path / "logs" / "scheduler-0.log").read_text()
     assert "scheduler-0: POST /jobs failed at step 0: KeyError: 'command'" in log
     assert s.jobs() == []
+
+
+def test_the_scheduler_starts_without_torch(tmp_path):
+    """The scheduler only routes JSON and starts processes: loading torch (a second of its start, on the way to
+    every run's rollout servers) is for processes that compute. Its imports pull in the config (loss and model
+    registries), the RPC layer (wire, http, client) and the shared-memory sweep, and its service starts a worker
+    thread (whose torch threads are set only where torch is loaded): none of it may load torch."""
+    import subprocess
+
+    probe = ("import sys, rlhf.runtime.scheduler as s; from rlhf.config import Config; "
+             f"s.Scheduler({str(tmp_path)!r}, 'k', 10.0, Config().resilience, 0); "
+             "print(sorted(m for m in ('torch', 'numpy', 'safetensors.torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

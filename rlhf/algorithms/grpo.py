@@ -28,9 +28,10 @@ Metrics are computed under no_grad and returned beside the loss.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # the math uses tensor methods only: config validation reads the registry without torch
+    import torch
 
 from rlhf.algorithms import AGGREGATIONS, register_aggregation, register_loss
 
@@ -45,7 +46,7 @@ def group_advantages(
     mean = grouped.mean(dim=1, keepdim=True)  # (G, 1)
     advantages = grouped - mean  # (G, group_size)
     if scale_by_std:
-        std = grouped.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(mean)  # (G, 1)
+        std = grouped.std(dim=1, keepdim=True) if group_size > 1 else mean.new_zeros(mean.shape)  # (G, 1)
         advantages = advantages / (std + eps)
     equal = (grouped.max(dim=1).values == grouped.min(dim=1).values)  # (G,)
     stats = {
@@ -68,17 +69,17 @@ def clipped_surrogate(
 
     `clipped` marks tokens where the clipped branch won the min, i.e. where the gradient is 0.
     """
-    ratio = torch.exp(logprobs - old_logprobs)  # (B, T)
+    ratio = (logprobs - old_logprobs).exp()  # (B, T)
     adv = advantages.unsqueeze(-1)  # (B, 1), one outcome advantage for every token
     unclipped = ratio * adv  # (B, T)
     clipped = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high) * adv  # (B, T)
-    return -torch.minimum(unclipped, clipped), clipped < unclipped
+    return -unclipped.minimum(clipped), clipped < unclipped
 
 
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Unbiased, always-positive estimate of KL(pi || pi_ref) per token (B, T)."""
     log_ratio = ref_logprobs - logprobs  # (B, T)
-    return torch.exp(log_ratio) - log_ratio - 1.0
+    return log_ratio.exp() - log_ratio - 1.0
 
 
 @register_aggregation("token_mean")
@@ -118,14 +119,15 @@ def grpo_loss(
         per_token = per_token + cfg.kl_coef * kl  # (B, T)
     loss = aggregate(per_token, mask, num_tokens, num_sequences)
 
-    with torch.no_grad():
-        tokens = mask.sum().clamp(min=1.0)
-        metrics = {
-            "tokens": mask.sum().item(),
-            "kl": ((kl * mask).sum() / tokens).item() if kl is not None else 0.0,
-            "clip_fraction": ((clipped.float() * mask).sum() / tokens).item(),
-            "ratio_mean": ((torch.exp(logprobs - old_logprobs) * mask).sum() / tokens).item(),
-            "entropy": ((entropy * mask).sum() / tokens).item() if entropy is not None else 0.0,
-            "response_length": (mask.sum(dim=1).float().mean()).item(),
-        }
+    # metrics from detached tensors: no autograd graph
+    mask, logprobs = mask.detach(), logprobs.detach()
+    tokens = mask.sum().clamp(min=1.0)
+    metrics = {
+        "tokens": mask.sum().item(),
+        "kl": ((kl.detach() * mask).sum() / tokens).item() if kl is not None else 0.0,
+        "clip_fraction": ((clipped.float() * mask).sum() / tokens).item(),
+        "ratio_mean": (((logprobs - old_logprobs.detach()).exp() * mask).sum() / tokens).item(),
+        "entropy": ((entropy.detach() * mask).sum() / tokens).item() if entropy is not None else 0.0,
+        "response_length": (mask.sum(dim=1).float().mean()).item(),
+    }
     return loss, metrics

@@ -11,13 +11,19 @@ from __future__ import annotations
 import functools
 import os
 import threading
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from rlhf.models.tokenizer import TOKENIZER_FILE, CharTokenizer
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:  # torch loads in the functions that build models: the presets' names are read without it
+    import torch
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """model.dtype's name (float32, bfloat16, float16) as a torch dtype."""
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 def _llama(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, max_pos: int = 128,
@@ -73,7 +79,9 @@ def _serialised(fn: Callable) -> Callable:
 def build_model_and_tokenizer(model_cfg: Any, seed: int = 0, device: str | torch.device | None = None,
                               dtype: str | None = None) -> tuple[torch.nn.Module, Any]:
     """Return (model in eval mode, tokenizer) on `device` / in `dtype` (default: model_cfg's)."""
-    dtype = DTYPES[dtype or model_cfg.dtype]
+    import torch
+
+    dtype = torch_dtype(dtype or model_cfg.dtype)
     device = torch.device(device if device is not None else model_cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(
@@ -92,7 +100,6 @@ def build_model_and_tokenizer(model_cfg: Any, seed: int = 0, device: str | torch
     return model.to(device=device, dtype=dtype).eval(), tokenizer
 
 
-@torch.no_grad()
 def init_weights(model: torch.nn.Module, seed: int) -> None:
     """Our own seeded initialisation of a fresh model, the same whatever transformers version builds it.
 
@@ -101,19 +108,22 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
     matrices and embeddings ~ N(0, config.initializer_range), norm weights 1, biases 0, the pad token's
     embedding row 0. Tied weights are one parameter and drawn once.
     """
+    import torch
+
     generator = torch.Generator().manual_seed(seed)
     std = float(getattr(model.config, "initializer_range", 0.02))
-    for name, param in sorted(model.named_parameters()):
-        if param.dim() >= 2:
-            param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float32) * std)
-        elif "norm" in name:
-            param.fill_(1.0)
-        else:
-            param.zero_()
-    pad = getattr(model.config, "pad_token_id", None)
-    embeddings = model.get_input_embeddings()
-    if isinstance(pad, int) and 0 <= pad < embeddings.weight.shape[0]:
-        embeddings.weight[pad].zero_()
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if param.dim() >= 2:
+                param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float32) * std)
+            elif "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.zero_()
+        pad = getattr(model.config, "pad_token_id", None)
+        embeddings = model.get_input_embeddings()
+        if isinstance(pad, int) and 0 <= pad < embeddings.weight.shape[0]:
+            embeddings.weight[pad].zero_()
 
 
 @_serialised

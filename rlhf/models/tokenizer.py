@@ -13,8 +13,6 @@ import os
 import string
 from typing import Any
 
-import torch
-
 TOKENIZER_FILE = "rlhf_char_tokenizer.json"
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 DEFAULT_ALPHABET = string.digits + string.ascii_letters + string.punctuation + " "
@@ -49,7 +47,7 @@ class CharTokenizer:
         return [self.bos_token_id] + ids if add_special_tokens else ids
 
     def decode(self, ids: Any, skip_special_tokens: bool = True) -> str:
-        if isinstance(ids, torch.Tensor):
+        if hasattr(ids, "tolist"):  # a tensor or an array
             ids = ids.tolist()
         out = []
         for i in ids:
@@ -86,6 +84,8 @@ class CharTokenizer:
             ones, zeros = [1] * len(b), [0] * len(pad)
             mask.append(zeros + ones if self.padding_side == "left" else ones + zeros)
         if return_tensors == "pt":
+            import torch
+
             return {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)}
         return {"input_ids": ids, "attention_mask": mask}
 

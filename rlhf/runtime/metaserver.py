@@ -49,12 +49,10 @@ from rlhf.runtime import wire
 from rlhf.runtime.errors import HTTPStatusError
 from rlhf.runtime.http import STAGE_HEADER, STEP_HEADER, TOKEN_HEADER, Service, ServiceThread
 from rlhf.runtime.resilience import HARDENED, Policy
+from rlhf.runtime.shm import SHM_PREFIX, shm_root, sweep_stale_shm  # noqa: F401 (also this module's API)
 from rlhf.weights import ShardCorrupt, decode_shard, shard_header
 
 log = logging.getLogger("rlhf.metaserver")
-
-SHM_PREFIX = "rlhf-meta-"
-
 
 @dataclass
 class _Shard:
@@ -92,33 +90,6 @@ class _Version:
         self.complete.set()
         for shard in self.shards.values():
             shard.drop()
-
-
-def shm_root() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-
-
-def sweep_stale_shm(root: str | None = None) -> list[str]:
-    """Remove shared-memory directories left by MetaServers whose process no longer exists."""
-    root = root or shm_root()
-    removed = []
-    for name in os.listdir(root):
-        if not name.startswith(SHM_PREFIX):
-            continue
-        try:
-            pid = int(name[len(SHM_PREFIX):].split("-", 1)[0])
-        except ValueError:
-            continue
-        try:
-            os.kill(pid, 0)
-            continue  # alive (or not ours to judge)
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
-        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-        removed.append(name)
-    return removed
 
 
 class MetaServer:

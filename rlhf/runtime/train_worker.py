@@ -29,7 +29,7 @@ from rlhf.data import PromptSampler, build_sft_batch
 from rlhf.devices import relocate
 from rlhf.evaluation import evaluate
 from rlhf.faults import afault_point, fault_point
-from rlhf.models import DTYPES, build_model_and_tokenizer, stop_token_ids
+from rlhf.models import build_model_and_tokenizer, stop_token_ids, torch_dtype
 from rlhf.rollout.engine import RolloutEngine
 from rlhf.runtime import checkpoint as ckpt
 from rlhf.runtime.batch_memory import BatchSizeMismatch
@@ -66,7 +66,7 @@ class TrainWorker:
         self.cfg, self.run_dir, self.rank, self.world_size, self.token = cfg, run_dir, rank, world_size, token
         self.service = Service("train", rank, token, cfg.resilience, threads=threads)
         self.dp = GlooDataParallel(device)
-        self.wire_dtype = DTYPES[cfg.model.dtype]
+        self.wire_dtype = torch_dtype(cfg.model.dtype)
         self.gpu: torch.device | None = None  # set while the model is offloaded for a colocated rollout
         self.engine: TrainEngine | None = None
         self.shutdown = threading.Event()

@@ -15,11 +15,13 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from rlhf.weights import from_safetensors_bytes, to_safetensors_bytes
+# torch and safetensors load where tensors are handled: a process that only routes JSON (the scheduler) starts
+# without them (torch alone is about a second of a process's start)
 
 JSON_TYPE = "application/json"
 TENSORS_TYPE = "application/x-rlhf-safetensors"
@@ -31,6 +33,8 @@ class CorruptPayload(ValueError):
 
 def digests(tensors: dict[str, torch.Tensor]) -> dict[str, list]:
     """name -> [sha256 of the bytes, shape] for each tensor."""
+    import torch
+
     out = {}
     for name, t in tensors.items():
         flat = t.detach().contiguous().reshape(-1).cpu()
@@ -43,6 +47,8 @@ def encode(obj: Any = None, tensors: dict[str, torch.Tensor] | None = None,
            sums: dict[str, list] | None = None, checksums: bool = False) -> tuple[bytes, str]:
     """sums: checksums taken earlier (where the tensors were made); computed here when `checksums` is on."""
     if tensors:
+        from rlhf.weights import to_safetensors_bytes
+
         metadata = {"json": json.dumps(obj)}
         if sums is None and checksums:
             sums = digests(tensors)
@@ -62,6 +68,8 @@ def decode(body: bytes, content_type: str) -> tuple[Any, dict[str, torch.Tensor]
         header = json.loads(body[8 : 8 + header_len])
         meta = header.get("__metadata__", {})
         obj = json.loads(meta.get("json", "null"))
+        from rlhf.weights import from_safetensors_bytes
+
         tensors = from_safetensors_bytes(body)
         if "sha256" in meta:
             expected = json.loads(meta["sha256"])

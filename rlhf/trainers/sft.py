@@ -18,7 +18,7 @@ import torch
 from rlhf.data import PromptSampler, build_sft_batch
 from rlhf.evaluation import evaluate
 from rlhf.faults import fault_point
-from rlhf.models import DTYPES
+from rlhf.models import torch_dtype
 from rlhf.progress import Progress
 from rlhf.rollout.engine import RolloutEngine
 from rlhf.tasks import RewardFn, Task
@@ -49,7 +49,7 @@ def run_sft(
                 "sft_band": [sft.band_low, sft.band_high], "sft_seconds": 0.0}
 
     engine = TrainEngine(model, cfg.train, keep_reference=False, lr=sft.lr, dp=dp,
-                         compute_dtype=DTYPES[cfg.model.dtype] if next(model.parameters()).is_cuda else torch.float32)
+                         compute_dtype=torch_dtype(cfg.model.dtype) if next(model.parameters()).is_cuda else torch.float32)
     evaluator = RolloutEngine(model, tokenizer)  # shares the weights: greedy eval only
     stop_id = evaluator.stop_ids[0]  # the same stop set the rollout uses; SFT teaches its first id
     sampler = PromptSampler(task.split("train"), seed=cfg.seed)
