@@ -73,9 +73,9 @@ def parse_config(argv: list[str] | None, parser: argparse.ArgumentParser) -> tup
         )
     except ConfigError as err:
         parser.error(str(err))
-    missing = _missing_inputs(cfg)
-    if missing:
-        parser.error(missing)
+    unusable = _unusable_inputs(cfg)
+    if unusable:
+        parser.error(unusable)
     if args.faults:
         try:
             specs = [spec for path in args.faults for spec in load_fault_file(path)]
@@ -105,7 +105,7 @@ def parse_config(argv: list[str] | None, parser: argparse.ArgumentParser) -> tup
     return cfg, args
 
 
-def _missing_inputs(cfg: Config) -> str:
+def _unusable_inputs(cfg: Config) -> str:
     """What of the run's local inputs is not there or not usable (a one-line error before anything starts), or ''."""
     if cfg.model.path:
         config_file = os.path.join(cfg.model.path, "config.json")

@@ -520,6 +520,7 @@ class RolloutEngine:
         turn = state["rope"][positions]  # (b, H + 2Hkv, D/2)
         attend = self._attend_block if state["block"] else self._attend_grouped
         share = state["share"]
+        at = share[1] if share is not None else idx  # layout places of the rows the step goes on with (None: all)
         if isinstance(t, torch.Tensor):  # CUDA graph: the slot is a device scalar, so one graph serves every t
             state["slot"] = t * state["n"] + state["slot_base"] if state["block"] else t
         h = F.embedding(tokens, top["embed"])  # (b, C)
@@ -528,7 +529,9 @@ class RolloutEngine:
             qkv = _rotate(qkv.view(b, H + 2 * Hkv, D), turn)  # q (scaled) and k rotated, v as it was
             if share is not None:
                 qkv = qkv.index_select(0, share[0])  # (rows of idx, H + 2Hkv, D): each its sequence's
-            out = attend(qkv.narrow(1, 0, H), qkv.narrow(1, H, 2 * Hkv), t, idx, cache, state)  # (b or u, H*D)
+            out = attend(qkv.narrow(1, 0, H), qkv.narrow(1, H, 2 * Hkv), t, idx, cache, state)  # (B, H*D)
+            if at is not None:
+                out = out.index_select(0, at)  # (b or u, H*D): the rows the step goes on with
             h = _residual_linear(h, out, f["o_w"], f["o_b"])
             h = _residual_linear(h, self._gated(f, h), f["down_w"], f["down_b"])
         return F.linear(_apply_norm(top["norm"], h), top["lm_w"], top["lm_b"]).float()  # (b, V)
@@ -538,7 +541,8 @@ class RolloutEngine:
         """Attention in the block layout: kv (2, Bp, Hkv, P + M*n, D) holds a group's prompt keys/values, then
         its samples' generated ones slot-major (slot s of sample j at column P + s*n + j). Each query head of a
         group scores every column in one fused attention call; `bias` (Bp or 1, 1, n, P + M*n) leaves sample j
-        its prompt and its own columns. q (b, H, D), new_kv (b, 2Hkv, D): this step's rows. Returns (b, H*D)."""
+        its prompt and its own columns. q (b, H, D), new_kv (b, 2Hkv, D): this step's rows. Returns every
+        layout row's output, (B, H*D)."""
         Bp, n, B, P = state["Bp"], state["n"], state["B"], state["P"]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         if isinstance(t, torch.Tensor):
@@ -553,14 +557,14 @@ class RolloutEngine:
             q.view(Bp, n, H, D).transpose(1, 2), kv[0].narrow(2, 0, W), kv[1].narrow(2, 0, W),
             attn_mask=state["bias"].narrow(-1, 0, W), scale=1.0, enable_gqa=H != Hkv)  # (Bp, H, n, D)
         out = out.transpose(1, 2).reshape(B, H * D)
-        at = state["share"][1] if state["share"] is not None else idx  # the rows the step goes on with
-        return out if at is None else out.index_select(0, at)
+        return out
 
     def _attend_grouped(self, q: torch.Tensor, new_kv: torch.Tensor, t: int | torch.Tensor,
                         idx: torch.Tensor | None, cache: tuple, state: dict[str, Any]) -> torch.Tensor:
         """Attention in the grouped layout, for long generations: a group's prompt keys kp (Bp, Hkv, D, P) and
         values vp (Bp, Hkv, P, D) read once for its n samples; each sample's generated keys/values in kv_g
-        (2, Bp, Hkv, n, M, D), so a query reads only its own. Scores over both go through one softmax."""
+        (2, Bp, Hkv, n, M, D), so a query reads only its own. Scores over both go through one softmax. Returns
+        every layout row's output, (B, H*D)."""
         kp, vp, kv_g = cache
         Bp, n, B = state["Bp"], state["n"], state["B"]
         H, Hkv, D, rep = self.num_heads, self.num_kv_heads, self.head_dim, self.num_heads // self.num_kv_heads
@@ -587,8 +591,7 @@ class RolloutEngine:
         out = out.view(G * n, rep, D).add_(torch.bmm(probs.narrow(-1, P, S),
                                                      kv_g[1].narrow(3, 0, S).view(G * n, S, D)))  # (G*n, rep, D)
         out = out.view(Bp, Hkv, n, rep, D).transpose(1, 2).reshape(B, H * D)
-        at = state["share"][1] if state["share"] is not None else idx  # the rows the step goes on with
-        return out if at is None else out.index_select(0, at)
+        return out
 
     def _relayout(self, state: dict[str, Any], places: torch.Tensor) -> None:
         """Keep only the cache rows at `places` (flat layout rows), each its own group (n = 1)."""
