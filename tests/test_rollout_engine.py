@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlhf.data import build_rl_batch, encode_prompts
-from rlhf.rollout.engine import RolloutEngine, SamplingParams
+from rlhf.rollout.engine import RolloutEngine, SamplingParams, prefix_plan
 from rlhf.train.engine import token_logprobs
 from tests.conftest import diverse_model
 
@@ -203,6 +203,45 @@ def test_samples_that_drew_the_same_tokens_are_computed_once_and_keep_their_logp
     steps.clear()
     engine.generate(prompt_ids, params, control=EndSamples())
     assert all(computed == served for served, computed, _ in steps)
+
+
+def test_prefix_plan_names_each_prefill_rows_state():
+    # prompts left-padded to 3 columns, flat rows i*3 + c: "1 2 3", "_ 1 2", "1 2 3" again, "_ _ 4"
+    firsts, expand = prefix_plan([[1, 2, 3], [1, 2], [1, 2, 3], [4]], 3)
+    assert firsts == [0, 1, 2, 3, 11]  # "1", "1 2", "1 2 3", a pad, "4": where each first appears
+    assert expand == [0, 1, 2, 3, 0, 1, 0, 1, 2, 3, 3, 4]  # a prefix is one state at any padding
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-llama-gqa"])
+def test_prompts_with_a_common_prefix_compute_it_once_in_the_prefill(preset, nan_for_uninitialised_memory):
+    """A template before every prompt (at a different column in each, as prompt lengths differ) and a prompt
+    passed twice: the prefill computes each distinct prefix once, and every logprob still equals the train
+    engine's (a row handed another prefix's keys/values, a wrong position or mask would be off by far more)."""
+    model, tok = diverse_model(preset, seed=3)
+    prompt_ids = encode_prompts(tok, ["Sum: " + p for p in PROMPTS] + ["Sum: 1+2="])
+    distinct = {tuple(p[:k]) for p in prompt_ids for k in range(1, len(p) + 1)}  # prefixes of real tokens
+    pads = len({len(p) for p in prompt_ids}) > 1
+    engine = RolloutEngine(model, tok, seed=5)
+    computed = []
+    prefill = engine._prefill
+
+    def spy(ids, valid, fused, rope, store, share=None):
+        computed.append(ids.numel() if share is None else share[0].numel())
+        return prefill(ids, valid, fused, rope, store, share)
+
+    engine._prefill = spy
+    for n, temperature in ((1, 0.0), (4, 1.0)):
+        results = engine.generate(prompt_ids, {"max_new_tokens": 6, "n": n, "temperature": temperature},
+                                  return_logprob=True)
+        assert computed[-1] == len(distinct) + pads < len(prompt_ids) * max(map(len, prompt_ids))
+        batch = build_rl_batch([p for p in prompt_ids for _ in range(n)], results, tok.pad_token_id)
+        with torch.no_grad():
+            lp, _ = token_logprobs(model, batch["input_ids"], batch["attention_mask"], max(temperature, 1.0))
+        diff = ((lp - batch["old_logprobs"]) * batch["response_mask"]).abs().max().item()
+        assert diff <= LOGPROB_TOL, f"rollout vs train logprobs differ by {diff} (n {n})"
+    engine.share = False  # RLHF_ROLLOUT_SHARE=0: every prefill row computed
+    engine.generate(prompt_ids, {"max_new_tokens": 2})
+    assert computed[-1] == len(prompt_ids) * max(map(len, prompt_ids))
 
 
 def test_groups_are_adjacent_and_fields_follow_sglang(tiny):

@@ -79,6 +79,9 @@ RELAYOUT = 4  # copy the running rows' caches into a dense layout once they are 
 # A decode step runs each distinct sequence of a group once (RLHF_ROLLOUT_SHARE=0: every row) when the distinct ones
 # are at most SHARE_AT of the rows it computes (below that the gathers and scatters cost more than the rows saved)
 SHARE_AT = 0.75
+# the prefill runs each distinct prefix of the prompts once (a common template, the same prompt twice) when they are at
+# most PREFILL_SHARE_AT of its rows
+PREFILL_SHARE_AT = 0.9
 
 
 @dataclass
@@ -175,7 +178,7 @@ def inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     K = CDF_BLOCK
     if V < 8 * K:
         cdf = weights.cumsum(dim=-1)  # (B, V), nondecreasing
-        point = torch.rsub(uniform, 1.0).mul_(cdf[:, -1:])
+        point = torch.rsub(uniform, 1.0).mul_(cdf.narrow(1, V - 1, 1))
         return torch.searchsorted(cdf, point).squeeze(1).clamp_(max=V - 1)
     C = -(-V // K)
     blocks = (weights if C * K == V else F.pad(weights, (0, C * K - V))).view(B, C, K)
@@ -189,8 +192,31 @@ def inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return (c * K + torch.searchsorted(inner, rest)).squeeze(1).clamp_(max=V - 1)
 
 
+def prefix_plan(prompts: list[list[int]], P: int) -> tuple[list[int], list[int]]:
+    """Which rows of a prefill hold the same state. The prompts are left-padded to P columns, flat row i*P + c.
+    A row's state is set by its prompt's tokens from the first one up to its column (positions count from a
+    prompt's first token, so a common prefix is common at any padding); every pad row holds the same state (it
+    sees only itself). Returns (the first row of each distinct state, in row order; each row's state, an index
+    into them). Equal prompts have equal states throughout."""
+    firsts: list[int] = []
+    state_of: dict[Any, int] = {}  # (previous state, token), or -1 for a pad -> state
+    expand: list[int] = []
+    for i, p in enumerate(prompts):
+        pad, prev = P - len(p), -1
+        for c in range(P):
+            key = -1 if c < pad else (prev, p[c - pad])
+            k = state_of.get(key)
+            if k is None:
+                k = state_of[key] = len(firsts)
+                firsts.append(i * P + c)
+            expand.append(k)
+            if c >= pad:
+                prev = k
+    return firsts, expand
+
+
 def _with_top(tokens: torch.Tensor, logprobs: torch.Tensor, top: int) -> Any:
-    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
     if top <= 0:
         return tokens, chosen
     values, ids = logprobs.topk(min(top, logprobs.shape[-1]), dim=-1)  # (B, top)
@@ -221,20 +247,20 @@ def _norm(module: Any) -> tuple[Any, ...]:
     return ("rms", module.weight, float(eps))
 
 
-def _residual_linear(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+def _residual_linear(h: torch.Tensor, x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None
                      ) -> torch.Tensor:
-    """h + x @ weight.T (+ bias): one addmm for the decode step's 2-D rows."""
-    if bias is None and h.dim() == 2:
-        return torch.addmm(h, x, weight.t())
-    return h + F.linear(x, weight, bias)
+    """h + x @ weight_t (+ bias), rows 2-D: one addmm. weight_t is the layer's weight transposed (a view)."""
+    return torch.addmm(h if bias is None else h + bias, x, weight_t)
 
 
-def _rotate(x: torch.Tensor, turn: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of x (..., heads, D) with rotary pairs side by side: x's pairs as complex numbers times
-    `turn` (..., heads, D/2), broadcast (see `_rope_qkv`). One multiply; bf16/fp16 rotate in float32."""
-    real = x if x.dtype in (torch.float32, torch.float64) else x.float()
-    out = torch.view_as_real(torch.view_as_complex(real.view(*x.shape[:-1], -1, 2)) * turn).view(x.shape)
-    return out if out.dtype == x.dtype else out.to(x.dtype)
+def _rotate_(x: torch.Tensor, turn: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x (..., heads, D/2, 2), contiguous, with rotary pairs side by side, in place: x's pairs
+    as complex numbers times `turn` (..., heads, D/2), broadcast (see `_rope_qkv`). One multiply; bf16/fp16
+    rotate in float32. Returns x."""
+    if x.dtype in (torch.float32, torch.float64):
+        torch.view_as_complex(x).mul_(turn)
+        return x
+    return x.copy_(torch.view_as_real(torch.view_as_complex(x.float()) * turn))
 
 
 def _norm_linear(norm: tuple[Any, ...], x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -423,9 +449,9 @@ class RolloutEngine:
                 if has_bias else None,  # (H*D + 2*Hkv*D, C), (H*D + 2*Hkv*D,)
                 "q_dim": attn.q_proj.out_features,
                 "kv_dim": attn.k_proj.out_features,
-                "o_w": attn.o_proj.weight, "o_b": attn.o_proj.bias,
+                "o_wt": attn.o_proj.weight.t(), "o_b": attn.o_proj.bias,  # transposed: views, for addmm
                 "gate_up_w": gate_up_w,
-                "down_w": mlp.down_proj.weight, "down_b": mlp.down_proj.bias,
+                "down_wt": mlp.down_proj.weight.t(), "down_b": mlp.down_proj.bias,
                 "act": None if silu else mlp.act_fn,  # None: SiLU, applied in place
                 "ffn": mlp.gate_proj.out_features,
                 "norm_in": norm_in,
@@ -469,33 +495,55 @@ class RolloutEngine:
                           torch.ones(L, Hkv, half, dtype=ctype, device=turn.device)], dim=1).contiguous()
 
     def _prefill(self, ids: torch.Tensor, valid: torch.Tensor | None, fused: list, rope: torch.Tensor,
-                 store: Any) -> torch.Tensor:
+                 store: Any, share: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Causal pass over left-padded prompts ids (Bp, P); valid (Bp, P) marks the real tokens (None: no pads).
         Hands each layer's rotated keys and values, (Bp, P, 2Hkv, D), to store(layer, kv). Returns the
-        last position's logits (Bp, V)."""
+        last position's logits (Bp, V): past its keys and values, the last layer runs that position only.
+
+        share = (first, expand) from `prefix_plan`: the flat rows (of Bp*P) of the u distinct prefixes, and each
+        row's prefix among them. Projections and MLP run on the u rows; their q/k/v go to every row for the
+        cache and the attention, which runs over the padded layout as without sharing."""
         top = fused[-1]
         Bp, P = ids.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         if valid is None:
             turn, mask = rope[:P], None  # (P, H + 2Hkv, D/2)
+            if share is not None:
+                turn = turn.index_select(0, share[0] % P)  # (u, H + 2Hkv, D/2)
         else:
-            turn = rope[(valid.long().cumsum(1) - 1).clamp(min=0)]  # (Bp, P, H + 2Hkv, D/2)
+            at = (valid.long().cumsum(1) - 1).clamp(min=0)  # (Bp, P) each token's position
+            turn = rope[at] if share is None else rope[at.view(-1)[share[0]]]  # (Bp, P or u, H + 2Hkv, D/2)
             # a query sees earlier real tokens and always itself (a pad row must not softmax over nothing)
             causal = torch.ones(P, P, dtype=torch.bool, device=ids.device).tril()
             mask = ((causal[None] & valid[:, None, :]) | torch.eye(P, dtype=torch.bool, device=ids.device)[None])
             mask = mask[:, None]  # (Bp, 1, P, P)
-        h = F.embedding(ids.view(-1), top["embed"])  # (Bp*P, C): 2-D rows, so the residual matmuls are addmm
+        flat = ids.view(-1) if share is None else ids.view(-1).index_select(0, share[0])
+        h = F.embedding(flat, top["embed"])  # (Bp*P or u, C): 2-D rows, so the residual matmuls are addmm
+        r = h.shape[0]
+        lead = (Bp, P) if share is None else (r,)  # the rows' shape, as `turn` broadcasts over them
+        last = len(fused) - 2
         for layer, f in enumerate(fused[:-1]):
-            qkv = _norm_linear(f["norm_in"], h, f["qkv_w"], f["qkv_b"])  # (Bp*P, (H + 2Hkv) D)
-            qkv = _rotate(qkv.view(Bp, P, H + 2 * Hkv, D), turn)
+            qkv = _norm_linear(f["norm_in"], h, f["qkv_w"], f["qkv_b"])  # (r, (H + 2Hkv) D)
+            qkv = _rotate_(qkv.view(*lead, H + 2 * Hkv, D // 2, 2), turn)
+            if share is not None:
+                qkv = qkv.view(r, -1).index_select(0, share[1])  # (Bp*P, (H + 2Hkv) D): each row its prefix's
+            qkv = qkv.view(Bp, P, H + 2 * Hkv, D)
             store(layer, qkv.narrow(2, H, 2 * Hkv))
             q, k, v = qkv.transpose(1, 2).split((H, Hkv, Hkv), dim=1)  # (Bp, heads, P, D)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=1.0,
-                                                 enable_gqa=H != Hkv)  # (Bp, H, P, D); q carries the scale
-            h = _residual_linear(h, out.transpose(1, 2).reshape(Bp * P, H * D), f["o_w"], f["o_b"])
-            h = _residual_linear(h, self._gated(f, h), f["down_w"], f["down_b"])
-        last = h.view(Bp, P, -1)[:, -1]  # (Bp, C)
-        return F.linear(_apply_norm(top["norm"], last), top["lm_w"], top["lm_b"]).float()  # (Bp, V)
+            rows, causal = P, mask is None
+            if layer == last:  # the logits need the last position only: its query, attention output and MLP
+                q, rows, causal = q.narrow(2, P - 1, 1), 1, False  # the last query sees every key but pads
+                mask = None if mask is None else mask.narrow(2, P - 1, 1)
+                h = h.view(Bp, P, -1)[:, -1] if share is None else \
+                    h.index_select(0, share[1].view(Bp, P)[:, -1])  # (Bp, C)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=1.0,
+                                                 enable_gqa=H != Hkv)  # (Bp, H, rows, D); q carries the scale
+            out = out.transpose(1, 2).reshape(Bp * rows, H * D)
+            if share is not None and layer != last:
+                out = out.index_select(0, share[0])  # (u, H*D)
+            h = _residual_linear(h, out, f["o_wt"], f["o_b"])
+            h = _residual_linear(h, self._gated(f, h), f["down_wt"], f["down_b"])
+        return F.linear(_apply_norm(top["norm"], h), top["lm_w"], top["lm_b"]).float()  # (Bp, V)
 
     @staticmethod
     def _gated(f: dict[str, Any], h: torch.Tensor) -> torch.Tensor:
@@ -523,17 +571,21 @@ class RolloutEngine:
         at = share[1] if share is not None else idx  # layout places of the rows the step goes on with (None: all)
         if isinstance(t, torch.Tensor):  # CUDA graph: the slot is a device scalar, so one graph serves every t
             state["slot"] = t * state["n"] + state["slot_base"] if state["block"] else t
+        if state["block"]:  # the columns every layer's attention reads (static: all, the future masked), its mask
+            W = state["cache"][0].shape[3] if state["static"] else state["P"] + (int(t) + 1) * state["n"]
+            state["width"] = (W, state["bias"].narrow(-1, 0, W))
         h = F.embedding(tokens, top["embed"])  # (b, C)
         for f, cache in zip(fused, state["cache"]):
             qkv = _norm_linear(f["norm_in"], h, f["qkv_w"], f["qkv_b"])  # (b, (H + 2Hkv) D)
-            qkv = _rotate(qkv.view(b, H + 2 * Hkv, D), turn)  # q (scaled) and k rotated, v as it was
+            # q (scaled) and k rotated, v as it was
+            qkv = _rotate_(qkv.view(b, H + 2 * Hkv, D // 2, 2), turn).view(b, H + 2 * Hkv, D)
             if share is not None:
                 qkv = qkv.index_select(0, share[0])  # (rows of idx, H + 2Hkv, D): each its sequence's
             out = attend(qkv.narrow(1, 0, H), qkv.narrow(1, H, 2 * Hkv), t, idx, cache, state)  # (B, H*D)
             if at is not None:
                 out = out.index_select(0, at)  # (b or u, H*D): the rows the step goes on with
-            h = _residual_linear(h, out, f["o_w"], f["o_b"])
-            h = _residual_linear(h, self._gated(f, h), f["down_w"], f["down_b"])
+            h = _residual_linear(h, out, f["o_wt"], f["o_b"])
+            h = _residual_linear(h, self._gated(f, h), f["down_wt"], f["down_b"])
         return F.linear(_apply_norm(top["norm"], h), top["lm_w"], top["lm_b"]).float()  # (b, V)
 
     def _attend_block(self, q: torch.Tensor, new_kv: torch.Tensor, t: int | torch.Tensor, idx: torch.Tensor | None,
@@ -552,12 +604,11 @@ class RolloutEngine:
         else:
             kv[:, state["g_idx"], :, P + t * n + state["j_idx"]] = new_kv.view(-1, 2, Hkv, D)
             q = q.new_zeros(B, H, D).index_copy_(0, idx, q)
-        W = kv.shape[3] if state["static"] else P + (int(t) + 1) * n  # columns read (static: all, the future masked)
+        W, bias = state["width"]
+        k, v = kv.narrow(3, 0, W).unbind(0)  # (Bp, Hkv, W, D) each
         out = F.scaled_dot_product_attention(  # q carries the scale; query head h reads KV head h // (H / Hkv)
-            q.view(Bp, n, H, D).transpose(1, 2), kv[0].narrow(2, 0, W), kv[1].narrow(2, 0, W),
-            attn_mask=state["bias"].narrow(-1, 0, W), scale=1.0, enable_gqa=H != Hkv)  # (Bp, H, n, D)
-        out = out.transpose(1, 2).reshape(B, H * D)
-        return out
+            q.view(Bp, n, H, D).transpose(1, 2), k, v, attn_mask=bias, scale=1.0, enable_gqa=H != Hkv)  # (Bp, H, n, D)
+        return out.transpose(1, 2).reshape(B, H * D)
 
     def _attend_grouped(self, q: torch.Tensor, new_kv: torch.Tensor, t: int | torch.Tensor,
                         idx: torch.Tensor | None, cache: tuple, state: dict[str, Any]) -> torch.Tensor:
@@ -730,7 +781,17 @@ class RolloutEngine:
                               alloc(2, Bp, Hkv, n, M, D, device=device, dtype=dtype)))
 
             bias = torch.full((1, 1, M), float("-inf"), device=device, dtype=dtype) if static else None
-        logits = self._prefill(ids, valid, fused, rope, store)  # (Bp, V)
+        # per original row, a label of its sequence so far: rows with one label (the same prompt, the same tokens)
+        # hold the same state. Labels compare only among the rows computed together at a step
+        seq, plan = None, None
+        if self.share and not static:
+            firsts, expand = prefix_plan(prompts, P)
+            if len(firsts) <= PREFILL_SHARE_AT * Bp * P:  # the prefill runs each distinct prefix once
+                plan = (torch.tensor(firsts, device=device), torch.tensor(expand, device=device))
+            same = expand[P - 1::P]  # each prompt's state at its last token: equal for equal prompts
+            if n > 1 or len(set(same)) < Bp:  # else no two rows can share
+                seq = torch.tensor(same, device=device).repeat_interleave(n)
+        logits = self._prefill(ids, valid, fused, rope, store, plan)  # (Bp, V)
         state = {"fused": fused, "rope": rope, "cache": cache, "block": block, "Bp": Bp, "n": n, "B": B, "P": P,
                  "M": M, "static": static, "pad_bias": pad_bias, "bias": bias, "share": None,
                  "slot_base": P + torch.arange(n, device=device)}
@@ -756,14 +817,6 @@ class RolloutEngine:
         out_top = (torch.zeros(B, M, top, dtype=torch.float32, device=device),
                    torch.zeros(B, M, top, dtype=torch.long, device=device)) if top > 0 else None
         reasons: dict[int, dict[str, Any]] = {}  # rows the control finished, with its finish reason
-        # per original row, a label of its sequence so far: rows with one label (the same prompt, the same tokens)
-        # hold the same state. Labels compare only among the rows computed together at a step
-        seq = None
-        if self.share and not static:
-            firsts: dict[tuple[int, ...], int] = {}
-            same = [firsts.setdefault(tuple(p), i) for i, p in enumerate(prompts)]  # a prompt's first occurrence
-            if n > 1 or len(firsts) < Bp:  # else no two rows can share
-                seq = torch.tensor(same, device=device).repeat_interleave(n)
         for t in range(M):
             if stops and t < sp.min_new_tokens:
                 logits = logits.masked_fill(is_stop, float("-inf"))  # no stop before min_new_tokens
@@ -777,11 +830,9 @@ class RolloutEngine:
                 where = slice(None) if rows is None else rows
                 out_top[0][where, t], out_top[1][where, t] = drawn[2], drawn[3]
             if stops:
-                sub = stop_at if rows is None else stop_at[rows]
-                sub = torch.where(is_stop[tokens] & (sub > M), t + 1, sub)
-                if rows is None:
-                    stop_at = sub
-                else:
+                sub = stop_at if rows is None else stop_at[rows]  # rows: a copy
+                sub.masked_fill_(is_stop.index_select(0, tokens) & (sub > M), t + 1)
+                if rows is not None:
                     stop_at[rows] = sub
             if control is not None:
                 listed = (list(range(B)) if rows is None else rows.tolist()) if control.wants_tokens else None
@@ -828,7 +879,10 @@ class RolloutEngine:
             expand = None
             if seq is not None:  # the distinct sequences among the rows computed: each once
                 labels = seq if rows is None else seq[rows]  # (b,)
-                distinct, label = torch.unique(labels * logits.shape[-1] + tokens, return_inverse=True)
+                key = labels * logits.shape[-1] + tokens  # >= 0
+                if tracking:  # finished rows are never read again: all of them go with one sequence, -1
+                    key = key.masked_fill_(~(running if rows is None else running[rows]), -1)
+                distinct, label = torch.unique(key, return_inverse=True)
                 if rows is None:
                     seq = label
                 else:
@@ -840,7 +894,7 @@ class RolloutEngine:
                         0, label, torch.arange(b, device=device), "amin")  # (u,) a row of each sequence
                     expand = label
                     state["share"] = (label, first if idx is None else idx[first])
-                    tokens, pos = tokens[first], pos[first]
+                    tokens, pos = tokens.index_select(0, first), pos.index_select(0, first)
             if replay is not None:
                 logits = replay(tokens, pos, t)
             else:
