@@ -565,7 +565,7 @@ class RolloutEngine:
         fused = state["fused"]
         top = fused[-1]
         H, Hkv, D, b = self.num_heads, self.num_kv_heads, self.head_dim, tokens.shape[0]
-        turn = state["rope"][positions]  # (b, H + 2Hkv, D/2)
+        turn = state["rope"].index_select(0, positions)  # (b, H + 2Hkv, D/2)
         attend = self._attend_block if state["block"] else self._attend_grouped
         share = state["share"]
         at = share[1] if share is not None else idx  # layout places of the rows the step goes on with (None: all)
@@ -879,7 +879,7 @@ class RolloutEngine:
             expand = None
             if seq is not None:  # the distinct sequences among the rows computed: each once
                 labels = seq if rows is None else seq[rows]  # (b,)
-                key = labels * logits.shape[-1] + tokens  # >= 0
+                key = tokens.add(labels, alpha=logits.shape[-1])  # label * V + token, >= 0
                 if tracking:  # finished rows are never read again: all of them go with one sequence, -1
                     key = key.masked_fill_(~(running if rows is None else running[rows]), -1)
                 distinct, label = torch.unique(key, return_inverse=True)
