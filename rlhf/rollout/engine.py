@@ -18,7 +18,10 @@ rollout server exposes, with sglang's field names:
 How one call runs, for Bp prompts x n samples (B = Bp*n rows, a GRPO group's rows adjacent):
 
 1. **Prefill once per prompt** (not per sample): one batched causal pass over the Bp left-padded
-   prompts. Their keys/values are stored once per prompt, never copied per sample.
+   prompts. Their keys/values are stored once per prompt, never copied per sample. Prompts that begin
+   alike (a chat template, the same prompt passed twice) have their common prefix computed once
+   (`prefix_plan`; its q/k/v go to every prompt's rows), and past its keys/values the last layer runs
+   the last position only, the one whose logits start the samples.
 2. **Decode** into a cache preallocated for the call, in one of two layouts (RLHF_ROLLOUT_LAYOUT=
    auto|block|grouped; auto: block while n x max_new_tokens <= BLOCK_COLUMNS, or n = 1):
    - *block*: (2, Bp, Hkv, P + M*n, D) per layer, a group's prompt keys/values then its samples'
@@ -38,7 +41,8 @@ How one call runs, for Bp prompts x n samples (B = Bp*n rows, a GRPO group's row
    (a warmed GRPO policy on the default task: 64 rows are 15 distinct sequences at the first step, 29 at the
    second). Rows that share get their sequence's numbers bit for bit; computed apart, such rows differ in the
    last bits (the block layout's attention adds each sample's own column at a different place), so sharing
-   moves a run's rounding, not its distribution. RLHF_ROLLOUT_SHARE=0 computes every row. Not on CUDA graphs
+   moves a run's rounding, not its distribution. Rows that have finished all go with one sequence (their
+   tokens are never read). RLHF_ROLLOUT_SHARE=0 computes every row, in the prefill too. Not on CUDA graphs
    (static shapes).
 4. **Finished rows** stop costing matmuls without any cache copy: when the rows still running
    fall to half of those computed, the hidden-state path (projections, MLP, LM head, sampling)
