@@ -205,6 +205,13 @@ def test_samples_that_drew_the_same_tokens_are_computed_once_and_keep_their_logp
     assert all(computed == served for served, computed, _ in steps)
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    k = 0
+    while k < min(len(a), len(b)) and a[k] == b[k]:
+        k += 1
+    return k
+
+
 def test_prefix_plan_names_each_prefill_rows_state():
     # prompts left-padded to 3 columns, flat rows i*3 + c: "1 2 3", "_ 1 2", "1 2 3" again, "_ _ 4"
     firsts, expand = prefix_plan([[1, 2, 3], [1, 2], [1, 2, 3], [4]], 3)
@@ -234,6 +241,12 @@ def test_prompts_with_a_common_prefix_compute_it_once_in_the_prefill(preset, nan
         results = engine.generate(prompt_ids, {"max_new_tokens": 6, "n": n, "temperature": temperature},
                                   return_logprob=True)
         assert computed[-1] == len(distinct) + pads < len(prompt_ids) * max(map(len, prompt_ids))
+        # cached_tokens: a prompt's first sample did not compute its longest common prefix with an earlier prompt
+        # (all of it for the repeated one), a group's other samples none of their prompt
+        common = [max((_common_prefix(p, q) for q in prompt_ids[:i]), default=0) for i, p in enumerate(prompt_ids)]
+        assert [r["meta_info"]["cached_tokens"] for r in results[::n]] == common
+        assert common[-1] == len(prompt_ids[-1]) and all(
+            r["meta_info"]["cached_tokens"] == r["meta_info"]["prompt_tokens"] for k, r in enumerate(results) if k % n)
         batch = build_rl_batch([p for p in prompt_ids for _ in range(n)], results, tok.pad_token_id)
         with torch.no_grad():
             lp, _ = token_logprobs(model, batch["input_ids"], batch["attention_mask"], max(temperature, 1.0))

@@ -13,7 +13,7 @@ rollout server exposes, with sglang's field names:
                                      "top_k": -1, "stop_token_ids": [...], "n": 8},
                     return_logprob=True)
     -> [{"text", "output_ids", "meta_info": {"finish_reason", "prompt_tokens",
-         "completion_tokens", "output_token_logprobs", "weight_version"}}, ...]
+         "completion_tokens", "cached_tokens", "output_token_logprobs", "weight_version"}}, ...]
 
 How one call runs, for Bp prompts x n samples (B = Bp*n rows, a GRPO group's rows adjacent):
 
@@ -377,9 +377,8 @@ class RolloutEngine:
         if not input_ids or any(len(p) == 0 for p in input_ids):
             raise ValueError("generate: every prompt needs at least one token")
         with self.lock, torch.inference_mode():
-            out_tokens, out_logprobs, finish, tops = self._decode([list(p) for p in input_ids], sp,
-                                                                  top=top_logprobs_num if return_logprob else 0,
-                                                                  control=control)
+            out_tokens, out_logprobs, finish, tops, cached = self._decode(
+                [list(p) for p in input_ids], sp, top=top_logprobs_num if return_logprob else 0, control=control)
             version = self.weight_version
         prompts = [p for p in input_ids for _ in range(sp.n)]  # groups adjacent
         results = []
@@ -388,6 +387,10 @@ class RolloutEngine:
                 "finish_reason": fin,
                 "prompt_tokens": len(prompt),
                 "completion_tokens": len(toks),
+                # prompt tokens whose prefill this row did not pay for: a group's later samples read all of
+                # it, a prompt's first sample the prefix an earlier prompt of the call computed (as sglang's
+                # radix cache would count it)
+                "cached_tokens": len(prompt) if row % sp.n else cached[row // sp.n],
                 "weight_version": version,
             }
             if return_logprob:
@@ -788,10 +791,13 @@ class RolloutEngine:
         # per original row, a label of its sequence so far: rows with one label (the same prompt, the same tokens)
         # hold the same state. Labels compare only among the rows computed together at a step
         seq, plan = None, None
+        cached = [0] * Bp  # each prompt's tokens whose prefill an earlier prompt of the call computed
         if self.share and not static:
             firsts, expand = prefix_plan(prompts, P)
             if len(firsts) <= PREFILL_SHARE_AT * Bp * P:  # the prefill runs each distinct prefix once
                 plan = (torch.tensor(firsts, device=device), torch.tensor(expand, device=device))
+                cached = [sum(firsts[expand[i * P + c]] < i * P for c in range(P - len(p), P))
+                          for i, p in enumerate(prompts)]
             same = expand[P - 1::P]  # each prompt's state at its last token: equal for equal prompts
             if n > 1 or len(set(same)) < Bp:  # else no two rows can share
                 seq = torch.tensor(same, device=device).repeat_interleave(n)
@@ -919,4 +925,4 @@ class RolloutEngine:
         if out_top is not None:
             values, ids = out_top[0].tolist(), out_top[1].tolist()
             tops = [list(zip(values[r][:lengths_host[r]], ids[r][:lengths_host[r]])) for r in range(B)]
-        return out_t, out_l, finish, tops
+        return out_t, out_l, finish, tops, cached

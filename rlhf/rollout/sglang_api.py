@@ -291,11 +291,14 @@ def reply(prompt: Prompt, j: int, result: dict[str, Any] | None, weight_version:
           packed: bool = False) -> dict[str, Any]:
     """One output in sglang's shape (result None: max_new_tokens 0, nothing generated)."""
     ids = list(result["output_ids"]) if result else []
+    # the engine's count: a group's later samples read the prompt's prefill, its first sample what an earlier
+    # prompt of the same call computed
+    cached = len(prompt.ids) if j > 0 else 0
+    cached = result["meta_info"].get("cached_tokens", cached) if result else cached
     finish = result["meta_info"]["finish_reason"] if result else {"type": "length", "length": 0}
     meta: dict[str, Any] = {
         "id": output_id(prompt, j), "finish_reason": finish, "prompt_tokens": len(prompt.ids), "completion_tokens": len(ids),
-        # the n samples of a prompt share its prefill: every sample but the first reads it from the cache
-        "cached_tokens": len(prompt.ids) if j > 0 else 0, "reasoning_tokens": 0, "num_retractions": 0,
+        "cached_tokens": cached, "reasoning_tokens": 0, "num_retractions": 0,
         "weight_version": weight_version, "e2e_latency": time.time() - started,
     }
     if prompt.return_logprob:
