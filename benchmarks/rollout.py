@@ -10,7 +10,8 @@ Two workloads, same model, same prompts, runs interleaved, median of --repeats:
                tokens = generated tokens up to and including EOS.
 
 batch = samples per call (prompts x n for grpo). The native engine computes the samples of a prompt that drew
-the same tokens once; RLHF_ROLLOUT_SHARE=0 python benchmarks/rollout.py measures it computing every row.
+the same tokens once, and a prefix common to several prompts once in the prefill; RLHF_ROLLOUT_SHARE=0 python
+benchmarks/rollout.py measures it computing every row.
 
     python benchmarks/rollout.py                       # batches 64, 256, 512
     python benchmarks/rollout.py --batches 256 --new-tokens 32
