@@ -214,9 +214,10 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 def test_prefix_plan_names_each_prefill_rows_state():
     # prompts left-padded to 3 columns, flat rows i*3 + c: "1 2 3", "_ 1 2", "1 2 3" again, "_ _ 4"
-    firsts, expand = prefix_plan([[1, 2, 3], [1, 2], [1, 2, 3], [4]], 3)
+    firsts, expand, shared = prefix_plan([[1, 2, 3], [1, 2], [1, 2, 3], [4]], 3)
     assert firsts == [0, 1, 2, 3, 11]  # "1", "1 2", "1 2 3", a pad, "4": where each first appears
     assert expand == [0, 1, 2, 3, 0, 1, 0, 1, 2, 3, 3, 4]  # a prefix is one state at any padding
+    assert shared == [0, 2, 3, 0]  # tokens an earlier prompt holds (pads not counted)
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-llama-gqa"])

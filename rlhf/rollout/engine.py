@@ -196,27 +196,32 @@ def inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return (c * K + torch.searchsorted(inner, rest)).squeeze(1).clamp_(max=V - 1)
 
 
-def prefix_plan(prompts: list[list[int]], P: int) -> tuple[list[int], list[int]]:
+def prefix_plan(prompts: list[list[int]], P: int) -> tuple[list[int], list[int], list[int]]:
     """Which rows of a prefill hold the same state. The prompts are left-padded to P columns, flat row i*P + c.
     A row's state is set by its prompt's tokens from the first one up to its column (positions count from a
     prompt's first token, so a common prefix is common at any padding); every pad row holds the same state (it
     sees only itself). Returns (the first row of each distinct state, in row order; each row's state, an index
-    into them). Equal prompts have equal states throughout."""
+    into them; per prompt, how many of its tokens an earlier prompt holds: the length of its longest common
+    prefix with one). Equal prompts have equal states throughout."""
     firsts: list[int] = []
     state_of: dict[Any, int] = {}  # (previous state, token), or -1 for a pad -> state
     expand: list[int] = []
+    shared: list[int] = []
     for i, p in enumerate(prompts):
         pad, prev = P - len(p), -1
+        shared.append(0)
         for c in range(P):
             key = -1 if c < pad else (prev, p[c - pad])
             k = state_of.get(key)
             if k is None:
                 k = state_of[key] = len(firsts)
                 firsts.append(i * P + c)
+            elif c >= pad:  # a token's state seen before: an earlier prompt's (a prompt's own states all differ)
+                shared[i] += 1
             expand.append(k)
             if c >= pad:
                 prev = k
-    return firsts, expand
+    return firsts, expand, shared
 
 
 def _with_top(tokens: torch.Tensor, logprobs: torch.Tensor, top: int) -> Any:
@@ -793,11 +798,10 @@ class RolloutEngine:
         seq, plan = None, None
         cached = [0] * Bp  # each prompt's tokens whose prefill an earlier prompt of the call computed
         if self.share and not static:
-            firsts, expand = prefix_plan(prompts, P)
+            firsts, expand, shared = prefix_plan(prompts, P)
             if len(firsts) <= PREFILL_SHARE_AT * Bp * P:  # the prefill runs each distinct prefix once
                 plan = (torch.tensor(firsts, device=device), torch.tensor(expand, device=device))
-                cached = [sum(firsts[expand[i * P + c]] < i * P for c in range(P - len(p), P))
-                          for i, p in enumerate(prompts)]
+                cached = shared
             same = expand[P - 1::P]  # each prompt's state at its last token: equal for equal prompts
             if n > 1 or len(set(same)) < Bp:  # else no two rows can share
                 seq = torch.tensor(same, device=device).repeat_interleave(n)
