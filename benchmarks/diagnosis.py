@@ -42,7 +42,8 @@ import yaml  # noqa: E402
 
 from rlhf.analysis import injections, stage_of_point  # noqa: E402
 from rlhf.diagnosis import LOG_LINE, diagnose, stage_of_route, stamp  # noqa: E402
-from rlhf.faults.spec import FaultSpecError, check_world, parse_fault_dicts  # noqa: E402
+from rlhf.faults.parse import parse_fault_dicts  # noqa: E402
+from rlhf.faults.spec import FaultSpecError, check_world  # noqa: E402
 
 # slow a run down, never fail it: contention, and memory pressure (capped at half the free memory)
 BACKGROUND_SLOWDOWNS = {"cpu_contention", "io_contention", "memory_pressure"}
@@ -74,6 +75,8 @@ RANDOM_SPACE = [
     ("network_loss", {"mode": "reset"}, [("rollout", 1, "rpc.server.handle", "/generate"),
                                          ("train", 0, "rpc.server.handle", "/train_step")]),
 ]
+
+SHARDED = ("fsdp_all_gather_hang", "fsdp_all_gather_oom")  # examples/faults, in the resilience each file sets
 
 KIND_CATEGORIES = {
     "process_kill": {"process_death"}, "hang": {"hang", "timeout"}, "network_delay": {"timeout", "hang"},
@@ -182,7 +185,7 @@ def run(run_dir: str, fault_file: str, resilience: str, restart: bool = False) -
             time.sleep(15)  # a crashed run's leftovers stop when the scheduler's lease lapses
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
                f"--master_port={free_port()}", os.path.join(ROOT, "examples", "grpo_trainer.py"), "--run-dir",
-               run_dir, "--faults", fault_file, "--resilience", resilience]
+               run_dir, "--faults", fault_file] + (["--resilience", resilience] if resilience != "as written" else [])
         try:
             codes.append(subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
                                         timeout=300).returncode)
@@ -217,6 +220,8 @@ def main() -> None:
     ap.add_argument("--scenarios", nargs="*", default=[str(i) for i in range(1, 11)])
     ap.add_argument("--resilience", nargs="+", default=["faithful", "hardened"], choices=["faithful", "hardened"])
     ap.add_argument("--random", type=int, default=30, help="seeded random single faults (faithful)")
+    ap.add_argument("--sharded", nargs="*", default=list(SHARDED),
+                    help="the sharded-training fault files (train.parallel fsdp), each run with its own resilience")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default="", help="directory for the runs and the table (default: a temp dir)")
     ap.add_argument("--rescore", default="", help="score the run directories already in this folder; run nothing")
@@ -228,6 +233,9 @@ def main() -> None:
         for res in args.resilience:
             plan.append((f"scenario {n} {res}", os.path.join(out, f"scenario{n}-{res}"),
                          os.path.join(ROOT, "examples", "faults", f"scenario{n}.yaml"), res, n == "9" and res == "faithful"))
+    for name in args.sharded:
+        plan.append((f"sharded {name}", os.path.join(out, name), os.path.join(ROOT, "examples", "faults",
+                                                                               f"{name}.yaml"), "as written", False))
     for i, fault in enumerate(draw(random.Random(args.seed), args.random)):
         path = os.path.join(out, f"random{i}.yaml")
         if not args.rescore:
@@ -270,6 +278,7 @@ def print_table(rows: list[dict]) -> None:
     print("|---|---:|---:|---:|---:|---:|")
     groups = {"scenarios, faithful": lambda r: r["run"].startswith("scenario") and r["run"].endswith("faithful"),
               "scenarios, hardened": lambda r: r["run"].startswith("scenario") and r["run"].endswith("hardened"),
+              "sharded training (fsdp)": lambda r: r["run"].startswith("sharded"),
               "random single faults": lambda r: r["run"].startswith("random")}
     for name, pick in groups.items():
         scored = [r for r in rows if pick(r) and r["correct"] is not None]

@@ -49,7 +49,7 @@ _FAILED = re.compile(r"run failed: (?:step (?P<step>\d+), stage (?P<stage>[a-z_]
 def stage_of_point(point: str, context: dict[str, Any] | None = None) -> str:
     """The step stage a fault point belongs to; the marker's context refines it (an RPC's stage, a periodic save)."""
     context = context or {}
-    if context.get("stage") and point.startswith("rpc."):
+    if context.get("stage") and point.startswith(("rpc.", "collective.")):  # the request it fired in
         return str(context["stage"])
     slot = str(context.get("path", "")).rsplit(f"{os.sep}checkpoints{os.sep}", 1)[-1]  # periodic/…, .staging-periodic-…
     if point.startswith("checkpoint.") and "periodic" in slot:

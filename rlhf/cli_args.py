@@ -8,9 +8,14 @@ import os
 import sys
 from typing import Any
 
+import yaml
+
 from rlhf.config import PRESETS, Config, ConfigError, build_config, format_help, parse_overrides
-from rlhf.faults.spec import FaultSpecError, check_world, load_fault_config, load_fault_file, resolve_fault_file
-from rlhf.runtime.resilience import PRESET_NAMES
+from rlhf.config.resilience import PRESET_NAMES
+from rlhf.faults.parse import load_fault_config, load_fault_file, resolve_fault_file
+from rlhf.faults.spec import FaultSpecError
+from rlhf.models import model_shape
+from rlhf.train.parallel import layout_problems
 
 
 def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -57,11 +62,15 @@ def parse_config(argv: list[str] | None, parser: argparse.ArgumentParser) -> tup
     if args.faults:
         try:
             args.faults = [resolve_fault_file(path) for path in args.faults]  # a bare name finds a bundled file
-            for path in args.faults:
-                load_fault_file(path)  # validate first: a bad file fails before its config is read
-                scenario += _flatten(load_fault_config(path))
         except FaultSpecError as err:
             parser.error(str(err))
+        for path in args.faults:
+            try:  # a file that is not YAML is reported, with its line, by the validation below
+                scenario += _flatten(load_fault_config(path))
+            except yaml.YAMLError:
+                pass
+            except FaultSpecError as err:
+                parser.error(str(err))
     try:
         cfg = build_config(
             preset=args.preset,
@@ -77,27 +86,27 @@ def parse_config(argv: list[str] | None, parser: argparse.ArgumentParser) -> tup
     if unusable:
         parser.error(unusable)
     if args.faults:
-        try:
-            specs = [spec for path in args.faults for spec in load_fault_file(path)]
-        except FaultSpecError as err:
-            parser.error(str(err))
-        names = [s.name for s in specs]
-        dup = sorted({n for n in names if names.count(n) > 1})
-        if dup:
-            parser.error(f"fault names must be unique across --faults files; repeated: {', '.join(dup)}")
         world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's --nproc_per_node (one process without it)
-        problems = check_world(specs, world, cfg.rollout.servers)
+        specs, problems, need = [], [], world
+        for path in args.faults:  # every problem of every file at once: schema and this run's world, in file order
+            try:
+                specs += load_fault_file(path, world=(world, cfg.rollout.servers))
+            except FaultSpecError as err:
+                problems.append(str(err))
+                need = max(need, err.train_ranks_needed)
         if problems:
             if int(os.environ.get("RANK", "0")) != 0:
                 raise SystemExit(2)  # rank 0 says why, once
-            need = max([s.target.ranks and max(s.target.ranks) + 1 or 1 for s in specs if s.target.role in ("", "train")]
-                       + [world])
             script = os.path.relpath(sys.argv[0]) if sys.argv[0].endswith(".py") else parser.prog
             fix = (f"\nrun with {need} train ranks: torchrun --nproc_per_node={need} {' '.join([script] + argv)}"
                    if need > world else "")
             parser.error(f"this run has {world} train rank{'s' * (world != 1)} and {cfg.rollout.servers} rollout "
-                         f"server{'s' * (cfg.rollout.servers != 1)}; {len(problems)} fault(s) could never fire:\n  "
-                         + "\n  ".join(problems) + fix)
+                         f"server{'s' * (cfg.rollout.servers != 1)}; its faults cannot run as written:\n"
+                         + "\n".join(problems) + fix)
+        names = [s.name for s in specs]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            parser.error(f"fault names must be unique across --faults files; repeated: {', '.join(dup)}")
         cfg.faults = list(cfg.faults) + [s.to_dict() for s in specs]
     if args.print_config:
         print(cfg.to_yaml(), end="")
@@ -126,6 +135,10 @@ def _unusable_inputs(cfg: Config) -> str:
         if cfg.rollout.backend == "native" and model_type not in SUPPORTED_MODEL_TYPES:
             return (f"model.path: model_type {model_type!r} is not one the native rollout engine runs; valid: "
                     f"{', '.join(SUPPORTED_MODEL_TYPES)} (or --rollout.backend sglang)")
+    problems = layout_problems(cfg.train.parallel, cfg.train.tp_size, int(os.environ.get("WORLD_SIZE", "1")),
+                               model_shape(cfg.model))
+    if problems:
+        return "; ".join(problems)
     if cfg.task.name == "jsonl" and not os.path.isfile(cfg.task.path):
         return f"task.path: {cfg.task.path!r} is not a file (expected a JSONL file of {{\"prompt\", \"answer\"}} lines)"
     return ""

@@ -1,7 +1,8 @@
 """Hang forensics: the Python stacks of every live process of a run, on demand, with no debugger.
 
     each process at its start (exits.record_start):  faulthandler on SIGUSR2 → RUN_DIR/stacks/<process>.txt
-    the stall watchdog (or anyone):                   stacks.dump(run_dir, why) → SIGUSR2 to every live process
+    the stall watchdog (or anyone):                   stacks.dump(run_dir, why, exits.all_lives(run_dir))
+                                                      → SIGUSR2 to every live process
 
 faulthandler writes from its C signal handler, so a process whose threads are stuck in C code (a collective,
 a lock, a read) or hold the GIL still dumps every thread. Files that stayed empty are removed at the run's end.
@@ -34,12 +35,13 @@ def arm(run_dir: str, process: str) -> None:
     faulthandler.register(SIGNAL, file=_FILE, all_threads=True, chain=False)
 
 
-def dump(run_dir: str, why: str, timeout_s: float = 2.0) -> dict[str, str]:
-    """Ask every live process of the run for its stacks; returns {process: file} of those that wrote them."""
-    from rlhf import exits  # exits arms this module at every process start
+def dump(run_dir: str, why: str, lives: list[dict], timeout_s: float = 2.0) -> dict[str, str]:
+    """Ask every live process of the run for its stacks; returns {process: file} of those that wrote them.
 
+    lives: the run's process lives (`exits.all_lives(run_dir)`: exits arms this module at every process start,
+    so this module does not read them itself)."""
     waiting: dict[str, tuple[str, int]] = {}
-    for life in exits.all_lives(run_dir):
+    for life in lives:
         name, pid = life["process"], life["pid"]
         path = path_of(run_dir, name)
         if life["end"] is not None or not pid or not os.path.exists(path):

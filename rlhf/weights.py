@@ -171,24 +171,26 @@ def from_safetensors_bytes(data: bytes) -> dict[str, torch.Tensor]:
     return st_load(data)
 
 
-def save_state_dir(model: torch.nn.Module, directory: str, tokenizer=None) -> None:
+def save_state_dir(model: torch.nn.Module, directory: str, tokenizer=None,
+                   tensors: dict[str, torch.Tensor] | None = None) -> None:
     """Write an HF model directory (config.json [+ generation_config.json] + model.safetensors [+ tokenizer]).
 
     Not `model.save_pretrained`: inside an initialised torch.distributed world transformers writes the weights
     only on global rank 0 and skips every other rank without a word, and any train rank may write here (the
     weights fallback picks one that is free). Tied weights (lm_head = embed_tokens) are written once, under
-    the first name, as transformers does.
+    the first name, as transformers does. `tensors`: the weights by parameter name (a sharded model's, gathered
+    whole), instead of the model's own state dict.
     """
     os.makedirs(directory, exist_ok=True)
-    tensors: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
     seen: set[tuple[int, int, tuple[int, ...]]] = set()
-    for name, t in model.state_dict().items():
+    for name, t in (tensors if tensors is not None else model.state_dict()).items():
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
         if key in seen:
             continue
         seen.add(key)
-        tensors[name] = t.detach().contiguous().cpu()
-    save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+        out[name] = t.detach().contiguous().cpu()
+    save_file(out, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
     model.config.save_pretrained(directory)
     generation = getattr(model, "generation_config", None)
     if generation is not None:

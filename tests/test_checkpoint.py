@@ -75,8 +75,8 @@ def test_a_bounded_write_abandons_a_stuck_writer_and_waits_for_a_working_one(tmp
     import pytest
 
     from rlhf import faults
-    from rlhf.faults.spec import parse_faults_text
-    from rlhf.runtime.errors import CheckpointWriteStalled
+    from rlhf.errors import CheckpointWriteStalled
+    from rlhf.faults.parse import parse_faults_text
 
     model, opt = _model_and_optimizer(0)
     items = ckpt.snapshot_rank_files(0, model, opt)

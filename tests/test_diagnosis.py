@@ -292,3 +292,19 @@ def test_a_timeout_in_disk_wait_under_io_pressure_is_io_starvation(tmp_path):
                    metrics={"rollout-0": _beats(10.5, 4, disk_wait_threads=1, io_pressure_percent=45.0)})
     d = diagnose(str(run))
     assert d.root.category == "io_starvation" and "waited for IO 45%" in d.root.summary, d.render()
+
+
+def test_the_headline_names_the_killed_process_and_the_one_restarted_in_its_place(tmp_path):
+    """A rollout server killed mid-step and restarted (hardened): the headline's pid is the dead one's, with how it
+    ended, and it says which pid took its place; the evidence names the same pid."""
+    run = make_run(tmp_path, {
+        "controller-0": [(10.00, "WARNING", "rlhf.controller", "step 3: rollout-1 failed (RpcConnectionError: cannot "
+                                                               "reach rollout-1 (http://x/generate): Server disconnected)"),
+                         (10.05, "ERROR", "rlhf.controller", FAILED_TRAIN)],
+    }, lives=[("rollout-1", DEAD_PID, 1.0, 10.2, -9, "scheduler-0", False),
+              ("rollout-1", DEAD_PID + 7, 10.5, None, None, "", None)])
+    d = diagnose(str(run))
+    assert (d.root.process, d.root.pid, d.root.exit, d.root.replaced_by) == \
+        ("rollout-1", DEAD_PID, "killed by SIGKILL", DEAD_PID + 7)
+    assert f"rollout-1 (pid {DEAD_PID}, killed by SIGKILL; restarted as pid {DEAD_PID + 7})" in d.headline()
+    assert any(e.pid == DEAD_PID for e in d.root.evidence)

@@ -11,8 +11,9 @@ import pytest
 from rlhf.config import Config
 from rlhf.faults import never_fired
 from rlhf.faults.cli import faults_main
+from rlhf.faults.parse import parse_faults_text
 from rlhf.faults.points import POINT_ROLES, POINTS, ROUTES
-from rlhf.faults.spec import FaultSpecError, check_world, parse_faults_text
+from rlhf.faults.spec import FaultSpecError, check_world
 from tests.conftest import ROOT
 
 
@@ -94,7 +95,7 @@ def test_a_run_too_small_for_its_scenario_refuses_with_the_command_to_use():
 
 def test_faults_validate_checks_the_world_when_given(capsys):
     assert faults_main(["validate", "scenario3.yaml", "--world-size", "2"]) == 0
-    assert faults_main(["validate", "scenario3.yaml", "--world-size", "1"]) == 1
+    assert faults_main(["validate", "scenario3.yaml", "--world-size", "1"]) == 2
     assert "targets train rank 1, but this run has 1 train rank" in capsys.readouterr().err
     for name in sorted(os.listdir(os.path.join(ROOT, "examples", "faults"))):  # every bundled file fits 2 ranks
         assert faults_main(["validate", name, "--world-size", "2"]) == 0, name
@@ -140,3 +141,37 @@ def test_the_route_table_is_what_the_services_serve(tmp_path):
                 "scheduler": Scheduler(str(tmp_path), "t", 5.0).service}
     for role, service in services.items():
         assert routes(service) == set(ROUTES[role]), role
+
+
+def test_schema_and_world_problems_are_listed_together_in_file_order(tmp_path, capsys):
+    """A schema problem in one fault and an out-of-range rank in another (and a rank past the world in a fault
+    that also has a schema problem): every one, in the order of the file's lines, and exit 2."""
+    path = tmp_path / "mixed.yaml"
+    path.write_text("""faults:
+  - name: far-rank
+    kind: hang
+    point: train.step
+    target: {role: train, rank: 5}
+  - name: bad-kind
+    kind: netwrk_delay
+    point: rpc.client.send
+  - name: both
+    kind: hang
+    point: train.step
+    target: {role: train, rank: 3}
+    when: {step: -x}
+""")
+    assert faults_main(["validate", str(path), "--world-size", "2"]) == 2
+    err = capsys.readouterr().err
+    lines = [line.strip() for line in err.splitlines() if line.strip().startswith(str(path))]
+    assert len(lines) == 4, err
+    assert ":5: fault 'far-rank' targets train rank 5, but this run has 2 train ranks" in lines[0]
+    assert ":7: faults[1].kind: 'netwrk_delay' is not a fault kind (did you mean 'network_delay'?)" in lines[1]
+    assert ":12: fault 'both' targets train rank 3" in lines[2]
+    assert ":13: faults[2].when.step" in lines[3]
+    out = subprocess.run([sys.executable, "examples/grpo_trainer.py", "--faults", str(path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "WORLD_SIZE": "1"})
+    assert out.returncode == 2
+    assert out.stderr.index("'far-rank' targets train rank 5") < out.stderr.index("netwrk_delay") \
+        < out.stderr.index("'both' targets train rank 3")
+    assert "torchrun --nproc_per_node=6" in out.stderr  # the world its faults need, from every fault that parsed

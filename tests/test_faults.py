@@ -19,10 +19,11 @@ import pytest
 import torch
 
 from rlhf import clock, faults
+from rlhf.errors import HTTPStatusError, RemoteError, RpcConnectionError
 from rlhf.faults import afault_point, fault_point
-from rlhf.faults.spec import FaultSpecError, parse_faults_text
+from rlhf.faults.parse import parse_faults_text
+from rlhf.faults.spec import FaultSpecError
 from rlhf.runtime.client import Client, LoopThread
-from rlhf.runtime.errors import HTTPStatusError, RemoteError, RpcConnectionError
 from rlhf.runtime.http import Service, ServiceThread
 from tests.conftest import ROOT
 
@@ -80,7 +81,7 @@ def test_a_bad_spec_gives_one_clear_message_with_the_line(case, tmp_path):
     path.write_text(text)
     out = subprocess.run([sys.executable, "-m", "rlhf.cli", "faults", "validate", str(path)], capture_output=True,
                          text=True, cwd=ROOT)
-    assert out.returncode == 1 and expected[1] in out.stderr
+    assert out.returncode == 2 and expected[1] in out.stderr
 
 
 def test_valid_files_validate_and_list_names_every_kind_and_point(tmp_path):
@@ -323,7 +324,7 @@ def test_process_kill_kills(tmp_path):
 TARGET = """
 import sys, time
 from rlhf import faults
-from rlhf.faults.spec import parse_faults_text
+from rlhf.faults.parse import parse_faults_text
 faults.arm(sys.argv[1], parse_faults_text(open(sys.argv[2]).read(), "target.yaml"))
 faults.fault_point(sys.argv[3], step=1)
 print("HIT", flush=True)

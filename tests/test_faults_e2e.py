@@ -76,3 +76,69 @@ def test_cpu_contention_slows_that_steps_rollout_and_shows_in_the_servers_cpu(fa
         assert max(float(r["children_cpu_percent"]) for r in csv.DictReader(fh)) == 0.0
     audit = json.loads((faulted_run / "faults" / "audit.json").read_text())
     assert audit["cleaned"] == []  # restored by its process; nothing left for the survivor
+
+
+HOPS = """
+faults:
+  - name: train1-to-metaserver
+    kind: dns_failure
+    point: rpc.client.send
+    target: {role: train, rank: 1, peer: metaserver}
+    when: {step: 2, max_hits: 1}
+  - name: rollout0-to-metaserver
+    kind: network_delay
+    point: rpc.client.send
+    target: {role: rollout, rank: 0, peer: metaserver}
+    when: {step: 2, max_hits: 1}
+    params: {delay_ms: 40}
+  - name: controller-to-train1
+    kind: network_delay
+    point: rpc.client.send
+    target: {role: controller, peer: train-1}
+    when: {step: 2, max_hits: 1}
+    params: {delay_ms: 40}
+  - name: controller-to-rollout1
+    kind: network_delay
+    point: rpc.client.send
+    target: {role: controller, peer: rollout-1}
+    when: {step: 2, max_hits: 1}
+    params: {delay_ms: 40}
+  - name: controller-to-metaserver
+    kind: network_delay
+    point: rpc.client.send
+    target: {role: controller, peer: metaserver}
+    when: {step: 2, max_hits: 1}
+    params: {delay_ms: 40}
+  - name: controller-to-scheduler
+    kind: network_delay
+    point: rpc.client.send
+    target: {role: controller, peer: scheduler}
+    when: {max_hits: 1}
+    params: {delay_ms: 40}
+"""
+
+
+def test_a_network_fault_fires_on_every_client_hop_of_a_two_rank_run(tmp_path):
+    """Every HTTP hop goes through the client: a fault at rpc.client.send fires on train → MetaServer (the shard
+    upload), rollout → MetaServer (the pull), and controller → train rank, rollout server, MetaServer and
+    scheduler. The DNS failure of train rank 1's shard PUT is retried (an idempotent PUT) and the run finishes."""
+    spec = tmp_path / "hops.yaml"
+    spec.write_text(HOPS)
+    run_dir = tmp_path / "run"
+    out = subprocess.run(torchrun(run_dir, "--steps", "2", "--faults", str(spec)), capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert_none_left(run_dir)
+    with open(run_dir / "faults" / "markers.jsonl") as fh:
+        marks = [json.loads(line) for line in fh]
+    fired = {m["fault"]: m for m in marks if m["event"] == "inject"}
+    expected = {"train1-to-metaserver": ("train", 1), "rollout0-to-metaserver": ("rollout", 0),
+                "controller-to-train1": ("controller", 0), "controller-to-rollout1": ("controller", 0),
+                "controller-to-metaserver": ("controller", 0), "controller-to-scheduler": ("controller", 0)}
+    assert set(fired) == set(expected), sorted(fired)
+    for name, (role, rank) in expected.items():
+        assert (fired[name]["role"], fired[name]["rank"]) == (role, rank), fired[name]
+    assert fired["train1-to-metaserver"]["step"] == 2
+    train1 = (run_dir / "logs" / "train-1.log").read_text()
+    assert "retrying PUT /weights/2/rank1 to metaserver-0 (attempt 2" in train1 and "dns_failure" in train1
+    assert "never fired" not in out.stderr

@@ -10,11 +10,11 @@ import threading
 import pytest
 import torch
 
+from rlhf.config.resilience import FAITHFUL, HARDENED
+from rlhf.errors import HTTPStatusError, RemoteError, RpcConnectionError, RpcTimeout
 from rlhf.runtime import wire
 from rlhf.runtime.client import Client, LoopThread
-from rlhf.runtime.errors import HTTPStatusError, RemoteError, RpcConnectionError, RpcTimeout
 from rlhf.runtime.http import BARE_500, Service, ServiceThread
-from rlhf.runtime.resilience import FAITHFUL, HARDENED
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

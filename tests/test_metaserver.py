@@ -86,7 +86,7 @@ def test_a_manifest_waiting_for_a_shard_that_never_comes_ends_when_the_version_g
     import concurrent.futures
     import time
 
-    from rlhf.runtime.errors import HTTPStatusError
+    from rlhf.errors import HTTPStatusError
 
     meta = MetaServer(TOKEN, transport="http")
     url = meta.start()
@@ -195,8 +195,8 @@ def test_an_exception_inside_the_metaserver_is_logged_there_and_reaches_the_call
     comes back by class and message; with typed_errors off it is the seeds' bare 500 (and still logged)."""
     import dataclasses
 
-    from rlhf.runtime.errors import HTTPStatusError, RemoteError
-    from rlhf.runtime.resilience import HARDENED
+    from rlhf.config.resilience import HARDENED
+    from rlhf.errors import HTTPStatusError, RemoteError
 
     meta = MetaServer(TOKEN, transport="http", policy=dataclasses.replace(HARDENED, typed_errors=typed))
     url = meta.start()
@@ -218,3 +218,38 @@ def test_an_exception_inside_the_metaserver_is_logged_there_and_reaches_the_call
         assert any("metaserver-0: POST /versions failed at step 3: KeyError: 'shards'" in m for m in logged), logged
     finally:
         meta.stop()
+
+
+def test_a_shard_put_again_is_kept_and_goes_through_the_clients_fault_point(tmp_path):
+    """The shard PUT is a client hop like any other: rpc.client.send fires on it (peer metaserver-0), and it is
+    idempotent, so the policy's retry sends it again; a retried shared-memory PUT names the same file, which the
+    MetaServer keeps (it dropped it once, as if an older shard of that name)."""
+    from rlhf import faults
+    from rlhf.faults.points import idempotent
+
+    assert idempotent("PUT", "/weights/3/rank0") and not idempotent("PUT", "/generate")
+    meta = MetaServer(TOKEN, transport="shm")
+    url = meta.start()
+    try:
+        async def go():
+            client = Client(url, TOKEN, peer="metaserver-0", retries=True)
+            try:
+                await client.call("/versions", {"version": "4", "shards": 1})
+                faults.arm(str(tmp_path), [{"name": "dns-once", "kind": "dns_failure", "point": "rpc.client.send",
+                                            "target": {"peer": "metaserver"}, "when": {"max_hits": 1}}])
+                path = os.path.join(meta.shm_dir, "v4-rank0.safetensors")
+                write_shard(_tensors(5), path, "crc32")
+                await push_shard(client, "4", "rank0", None, 10, path=path)  # the fault's one hit: sent again
+                await push_shard(client, "4", "rank0", None, 10, path=path)  # as a retry after a lost reply would
+                assert os.path.exists(path)
+                return await pull_weights(client, "4", 5, 10)
+            finally:
+                await client.close()
+
+        got = asyncio.run(go())
+        assert torch.equal(got["a.weight"], _tensors(5)["a.weight"])
+    finally:
+        faults.disarm()
+        meta.stop()
+    with open(tmp_path / "faults" / "markers.jsonl") as fh:
+        assert '"dns-once"' in fh.read()

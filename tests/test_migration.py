@@ -13,12 +13,12 @@ import pytest
 import requests
 
 from rlhf.config import Config, TaskConfig
+from rlhf.config.resilience import Policy
+from rlhf.errors import RpcConnectionError
 from rlhf.models import load_tokenizer
 from rlhf.runtime.client import Client, LoopThread
 from rlhf.runtime.control.rollout_fanout import RolloutFanout
 from rlhf.runtime.control.services import free_port
-from rlhf.runtime.errors import RpcConnectionError
-from rlhf.runtime.resilience import Policy
 from rlhf.tasks import build_task
 from tests.conftest import SGLANG_KEY, wait_until
 

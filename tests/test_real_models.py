@@ -154,8 +154,8 @@ def test_a_model_dir_the_train_worker_cannot_load_fails_its_first_request_with_t
     import torch.distributed as dist
 
     from rlhf.config import Config
+    from rlhf.errors import RemoteError
     from rlhf.runtime.client import Client, LoopThread
-    from rlhf.runtime.errors import RemoteError
     from rlhf.runtime.http import ServiceThread
     from rlhf.runtime.train_worker import TrainWorker
 

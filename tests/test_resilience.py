@@ -8,7 +8,7 @@ import yaml
 
 from rlhf.cli_args import make_parser, parse_config
 from rlhf.config import ConfigError, build_config
-from rlhf.runtime.resilience import FAITHFUL, HARDENED, Policy
+from rlhf.config.resilience import FAITHFUL, HARDENED, Policy
 
 
 def parse(*argv):

@@ -7,12 +7,12 @@ import pytest
 
 from rlhf.config import build_config
 from rlhf.data import encode_prompts
+from rlhf.errors import HTTPStatusError, RemoteError
 from rlhf.procs import spawn, stop_group, wait_for_file
 from rlhf.rollout.engine import RolloutEngine
 from rlhf.rollout.sglang_api import unpack_logprobs
 from rlhf.runtime.client import Client, LoopThread
 from rlhf.runtime.colocation import DeviceLease
-from rlhf.runtime.errors import HTTPStatusError, RemoteError
 from rlhf.runtime.metaserver import MetaServer
 from rlhf.weights import checksum, encode_shard, export_state
 from tests.conftest import ROOT, diverse_model

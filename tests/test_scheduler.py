@@ -8,8 +8,8 @@ import time
 import psutil
 import pytest
 
+from rlhf.errors import HTTPStatusError
 from rlhf.runtime.client import Client, LoopThread
-from rlhf.runtime.errors import HTTPStatusError
 from rlhf.runtime.scheduler import SchedulerClient
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
@@ -83,7 +83,7 @@ def test_scheduler_rejects_requests_without_the_token(scheduler):
 
 
 def test_an_exception_inside_the_scheduler_is_in_its_log_and_the_callers_error(scheduler, tmp_path):
-    from rlhf.runtime.errors import RemoteError
+    from rlhf.errors import RemoteError
 
     make, loop = scheduler
     s = make()

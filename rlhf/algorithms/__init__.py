@@ -1,14 +1,6 @@
 """Loss functions and token aggregations, registered by name (see grpo.py for the math)."""
 
-from __future__ import annotations
+from rlhf.algorithms import grpo, sft  # noqa: F401  (registers the built-ins)
+from rlhf.algorithms.base import AGGREGATIONS, LOSSES, register_aggregation, register_loss
 
-from typing import Callable
-
-from rlhf.registry import Registry
-
-LOSSES: Registry[Callable] = Registry("loss")
-AGGREGATIONS: Registry[Callable] = Registry("aggregation")
-register_loss = LOSSES.register
-register_aggregation = AGGREGATIONS.register
-
-from rlhf.algorithms import grpo, sft  # noqa: E402,F401  (registers the built-ins)
+__all__ = ["AGGREGATIONS", "LOSSES", "register_aggregation", "register_loss"]

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the math uses tensor methods only: config validation reads the registry without torch
     import torch
 
-from rlhf.algorithms import AGGREGATIONS, register_aggregation, register_loss
+from rlhf.algorithms.base import AGGREGATIONS, register_aggregation, register_loss
 
 
 def group_advantages(

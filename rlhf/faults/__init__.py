@@ -31,15 +31,9 @@ import psutil
 
 from rlhf import tracing
 from rlhf.faults.kinds import KINDS, FaultKind, Hit
+from rlhf.faults.parse import load_fault_file, parse_fault_dicts, parse_faults_text
 from rlhf.faults.points import POINTS
-from rlhf.faults.spec import (
-    FaultSpec,
-    FaultSpecError,
-    load_fault_file,
-    parse_fault_dicts,
-    parse_faults_text,
-    peer_matches,
-)
+from rlhf.faults.spec import FaultSpec, FaultSpecError, peer_matches
 
 log = logging.getLogger("rlhf.faults")
 
@@ -277,7 +271,7 @@ RL_ONLY = ("weights_update.", "rollout.", "events.", "metaserver.", "scheduler."
 
 
 def never_fired(run_dir: str, faults: list[dict[str, Any]], last_step: int, rl: bool = True, colocate: bool = False,
-                weights_mode: str = "meta") -> list[dict[str, str]]:
+                weights_mode: str = "meta", parallel: str = "dp") -> list[dict[str, str]]:
     """The run's armed faults that no process injected (from the run's own fault markers), each with the likeliest
     reason: a fault that never fired means the experiment did not happen, which a run must say out loud."""
     fired = set()
@@ -295,12 +289,15 @@ def never_fired(run_dir: str, faults: list[dict[str, Any]], last_step: int, rl: 
     out = []
     for spec in parse_fault_dicts(list(faults)):
         if spec.name not in fired:
-            out.append({"name": spec.name, "why": _why_not(spec, last_step, rl, colocate, weights_mode)})
+            out.append({"name": spec.name, "why": _why_not(spec, last_step, rl, colocate, weights_mode, parallel)})
     return out
 
 
-def _why_not(spec: FaultSpec, last_step: int, rl: bool, colocate: bool, weights_mode: str) -> str:
+def _why_not(spec: FaultSpec, last_step: int, rl: bool, colocate: bool, weights_mode: str, parallel: str = "dp") -> str:
     points = spec.points
+    fsdp_only = ("collective.all_gather", "collective.reduce_scatter")
+    if all(p in fsdp_only for p in points) and parallel != "fsdp":
+        return f"{', '.join(points)} is passed only with train.parallel fsdp (this run: {parallel})"
     if not rl and all(p.startswith(RL_ONLY) for p in points):
         return f"the SFT baseline never passes {', '.join(points)} (RL only)"
     if all(p.startswith("events.") for p in points) and not colocate:

@@ -4,7 +4,7 @@
     rlhf faults validate FILE [FILE…] [--world-size N] [--rollout-servers M]
                                         parse and check (every problem, with its line); with the world
                                         given, also faults that target ranks or peers it lacks;
-                                        exit 0 if every file is valid, 1 if not
+                                        exit 0 if every file is valid, 2 if not
 """
 
 from __future__ import annotations
@@ -13,17 +13,12 @@ import argparse
 import sys
 import textwrap
 
-from rlhf.faults.kinds import KINDS
+import yaml
+
+from rlhf.faults.kinds import KINDS, REQUIRED
+from rlhf.faults.parse import bundled_fault_files, load_fault_config, load_fault_file, resolve_fault_file
 from rlhf.faults.points import POINTS
-from rlhf.faults.spec import (
-    REQUIRED,
-    FaultSpecError,
-    bundled_fault_files,
-    check_world,
-    load_fault_config,
-    load_fault_file,
-    resolve_fault_file,
-)
+from rlhf.faults.spec import FaultSpecError
 
 
 def list_text() -> str:
@@ -49,6 +44,17 @@ def list_text() -> str:
     return "\n".join(out)
 
 
+def _config_servers(path: str) -> int:
+    """The rollout servers a scenario file's config section asks for (1 when it says nothing or cannot be read:
+    the file's own problems are reported by its validation)."""
+    try:
+        rollout = load_fault_config(path).get("rollout")
+    except (FaultSpecError, OSError, yaml.YAMLError):
+        return 1
+    servers = rollout.get("servers", 1) if isinstance(rollout, dict) else 1
+    return servers if isinstance(servers, int) and servers > 0 else 1
+
+
 def faults_main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -71,13 +77,11 @@ def faults_main(argv: list[str] | None = None) -> int:
         for path in args.files:
             try:
                 path = resolve_fault_file(path)
-                specs = load_fault_file(path)
+                world = None
                 if args.world_size:
-                    servers = args.rollout_servers or load_fault_config(path).get("rollout", {}).get("servers", 1)
-                    problems = check_world(specs, args.world_size, int(servers))
-                    if problems:
-                        raise FaultSpecError("\n  ".join([f"{len(problems)} problem(s) with {args.world_size} train "
-                                                          f"ranks and {servers} rollout servers:"] + problems))
+                    servers = args.rollout_servers or _config_servers(path)
+                    world = (args.world_size, int(servers))
+                specs = load_fault_file(path, world)  # schema and world problems together, in file order
             except FaultSpecError as err:
                 print(f"invalid: {err}", file=sys.stderr)
                 bad += 1
@@ -86,6 +90,6 @@ def faults_main(argv: list[str] | None = None) -> int:
             for s in specs:
                 when = ", ".join(f"{k}={v}" for k, v in s.to_dict()["when"].items()) or "every hit"
                 print(f"  - {s.name}: {s.kind} at {s.point} on {s.target.describe()} ({when})")
-        return 1 if bad else 0
+        return 2 if bad else 0
     print(f"rlhf faults: unknown subcommand {argv[0]!r}; choose list or validate", file=sys.stderr)
     return 2

@@ -13,7 +13,12 @@ POINTS: dict[str, str] = {
     "reference.compute": "train rank, before reference (or old-policy) logprobs",
     "train.step": "train rank, before the GRPO loss/backward/optimizer step",
     "sft.step": "train rank, before an SFT step (warm start and the SFT baseline)",
-    "collective.all_reduce": "train rank, before every all_reduce (gradients and counts)",
+    "collective.all_reduce": "train rank, before every all_reduce (gradients and counts; tensor parallel's sum of a "
+                             "row-wise layer's output)",
+    "collective.all_gather": "train rank under train.parallel fsdp, before each all-gather of a layer's parameters "
+                             "(before its forward and its backward)",
+    "collective.reduce_scatter": "train rank under train.parallel fsdp, before each reduce-scatter of a layer's "
+                                 "gradients",
     "rpc.client.send": "any process, before an RPC request leaves (peer: the callee, e.g. train-1, metaserver)",
     "rpc.server.handle": "any service, before a request's handler runs (peer: the route path)",
     "metaserver.put": "MetaServer, on a shard upload, before it is stored",
@@ -34,7 +39,8 @@ _TRAIN, _ROLLOUT, _CONTROLLER = ("train",), ("rollout",), ("controller",)
 POINT_ROLES: dict[str, tuple[str, ...]] = {
     "weights_update.upload": _TRAIN, "weights_update.update": _ROLLOUT, "weights_update.save_dir": _TRAIN,
     "rollout.generate": _ROLLOUT, "reference.compute": _TRAIN, "train.step": _TRAIN, "sft.step": _TRAIN,
-    "collective.all_reduce": _TRAIN, "rpc.client.send": ("controller", "train", "rollout"),
+    "collective.all_reduce": _TRAIN, "collective.all_gather": _TRAIN, "collective.reduce_scatter": _TRAIN,
+    "rpc.client.send": ("controller", "train", "rollout"),
     "rpc.server.handle": ("train", "rollout", "metaserver", "scheduler"), "metaserver.put": ("metaserver",),
     "metaserver.get": ("metaserver",), "events.notify": _CONTROLLER, "events.handle": ("train", "rollout"),
     "checkpoint.write": _TRAIN, "checkpoint.fsync": _TRAIN, "checkpoint.load": _TRAIN,
@@ -60,7 +66,8 @@ ROUTES: dict[str, tuple[str, ...]] = {
 
 # Which requests may be repeated with the same effect (idempotent): the client retries only these (the policy's
 # retry_idempotent). Every GET (health, heartbeat, checksums, shard pulls, model info) and every DELETE (stop a
-# job, drop a weights version) is; of the POSTs, only these:
+# job, drop a weights version) is; so is a PUT of a weight shard (/weights/<version>/<shard>: the same shard again
+# replaces it); of the POSTs, only these:
 #   /compute_logprobs   a pure function of the weights and the batch it carries
 #   /rng_state          sets the sampling generator to the state it carries
 #   /start_scheduler    starts this node's scheduler once; again, it answers with the one running
@@ -72,7 +79,9 @@ IDEMPOTENT_POSTS = frozenset({"/compute_logprobs", "/rng_state", "/start_schedul
 
 def idempotent(method: str, path: str) -> bool:
     """Whether repeating this request has the effect of sending it once."""
-    return method in ("GET", "HEAD", "DELETE") or path.split("?", 1)[0] in IDEMPOTENT_POSTS
+    route = path.split("?", 1)[0]
+    return method in ("GET", "HEAD", "DELETE") or route in IDEMPOTENT_POSTS or \
+        (method == "PUT" and route.startswith("/weights/"))
 
 
 # What `target.peer` names at each point ({r}: any rank of the run); points not listed have no peer.

@@ -27,11 +27,12 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def _llama(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, max_pos: int = 128,
-           vocab: int | None = None) -> Callable[[int], Any]:
+           vocab: int | None = None, family: str = "llama") -> Callable[[int], Any]:
     def make(vocab_size: int) -> Any:
-        from transformers import LlamaConfig  # transformers takes seconds to import: only model builders pay it
+        import transformers  # transformers takes seconds to import: only model builders pay it
 
-        return LlamaConfig(
+        config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[family]
+        return config_class(
             vocab_size=vocab or vocab_size,
             hidden_size=hidden,
             intermediate_size=ffn,
@@ -54,11 +55,38 @@ def _llama(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, max_po
 MODEL_PRESETS: dict[str, Callable[[int], Any]] = {
     "tiny-llama": _llama(hidden=128, layers=4, heads=4, kv_heads=4, ffn=384),  # ~0.8 M params
     "tiny-llama-gqa": _llama(hidden=128, layers=2, heads=4, kv_heads=2, ffn=256),  # GQA path for tests
+    # Qwen2's layout (q/k/v biases) with grouped-query attention: the sharding tests' second architecture
+    "tiny-qwen2-gqa": _llama(hidden=128, layers=2, heads=4, kv_heads=2, ffn=256, family="qwen2"),
     "llama-25m": _llama(hidden=512, layers=8, heads=8, kv_heads=8, ffn=1536, max_pos=512),  # ~100 MB fp32
     # ~110 M params: a GPT-2-small-sized Llama with a 32 k vocabulary (ids past the char set are never
     # encoded; the model may still sample them, as a real tokenizer's model would) — the GPU benchmark's model
     "llama-110m": _llama(hidden=768, layers=12, heads=12, kv_heads=12, ffn=2048, max_pos=1024, vocab=32000),
+    # ~0.54 B params (2048 hidden, 10 layers, GQA 16/8 heads, 32 k vocabulary): the sharding benchmark's model, which
+    # replicated data parallel cannot hold at 4 ranks on a 24 GB machine (16 bytes a parameter on each rank: ~34 GB)
+    "llama-500m": _llama(hidden=2048, layers=10, heads=16, kv_heads=8, ffn=5632, max_pos=512, vocab=32000),
 }
+
+
+def model_shape(model_cfg: Any) -> Any:
+    """The model's head counts and MLP width (num_attention_heads, num_key_value_heads, intermediate_size), without
+    building it: from the preset, or the HF directory's config.json; None when config.json cannot be read."""
+    if not model_cfg.path:
+        return MODEL_PRESETS[model_cfg.name](256)
+    import json
+    import types
+
+    try:
+        with open(os.path.join(model_cfg.path, "config.json"), encoding="utf-8") as fh:
+            raw = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    try:
+        heads = int(raw["num_attention_heads"])
+        return types.SimpleNamespace(num_attention_heads=heads,
+                                     num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+                                     intermediate_size=int(raw["intermediate_size"]))
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 # transformers imports its submodules on first use (a lazy module), and a `from transformers import X` in one thread

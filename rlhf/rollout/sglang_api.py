@@ -29,8 +29,8 @@ import uuid
 from dataclasses import astuple, dataclass, field
 from typing import Any, Callable
 
+from rlhf.errors import BadRequest
 from rlhf.rollout.engine import SamplingParams, StepControl
-from rlhf.runtime.errors import BadRequest
 
 SGLANG_VERSION = "0.5.23"
 

@@ -29,9 +29,11 @@ from safetensors.torch import load_file
 from safetensors.torch import save as to_bytes
 
 from rlhf import tracing
+from rlhf.errors import CheckpointWriteStalled
 from rlhf.faults import fault_point
-from rlhf.runtime.errors import CheckpointWriteStalled
+from rlhf.runtime import sharded_checkpoint
 from rlhf.tracing.metrics import thread_activity
+from rlhf.train.parallel import is_dtensor, load_full_state, local
 from rlhf.weights import export_state, import_state
 
 META = "meta.json"
@@ -94,12 +96,15 @@ def set_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Non
 
 
 def snapshot_rank_files(rank: int, model: torch.nn.Module | None, optimizer: Any,
-                        copy: bool = False) -> list[tuple[str, Any]]:
+                        copy: bool = False, sharded: bool = False) -> list[tuple[str, Any]]:
     """This rank's checkpoint files as (name, tensors or JSON data). copy: detach them from the live model and
-    optimizer (a background write must not see the next step's updates); a synchronous write needs no copy."""
+    optimizer (a background write must not see the next step's updates); a synchronous write needs no copy.
+    sharded: the model is laid out in pieces (rlhf.runtime.sharded_checkpoint): every rank writes its own."""
     items: list[tuple[str, Any]] = []
     own = (lambda t: t.clone()) if copy else (lambda t: t)
-    if rank == 0 and model is not None:
+    if sharded and model is not None:
+        items += sharded_checkpoint.snapshot(rank, model, optimizer, copy)
+    elif rank == 0 and model is not None:
         items.append(("model.safetensors", {k: own(v.detach().contiguous().cpu()) for k, v in export_state(model).items()}))
         opt_tensors, opt_meta = optimizer_tensors(optimizer)
         items.append(("optimizer.safetensors", {k: own(v) for k, v in opt_tensors.items()} or {"empty": torch.zeros(0)}))
@@ -111,9 +116,10 @@ def snapshot_rank_files(rank: int, model: torch.nn.Module | None, optimizer: Any
 
 
 def write_rank_files(directory: str, rank: int, model: torch.nn.Module | None, optimizer: Any, fsync: bool,
-                     write_hook: Any = None) -> dict[str, str]:
-    """Write this rank's files into `directory`; rank 0 also writes model and optimizer. Returns sha256 by file."""
-    return write_items(directory, snapshot_rank_files(rank, model, optimizer), fsync, write_hook)
+                     write_hook: Any = None, sharded: bool = False) -> dict[str, str]:
+    """Write this rank's files into `directory`; rank 0 also writes model and optimizer (sharded: every rank its
+    pieces). Returns sha256 by file."""
+    return write_items(directory, snapshot_rank_files(rank, model, optimizer, sharded=sharded), fsync, write_hook)
 
 
 def write_items(directory: str, items: list[tuple[str, Any]], fsync: bool, write_hook: Any = None) -> dict[str, str]:
@@ -122,11 +128,14 @@ def write_items(directory: str, items: list[tuple[str, Any]], fsync: bool, write
     os.makedirs(directory, exist_ok=True)
     written: dict[str, str] = {}
 
-    def put_tensors(name: str, tensors: dict[str, torch.Tensor]) -> None:
+    def put_tensors(name: str, tensors: dict[str, torch.Tensor] | tuple[dict[str, torch.Tensor], dict[str, str]]
+                    ) -> None:
         path = os.path.join(directory, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)  # shards/ of a sharded slot
         if write_hook is not None:
             write_hook(path)
-        data = to_bytes(tensors)
+        tensors, metadata = tensors if isinstance(tensors, tuple) else (tensors, None)
+        data = to_bytes(tensors, metadata=metadata)
         half = len(data) // 2
         with tracing.span("checkpoint.write", file=name, bytes=len(data)), open(path, "wb") as fh:
             fh.write(data[:half])
@@ -244,14 +253,55 @@ def newest_checkpoint(checkpoints: str, check_sums: bool = True) -> tuple[str, d
 
 
 def load_rank_files(path: str, rank: int, model: torch.nn.Module, optimizer: Any) -> None:
-    import_state(model, load_file(os.path.join(path, "model.safetensors")))
-    if optimizer is not None:
-        with open(os.path.join(path, "optimizer.json"), encoding="utf-8") as fh:
-            opt_meta = json.load(fh)
-        opt_tensors = load_file(os.path.join(path, "optimizer.safetensors"))
-        opt_tensors.pop("empty", None)
-        load_optimizer(optimizer, opt_tensors, opt_meta)
+    """Model, optimizer and this rank's RNG from a slot, into the model's layout now: a sharded slot into any layout
+    (resharded by torch.distributed.checkpoint), a replicated one into replicated dp or, cut into pieces, a sharded
+    layout. In a sharded layout or from a sharded slot every rank of the world must call it."""
+    sharded_model = any(is_dtensor(p) for p in model.parameters())
+    if sharded_checkpoint.is_sharded_slot(path):
+        sharded_checkpoint.load(path, model, optimizer)
+    elif sharded_model:
+        _replicated_into_sharded(path, model, optimizer)
+    else:
+        import_state(model, load_file(os.path.join(path, "model.safetensors")))
+        if optimizer is not None:
+            opt_tensors, opt_meta = _optimizer_files(path)
+            load_optimizer(optimizer, opt_tensors, opt_meta)
     rng_file = os.path.join(path, f"rng-rank{rank}.safetensors")
     if os.path.exists(rng_file):
         with open(os.path.join(path, f"rng-rank{rank}.json"), encoding="utf-8") as fh:
             set_rng_state(load_file(rng_file), json.load(fh))
+
+
+def _optimizer_files(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    with open(os.path.join(path, "optimizer.json"), encoding="utf-8") as fh:
+        opt_meta = json.load(fh)
+    opt_tensors = load_file(os.path.join(path, "optimizer.safetensors"))
+    opt_tensors.pop("empty", None)
+    return opt_tensors, opt_meta
+
+
+@torch.no_grad()
+def _replicated_into_sharded(path: str, model: torch.nn.Module, optimizer: Any) -> None:
+    """A replicated slot (model.safetensors; AdamW state by parameter index) into a sharded layout: each rank cuts its
+    pieces from the whole tensors (no communication)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    load_full_state(model, load_file(os.path.join(path, "model.safetensors")))
+    if optimizer is None:
+        return
+    sharded_checkpoint.init_optimizer_state(optimizer)
+    tensors, meta = _optimizer_files(path)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for index, p in enumerate(params):
+        for key, target in optimizer.state[p].items():
+            src = tensors.get(f"{index}.{key}")
+            if src is None or not isinstance(target, torch.Tensor):
+                continue
+            if is_dtensor(target):
+                piece = distribute_tensor(src.to(target.dtype), target.device_mesh, target.placements,
+                                          src_data_rank=None)
+                local(target).copy_(piece.to_local())
+            else:
+                target.copy_(src)
+    for group, saved in zip(optimizer.param_groups, meta["param_groups"]):
+        group.update({k: v for k, v in saved.items() if k != "params"})

@@ -17,10 +17,10 @@ import aiohttp
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential_jitter
 
 from rlhf import tracing
+from rlhf.errors import ErrorInfo, HTTPStatusError, Overloaded, RemoteError, RpcConnectionError, RpcTimeout
 from rlhf.faults import afault_point
 from rlhf.faults.points import idempotent
 from rlhf.runtime import wire
-from rlhf.runtime.errors import ErrorInfo, HTTPStatusError, Overloaded, RemoteError, RpcConnectionError, RpcTimeout
 from rlhf.runtime.http import STAGE_HEADER, STEP_HEADER, TOKEN_HEADER
 
 log = logging.getLogger("rlhf.client")

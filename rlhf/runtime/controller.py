@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -33,6 +33,7 @@ from rlhf import tracing
 from rlhf.algorithms.grpo import group_advantages
 from rlhf.config import Config
 from rlhf.data import PromptSampler
+from rlhf.errors import RpcConnectionError
 from rlhf.faults import fault_point
 from rlhf.models import load_tokenizer, pad_token_id
 from rlhf.models.tokenizer import CharTokenizer
@@ -44,8 +45,8 @@ from rlhf.runtime.control.rollout_fanout import RolloutFanout, to_batch
 from rlhf.runtime.control.services import RolloutServices
 from rlhf.runtime.control.weights_sync import WeightSync
 from rlhf.runtime.control.workers import merge_train_metrics
-from rlhf.runtime.errors import RpcConnectionError
 from rlhf.tasks import build_task, reward_fn
+from rlhf.train.parallel import make_layout
 
 log = logging.getLogger("rlhf.controller")
 
@@ -77,9 +78,13 @@ class Controller(RunLifecycle):
         self.weights = WeightSync(cfg, run_dir, token, self.loop, self.workers, self.services)
         self.events = ColocationEvents(cfg, self.loop, self.workers, self.services)
         self.fanout = RolloutFanout(cfg, self.loop, self.services, self.tokenizer)
+        # the train layout: a batch is cut in layout.dp shares; the ranks of one TP group get the same share
+        self.layout = make_layout(cfg.train.parallel, cfg.train.tp_size, len(self.workers))
         self.sft_result: dict[str, Any] = {}
 
     def startup(self) -> None:
+        log.info("train layout: %s over %d rank%s", self.layout.describe(), len(self.workers),
+                 "s" * (len(self.workers) != 1))
         self.services.start()
         self.resumed = self.resume_or_warm_start()
         self.weights.update(str(self.start_step), step=self.start_step)
@@ -117,50 +122,67 @@ class Controller(RunLifecycle):
     def step(self, step: int) -> dict[str, Any]:
         clock, t0, cfg = TrackedClock(step, self.where), time.perf_counter(), self.cfg
         row: dict[str, Any] = {"step": step}
-        if cfg.resilience.restart_rollout:  # a dead rollout server is started again and gets this step's weights
-            row["rollout_restarts"] = len(self.services.revive(step))
+        self._revive_dead_rollout(step, row)
         with clock.stage("weights_update"):
-            try:
-                self._update_weights(step, row)
-            except RpcConnectionError as exc:
-                # a rollout server that died after this step's health check: start it again, update once more
-                if not self._revived(step, row, exc, "the weights update", "updating again"):
-                    raise
-                self._update_weights(step, row)
+            self._surviving_rollout_loss(step, row, "the weights update", lambda: self._update_weights(step, row),
+                                         resync=False)
         with clock.stage("events"):
             row["train_offload_mb"] = freed_mb(self.events.notify("rollout_start", step), "train")
         with clock.stage("rollout"):
             examples = self.sampler.next(cfg.rollout.prompts_per_step)
-            try:
-                memory = self.fanout.generate(step, examples)
-            except RpcConnectionError as exc:
-                # no server left to migrate to (their scheduler died, and they with it): start them again with this
-                # step's weights and generate the step's prompts once more
-                if not self._revived(step, row, exc, "the rollout", "generating the step's prompts again"):
-                    raise
-                self._update_weights(step, row)
-                memory = self.fanout.generate(step, examples)
+            memory = self._surviving_rollout_loss(step, row, "the rollout", lambda: self.fanout.generate(step, examples),
+                                                  resync=True)
             row["rollout_migrated"] = self.fanout.migrated
         with clock.stage("events"):
             row["rollout_release_mb"] = freed_mb(self.events.notify("rollout_end", step), "rollout")
         with clock.stage("reward"):
             memory["rewards"] = torch.tensor(self.reward(memory["completions"], memory["answers"], memory["prompts"]))
             fault_point("data.split", step=step)
-            shards, split = memory.split(len(self.workers), tokens_key="num_tokens")
+            shards, split = memory.split(self.layout.dp, tokens_key="num_tokens")
         with clock.stage("reference"):
-            batches = [to_batch(s, pad_token_id(None, self.tokenizer)) for s in shards]  # built where first needed
-            for which, key, needed in (("reference", "ref_logprobs", cfg.algorithm.kl_coef > 0),
-                                       ("policy", "old_logprobs", cfg.algorithm.old_logprobs == "recompute")):
-                if needed:
-                    replies = self.workers.call("compute_logprobs", {"which": which}, batches, step, "reference")
-                    for batch, (_, out) in zip(batches, replies):
-                        batch[key] = out["logprobs"]
+            batches = self._reference_logprobs(step, shards)
         with clock.stage("advantage"):
-            advantages, stats = group_advantages(memory["rewards"], cfg.rollout.group_size, cfg.algorithm.scale_by_std)
-            for batch, shard in zip(batches, shards):
-                batch["advantages"] = advantages[torch.tensor(shard["sample_index"])]
+            stats = self._advantages(memory, shards, batches)
         with clock.stage("train"):
-            metrics = [m for m, _ in self.workers.call("train_step", {"step": step}, batches, step, "train")]
+            replies = self.workers.call("train_step", {"step": step}, self._per_rank(batches), step, "train")
+            metrics = [m for m, _ in replies[::self.layout.tp]]  # one rank of each TP group: their parts add up
+        row["saves_failed"] = self._save(step, clock)
+        tokens = int(sum(memory["num_tokens"]))
+        return {**row, **stats, **merge_train_metrics(metrics), "seconds": time.perf_counter() - t0,
+                "rollout_tokens": tokens, "rollout_tokens_per_s": tokens / clock.seconds["rollout"],
+                "batch_size": len(memory), "dp_imbalance": split["imbalance"],
+                **{f"{k}_s": v for k, v in clock.seconds.items()}}
+
+    # ------------------------------------------------------------------ what the stages call
+
+    def _reference_logprobs(self, step: int, shards: list) -> list[dict[str, Any]]:
+        """Each data-parallel share's train batch, with reference logprobs (KL on) and recomputed old-policy ones
+        (if asked)."""
+        cfg = self.cfg
+        batches = [to_batch(s, pad_token_id(None, self.tokenizer)) for s in shards]  # built where first needed
+        for which, key, needed in (("reference", "ref_logprobs", cfg.algorithm.kl_coef > 0),
+                                   ("policy", "old_logprobs", cfg.algorithm.old_logprobs == "recompute")):
+            if needed:
+                replies = self.workers.call("compute_logprobs", {"which": which}, self._per_rank(batches), step,
+                                            "reference")
+                for batch, (_, out) in zip(batches, replies[::self.layout.tp]):
+                    batch[key] = out["logprobs"]
+        return batches
+
+    def _per_rank(self, batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Each train rank's batch: its data-parallel share's (the ranks of a TP group compute on the same one)."""
+        return [batches[self.layout.dp_rank(r)] for r in range(len(self.workers))]
+
+    def _advantages(self, memory: Any, shards: list, batches: list[dict[str, Any]]) -> dict[str, Any]:
+        advantages, stats = group_advantages(memory["rewards"], self.cfg.rollout.group_size,
+                                             self.cfg.algorithm.scale_by_std)
+        for batch, shard in zip(batches, shards):
+            batch["advantages"] = advantages[torch.tensor(shard["sample_index"])]
+        return stats
+
+    def _save(self, step: int, clock: TrackedClock) -> int:
+        """latest_recover_save and periodic_recover_save when due; returns the saves that failed and were skipped."""
+        cfg = self.cfg
         self.saves_failed = 0
         if cfg.checkpoint.latest_every and step % cfg.checkpoint.latest_every == 0:
             with clock.stage("latest_recover_save"):
@@ -169,12 +191,32 @@ class Controller(RunLifecycle):
         if cfg.checkpoint.periodic_every and step % cfg.checkpoint.periodic_every == 0:
             with clock.stage("periodic_recover_save"):
                 self.checkpoint(os.path.join("periodic", f"step_{step}"), step, background=cfg.checkpoint.periodic_async)
-        tokens = int(sum(memory["num_tokens"]))
-        row["saves_failed"] = self.saves_failed
-        return {**row, **stats, **merge_train_metrics(metrics), "seconds": time.perf_counter() - t0,
-                "rollout_tokens": tokens, "rollout_tokens_per_s": tokens / clock.seconds["rollout"],
-                "batch_size": len(memory), "dp_imbalance": split["imbalance"],
-                **{f"{k}_s": v for k, v in clock.seconds.items()}}
+        return self.saves_failed
+
+    # ------------------------------------------------------------------ surviving a rollout server's loss
+
+    def _revive_dead_rollout(self, step: int, row: dict[str, Any]) -> None:
+        """restart_rollout: a rollout server found dead before the step starts again, and gets this step's weights
+        in the weights update."""
+        if self.cfg.resilience.restart_rollout:
+            row["rollout_restarts"] = len(self.services.revive(step))
+
+    def _surviving_rollout_loss(self, step: int, row: dict[str, Any], during: str, call: Callable[[], Any],
+                                resync: bool) -> Any:
+        """call(); when a rollout server it needed went down meanwhile (RpcConnectionError naming it) and
+        restart_rollout starts it again, `call` runs once more: the weights update again, or (resync: the revived
+        servers first get this step's weights) the step's prompts generated again, when no server was left to
+        migrate them to (their scheduler died, and they with it). Any other failure, or with restart_rollout off,
+        is raised."""
+        try:
+            return call()
+        except RpcConnectionError as exc:
+            then = "generating the step's prompts again" if resync else "updating again"
+            if not self._revived(step, row, exc, during, then):
+                raise
+            if resync:
+                self._update_weights(step, row)
+            return call()
 
     def _revived(self, step: int, row: dict[str, Any], exc: RpcConnectionError, during: str, then: str) -> bool:
         """restart_rollout for a rollout server lost in the middle of a stage: start the dead ones again (they need
@@ -230,6 +272,7 @@ class Controller(RunLifecycle):
                 "resumed_from_step": self.start_step if self.resumed else None,
                 "rollout_tokens_per_s": tokens / rollout_s if rollout_s else 0.0,
                 "rollout_servers": self.cfg.rollout.servers, "weights_mode": self.cfg.weights.mode,
+                "train_layout": self.layout.describe(),
                 "colocate": self.cfg.runtime.colocate, **self.sft_result}
 
     def stop_services(self) -> None:

@@ -7,11 +7,13 @@ environment for one local process so the same code path runs.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -21,6 +23,7 @@ from rlhf import tracing
 from rlhf.devices import train_backend, train_device
 from rlhf.faults import fault_point
 from rlhf.tracing.metrics import ACTIVITY
+from rlhf.train.parallel import local
 
 
 def _free_port() -> int:
@@ -81,10 +84,12 @@ def fetch(key: str) -> str:
 
 
 class GlooDataParallel:
-    """The train engine's DataParallel hooks over the default process group."""
+    """The train engine's DataParallel hooks over the data-parallel group: the whole world, or with tensor
+    parallel the ranks holding the same TP shard (the mesh's `dp` dimension), which train on different data."""
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
-        self.world_size = dist.get_world_size()
+    def __init__(self, device: torch.device | str = "cpu", group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.world_size = dist.get_world_size(group)
         # nccl reduces only CUDA tensors: counts made on the host go to the rank's device for the collective
         self.device = torch.device(device) if dist.get_backend() == "nccl" else torch.device("cpu")
         self.in_collective: tuple[str, float] | None = None  # (what, since): the heartbeat shows a rank stuck in one
@@ -99,19 +104,30 @@ class GlooDataParallel:
         self.in_collective = None
         ACTIVITY.name, ACTIVITY.step, ACTIVITY.since = self._outer
 
+    @contextlib.contextmanager
+    def inside(self, what: str) -> Iterator[None]:
+        """Marks this rank as inside collective `what` (the heartbeat, the watchdog) while the block runs, with its
+        span: for the collectives a sharded layout runs (FSDP's all-gathers and reduce-scatters, TP's all-reduce)."""
+        self._enter(what)
+        try:
+            with tracing.span(f"collective.{what.split('(')[0]}", what=what):
+                yield
+        finally:
+            self._leave()
+
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.to(self.device, copy=True)
         fault_point("collective.all_reduce")
         self._enter("all_reduce(count)")
         with tracing.span("collective.all_reduce", what="count", numel=out.numel()):
-            dist.all_reduce(out, op=dist.ReduceOp.SUM)
+            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
         self._leave()
         return out.to(tensor.device)
 
     def all_gather_values(self, values: list[float]) -> list[list[float]]:
-        """Every rank's `values` (the same length on every rank), in rank order."""
+        """Every rank's `values` (the same length on every rank), in rank order: of the whole world."""
         mine = torch.tensor(values, dtype=torch.float64, device=self.device)
-        out = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         self._enter("all_gather")
         with tracing.span("collective.all_gather", numel=mine.numel()):
             dist.all_gather(out, mine)
@@ -119,18 +135,21 @@ class GlooDataParallel:
         return [t.tolist() for t in out]
 
     def all_reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
-        """Sum gradients over ranks in one flat buffer (the loss is already globally normalised)."""
+        """Sum gradients over the data-parallel ranks in one flat buffer (the loss is already globally normalised).
+        Under tensor parallel each rank sums its own shard of a split weight (a DTensor's local part)."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        pieces = [local(g) for g in grads]
+        flat = torch.cat([g.reshape(-1) for g in pieces])
         fault_point("collective.all_reduce")
         self._enter("all_reduce(gradients)")
         with tracing.span("collective.all_reduce", what="gradients", numel=flat.numel()):
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
         self._leave()
         offset = 0
-        for p, g in zip(params, grads):
-            n = g.numel()
-            p.grad = flat[offset : offset + n].view_as(p).clone()
+        for p, g, piece in zip(params, grads, pieces):
+            n = piece.numel()
+            piece.copy_(flat[offset : offset + n].view_as(piece))
+            p.grad = g
             offset += n
 
 

@@ -34,11 +34,11 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 
 from rlhf import tracing
+from rlhf.config.resilience import HARDENED, Policy
+from rlhf.errors import ErrorInfo
 from rlhf.faults import afault_effects
 from rlhf.procs import freeze_gc, own_threads
 from rlhf.runtime import wire
-from rlhf.runtime.errors import ErrorInfo
-from rlhf.runtime.resilience import HARDENED, Policy
 from rlhf.tracing.metrics import ACTIVITY
 
 TOKEN_HEADER = "X-RLHF-Token"
@@ -89,14 +89,14 @@ class Service:
         stage = request.headers.get(STAGE_HEADER, "")
         step = _int(request.headers.get(STEP_HEADER, "-1"))
         if request.path in self.untraced_paths:  # no span; the step still holds for fault points
-            with tracing.use_role(self.role, self.rank, step):
+            with tracing.use_role(self.role, self.rank, step), tracing.at_stage(stage):
                 return await handler(request)
         route = request.match_info.route.resource
         name = f"{request.method} {route.canonical if route is not None else request.path}"
         beat = name not in self.waits
         if beat:
             ACTIVITY.set(name, step)
-        with tracing.use_role(self.role, self.rank, step):
+        with tracing.use_role(self.role, self.rank, step), tracing.at_stage(stage):
             token = tracing.otel_context.attach(tracing.extract_context(request.headers))
             try:
                 with tracing.span(name, stage=stage or None, step=step, kind=tracing.SpanKind.SERVER,

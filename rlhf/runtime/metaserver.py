@@ -40,15 +40,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from rlhf import tracing
+from rlhf.config.resilience import HARDENED, Policy
 from rlhf.faults import afault_point
 from rlhf.runtime import wire
-from rlhf.runtime.errors import HTTPStatusError
-from rlhf.runtime.http import STAGE_HEADER, STEP_HEADER, TOKEN_HEADER, Service, ServiceThread
-from rlhf.runtime.resilience import HARDENED, Policy
+from rlhf.runtime.http import Service, ServiceThread
 from rlhf.runtime.shm import SHM_PREFIX, shm_root, sweep_stale_shm  # noqa: F401 (also this module's API)
 from rlhf.weights import ShardCorrupt, decode_shard, shard_header
 
@@ -187,7 +185,7 @@ class MetaServer:
                 v.entries[name] = {"shard": shard, "shape": info["shape"], "dtype": info["dtype"],
                                    "bytes": end - start, "checksum": metadata.get("checksum", "none"),
                                    "digest": digests.get(name, "")}
-        if shard in v.shards:
+        if shard in v.shards and v.shards[shard].path != entry.path:  # a retried PUT names the same file: keep it
             v.shards[shard].drop()
         v.shards[shard] = entry
         if len(v.shards) >= v.expected_shards:
@@ -242,19 +240,16 @@ class MetaServer:
 
 async def push_shard(client: Any, version: str, shard: str, body: bytes | None, timeout_s: float,
                      path: str = "") -> None:
-    """Train side of a meta-mode update: PUT one rank's shard (its bytes, or the path of the file it wrote)."""
+    """Train side of a meta-mode update: PUT one rank's shard (its bytes, or the path of the file it wrote).
 
-    session = await client.session()
-    url = f"{client.base_url}/weights/{version}/{shard}"
-    data = body if body is not None else json.dumps({"path": path}).encode()
-    content_type = wire.TENSORS_TYPE if body is not None else wire.JSON_TYPE
-    with tracing.span("PUT /weights/{version}/{shard}", stage="weights_update", kind=tracing.SpanKind.CLIENT,
-                      peer=client.peer, bytes=len(body) if body is not None else os.path.getsize(path)):
-        headers = tracing.inject_headers({TOKEN_HEADER: client.token, "Content-Type": content_type,
-                                          STAGE_HEADER: "weights_update", STEP_HEADER: str(tracing.current_step())})
-        async with session.put(url, data=data, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            if resp.status != 200:
-                raise HTTPStatusError(resp.status, f"metaserver refused shard {shard}: {(await resp.text())[:200]}", url)
+    Through the client like every hop: rpc.client.send and the network fault kinds act on it, an idempotent PUT
+    (the same shard again replaces it) is retried under the policy, and a refusal comes back typed."""
+    raw = wire.RawBody(body, wire.TENSORS_TYPE) if body is not None else \
+        wire.RawBody(json.dumps({"path": path}).encode(), wire.JSON_TYPE)
+    with tracing.span("weights.push_shard", stage="weights_update", shard=shard,
+                      bytes=len(body) if body is not None else os.path.getsize(path)):
+        await client.call(f"/weights/{version}/{shard}", raw, method="PUT", timeout_s=timeout_s,
+                          stage="weights_update")
 
 
 async def pull_weights(client: Any, version: str, wait_s: float, timeout_s: float) -> dict:

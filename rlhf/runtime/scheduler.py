@@ -30,11 +30,11 @@ from aiohttp import web
 
 from rlhf import exits, faults, tracing
 from rlhf.config import Config, build_config
+from rlhf.config.resilience import HARDENED, Policy
 from rlhf.procs import set_pdeathsig, spawn, stop_group, wait_for_file, write_atomic
 from rlhf.run_dir import setup_logging
 from rlhf.runtime.client import Client, LoopThread
 from rlhf.runtime.http import DEFAULT_HOST, Service, serve_forever
-from rlhf.runtime.resilience import HARDENED, Policy
 from rlhf.runtime.shm import sweep_stale_shm
 from rlhf.tracing.setup import start_process_telemetry, stop_process_telemetry, tracing_config_of_run
 

@@ -72,11 +72,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from rlhf import exits, faults
     from rlhf.config import ModelConfig, build_config
+    from rlhf.config.resilience import HARDENED
     from rlhf.models import build_model_and_tokenizer
     from rlhf.procs import own_threads, set_pdeathsig
     from rlhf.rollout.engine import RolloutEngine
     from rlhf.run_dir import setup_logging
-    from rlhf.runtime.resilience import HARDENED
     from rlhf.runtime.rollout_server import RolloutServer, serve
     from rlhf.tracing.setup import start_process_telemetry, stop_process_telemetry
 

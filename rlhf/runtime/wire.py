@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -29,6 +30,15 @@ TENSORS_TYPE = "application/x-rlhf-safetensors"
 
 class CorruptPayload(ValueError):
     """A tensor that does not match the checksum its sender computed."""
+
+
+@dataclass(frozen=True)
+class RawBody:
+    """A body that is already encoded (a weight shard's safetensors bytes, or the JSON naming its file): the client
+    sends it as it is, with its content type, through the same fault points, retries and typed errors as any call."""
+
+    data: bytes
+    content_type: str
 
 
 def digests(tensors: dict[str, torch.Tensor]) -> dict[str, list]:
@@ -46,6 +56,8 @@ def digests(tensors: dict[str, torch.Tensor]) -> dict[str, list]:
 def encode(obj: Any = None, tensors: dict[str, torch.Tensor] | None = None,
            sums: dict[str, list] | None = None, checksums: bool = False) -> tuple[bytes, str]:
     """sums: checksums taken earlier (where the tensors were made); computed here when `checksums` is on."""
+    if isinstance(obj, RawBody):
+        return obj.data, obj.content_type
     if tensors:
         from rlhf.weights import to_safetensors_bytes
 

@@ -12,61 +12,19 @@ removed, nothing else stripped); `answers[i]` is the reference answer. It return
 per sample; GRPO only uses differences within a group, so the scale is free.
 """
 
-from __future__ import annotations
+from rlhf.tasks import arithmetic, jsonl_task, rewards  # noqa: F401  (registers the built-in tasks and rewards)
+from rlhf.tasks.base import (
+    REWARDS,
+    TASKS,
+    Example,
+    RewardFn,
+    Task,
+    build_task,
+    register_reward,
+    register_task,
+    reward_fn,
+    split_examples,
+)
 
-import random
-from dataclasses import dataclass
-from typing import Any, Callable
-
-from rlhf.registry import Registry
-
-RewardFn = Callable[[list[str], list[str], list[str]], list[float]]
-
-
-@dataclass(frozen=True)
-class Example:
-    prompt: str
-    answer: str
-
-
-class Task:
-    """Base class: subclasses fill self.splits = {'train': [...], 'val': [...], 'eval': [...]}."""
-
-    splits: dict[str, list[Example]]
-
-    def split(self, name: str) -> list[Example]:
-        if name not in self.splits:
-            raise KeyError(f"unknown split {name!r}; choose one of: {', '.join(self.splits)}")
-        return self.splits[name]
-
-
-TASKS: Registry[Callable[[Any], Task]] = Registry("task")
-REWARDS: Registry[RewardFn] = Registry("reward")
-register_task = TASKS.register
-register_reward = REWARDS.register
-
-
-def split_examples(examples: list[Example], cfg: Any, source: str) -> dict[str, list[Example]]:
-    """Shuffle with task.seed and cut into eval, val and train (disjoint by construction)."""
-    need = cfg.eval_size + cfg.val_size + 1
-    if len(examples) < need:
-        raise ValueError(
-            f"{source}: {len(examples)} examples is fewer than eval_size + val_size + 1 "
-            f"({cfg.eval_size} + {cfg.val_size} + 1)"
-        )
-    examples = list(examples)
-    random.Random(cfg.seed).shuffle(examples)
-    e, v = cfg.eval_size, cfg.val_size
-    return {"eval": examples[:e], "val": examples[e : e + v], "train": examples[e + v :]}
-
-
-def build_task(task_cfg: Any) -> Task:
-    return TASKS[task_cfg.name](task_cfg)
-
-
-def reward_fn(name: str) -> RewardFn:
-    return REWARDS[name]
-
-
-# Register the built-in tasks and rewards.
-from rlhf.tasks import arithmetic, jsonl_task, rewards  # noqa: E402,F401
+__all__ = ["REWARDS", "TASKS", "Example", "RewardFn", "Task", "build_task", "register_reward", "register_task",
+           "reward_fn", "split_examples"]

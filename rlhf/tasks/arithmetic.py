@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlhf.tasks import Example, Task, register_task, split_examples
+from rlhf.tasks.base import Example, Task, register_task, split_examples
 
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from rlhf.tasks import Example, Task, register_task, split_examples
+from rlhf.tasks.base import Example, Task, register_task, split_examples
 
 
 @register_task("jsonl")

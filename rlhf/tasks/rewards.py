@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlhf.tasks import register_reward
+from rlhf.tasks.base import register_reward
 
 
 @register_reward("exact_match")

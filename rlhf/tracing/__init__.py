@@ -51,6 +51,7 @@ ATTR_PREFIX = "rlhf."
 _current_tracer: contextvars.ContextVar[Any] = contextvars.ContextVar("rlhf_tracer", default=None)
 _current_identity: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar("rlhf_identity", default=None)
 _current_step: contextvars.ContextVar[int] = contextvars.ContextVar("rlhf_step", default=-1)
+_current_stage: contextvars.ContextVar[str] = contextvars.ContextVar("rlhf_stage", default="")
 
 
 class _State:
@@ -224,6 +225,21 @@ def at_step(step: int) -> Iterator[None]:
         yield
     finally:
         _current_step.reset(token)
+
+
+def current_stage() -> str:
+    """The stage of the request this code serves ('' outside one): what a fault point deep inside it (a collective)
+    records as where it fired."""
+    return _current_stage.get()
+
+
+@contextmanager
+def at_stage(stage: str) -> Iterator[None]:
+    token = _current_stage.set(stage)
+    try:
+        yield
+    finally:
+        _current_stage.reset(token)
 
 
 def attributes(stage: str | None = None, step: int | None = None, **extra: Any) -> dict[str, Any]:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from rlhf import tracing
 from rlhf.algorithms import LOSSES
 from rlhf.algorithms.sft import nll_loss
+from rlhf.train.parallel import Layout, clip_grad_norm, frozen_copy, parallelize
 
 
 class DataParallel(Protocol):
@@ -43,6 +44,7 @@ def token_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     loss_mask: torch.Tensor | None = None,
+    whole: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probability of every token under `model`, aligned to the token. Returns (B, L) [, (B, L)].
 
@@ -50,11 +52,13 @@ def token_logprobs(
     engine did when it sampled (0 = greedy, treated as 1). With `loss_mask` (B, L) (1 on the
     tokens the loss reads: the response), the LM head runs only on the positions that predict
     those tokens and every other entry is 0 — a real model's vocabulary is 32 k–150 k wide, and
-    the prompt positions would otherwise cost most of the logits' memory and time.
+    the prompt positions would otherwise cost most of the logits' memory and time. `whole`: run the model's
+    own forward (FSDP gathers the root's parameters in it; its decoder and head called apart would not) and
+    pick the loss positions' logits after it.
     """
     positions = (attention_mask.long().cumsum(1) - 1).clamp(min=0)  # (B, L)
     targets = input_ids[:, 1:]  # (B, L-1): position t predicts token t+1
-    head = model.get_output_embeddings() if loss_mask is not None else None
+    head = model.get_output_embeddings() if loss_mask is not None and not whole else None
     if head is None:  # all positions (or a model without a separate output head)
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits  # (B, L, V)
         logits = logits[:, :-1].float()  # (B, L-1, V)
@@ -62,10 +66,14 @@ def token_logprobs(
             logits = logits / temperature
         logp_all = torch.log_softmax(logits, dim=-1)  # (B, L-1, V)
         logprobs = logp_all.gather(-1, targets[..., None]).squeeze(-1)  # (B, L-1)
+        if loss_mask is not None:  # the same zeros as the head-only path off the loss positions
+            logprobs = logprobs.masked_fill(loss_mask[:, 1:] <= 0, 0.0)
         entropy = None
         if with_entropy:
             with torch.no_grad():
                 entropy = F.pad(-(logp_all.exp() * logp_all).sum(-1), (1, 0))  # (B, L)
+                if loss_mask is not None:
+                    entropy = entropy.masked_fill(F.pad(loss_mask[:, 1:], (1, 0)) <= 0, 0.0)
         return F.pad(logprobs, (1, 0)), entropy  # (B, L)
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
                                  position_ids=positions).last_hidden_state  # (B, L, C)
@@ -103,7 +111,13 @@ class TrainEngine:
         dp: DataParallel | None = None,
         lr: float | None = None,
         compute_dtype: torch.dtype = torch.float32,
+        layout: Layout | None = None,
+        mesh: Any = None,
     ) -> None:
+        """layout/mesh (rlhf.train.parallel): a sharded layout lays the policy out here (and the reference the
+        same way); dp then reduces over the data-parallel group only. None: replicated, as given."""
+        self.layout = layout if layout is not None and layout.sharded else None
+        self.mesh = mesh
         self.model = model
         # bf16/fp16: parameters and AdamW state stay fp32 (master weights); forward/backward run under
         # autocast in compute_dtype; logits, logprobs and the loss are fp32 (token_logprobs upcasts)
@@ -114,6 +128,8 @@ class TrainEngine:
         self.dp = dp
         self.device = next(model.parameters()).device
         self.reference: torch.nn.Module | None = None
+        if self.layout is not None:
+            parallelize(model, self.layout, mesh, self._fsdp_dtype(), tracker=dp)
         if keep_reference:
             self.reset_reference()
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -127,14 +143,27 @@ class TrainEngine:
         self.optimizer_steps = 0
 
     def reset_reference(self) -> None:
-        """Freeze a copy of the current policy as the reference model (KL anchor)."""
+        """Freeze a copy of the current policy as the reference model (KL anchor). In a sharded layout the copy is
+        laid out the same way, each rank copying only its own pieces (no whole copy is made)."""
+        if self.layout is not None:
+            self.reference = frozen_copy(self.model, self.layout, self.mesh, self._fsdp_dtype(), tracker=self.dp)
+            return
         self.reference = copy.deepcopy(self.model).eval()
         for p in self.reference.parameters():
             p.requires_grad_(False)
 
+    def _fsdp_dtype(self) -> torch.dtype | None:
+        """FSDP's compute dtype (its MixedPrecisionPolicy casts the gathered parameters): bf16/fp16 runs."""
+        return self.compute_dtype if self.compute_dtype != torch.float32 else None
+
     def _autocast(self):
+        fsdp_casts = self.layout is not None and self.layout.fsdp  # FSDP computes in param_dtype itself
         return torch.autocast(self.device.type, dtype=self.compute_dtype,
-                              enabled=self.compute_dtype != torch.float32)
+                              enabled=self.compute_dtype != torch.float32 and not fsdp_casts)
+
+    @property
+    def _whole(self) -> bool:
+        return self.layout is not None and self.layout.fsdp
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Batches arrive on the host (from the wire); the model may live on a GPU."""
@@ -163,7 +192,7 @@ class TrainEngine:
                 part = _trim(batch, slice(start, start + self.cfg.micro_batch_size))
                 with self._autocast():
                     lp, _ = token_logprobs(model, part["input_ids"], part["attention_mask"], self.temperature,
-                                           loss_mask=part.get("response_mask"))
+                                           loss_mask=part.get("response_mask"), whole=self._whole)
                 out[start : start + lp.shape[0], : lp.shape[1]] = lp
             if out.is_cuda:  # the span ends with the work (the reply waits for it anyway)
                 torch.cuda.synchronize(out.device)
@@ -178,9 +207,11 @@ class TrainEngine:
         return float(self.dp.all_reduce_sum(torch.tensor([value], dtype=torch.float64)).item())  # dp moves it
 
     def _optimizer_step(self) -> float:
-        if self.dp is not None and self.dp.world_size > 1:
-            self.dp.all_reduce_gradients(self.params)
-        if self.cfg.grad_clip > 0:
+        if self.dp is not None and self.dp.world_size > 1 and not (self.layout is not None and self.layout.fsdp):
+            self.dp.all_reduce_gradients(self.params)  # FSDP has reduce-scattered them over dp already
+        if self.layout is not None:  # sharded gradients: their global norm through DTensor
+            grad_norm = clip_grad_norm(self.params, self.cfg.grad_clip)
+        elif self.cfg.grad_clip > 0:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
         else:
             grad_norm = float(torch.norm(torch.stack([p.grad.norm() for p in self.params if p.grad is not None])))
@@ -200,7 +231,7 @@ class TrainEngine:
             with self._autocast():
                 logprobs, entropy = token_logprobs(
                     self.model, part["input_ids"], part["attention_mask"], self.temperature, with_entropy,
-                    loss_mask=part["response_mask"],
+                    loss_mask=part["response_mask"], whole=self._whole,
                 )
             loss, m = loss_of(part, logprobs, entropy)
             loss.backward()

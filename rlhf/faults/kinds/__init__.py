@@ -26,6 +26,14 @@ from typing import Any
 from rlhf.registry import Registry
 
 
+class _Required:
+    def __repr__(self) -> str:
+        return "REQUIRED"
+
+
+REQUIRED: Any = _Required()  # a parameter without a default (PARAMS: (types, REQUIRED, doc))
+
+
 @dataclass
 class Hit:
     point: str

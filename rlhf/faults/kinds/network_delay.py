@@ -7,8 +7,7 @@ import random
 import time
 from typing import Any
 
-from rlhf.faults.kinds import FaultKind, Hit, register
-from rlhf.faults.spec import REQUIRED
+from rlhf.faults.kinds import REQUIRED, FaultKind, Hit, register
 
 
 @register

@@ -15,10 +15,10 @@ from typing import Any
 from tenacity import AsyncRetrying, RetryCallState, RetryError, retry_if_exception_type, stop_after_attempt
 
 from rlhf.config import Config
+from rlhf.errors import RpcConnectionError, RpcTimeout
 from rlhf.runtime.client import Client, LoopThread
 from rlhf.runtime.control.services import RolloutServices
 from rlhf.runtime.control.workers import WorkerGroup
-from rlhf.runtime.errors import RpcConnectionError, RpcTimeout
 
 log = logging.getLogger("rlhf.controller")
 

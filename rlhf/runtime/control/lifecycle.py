@@ -12,11 +12,9 @@ and renames a slot, fatal_save_errors decides whether a failed save stops the ru
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shlex
-import shutil
 import signal
 import statistics
 import sys
@@ -25,20 +23,21 @@ import time
 import traceback
 from typing import Any
 
-from rlhf import diagnosis, faults, stacks, tracing
+from rlhf import faults, stacks, tracing
 from rlhf.config import Config
+from rlhf.errors import PreflightStraggler, SyncStall
 from rlhf.procs import freeze_gc, second_sigterm_stops
 from rlhf.run_dir import StepsWriter, write_json
 from rlhf.runtime import checkpoint as ckpt
 from rlhf.runtime.client import Client, LoopThread
+from rlhf.runtime.control.reporting import FailureReports
+from rlhf.runtime.control.saves import CheckpointSaves
 from rlhf.runtime.control.watchdog import StallWatchdog
 from rlhf.runtime.control.workers import WorkerGroup
 from rlhf.runtime.dist import restart_count
-from rlhf.runtime.errors import HTTPStatusError, PreflightStraggler, RemoteError, SyncStall
 from rlhf.stages import StageClock
 
 log = logging.getLogger("rlhf.controller")
-DIAGNOSIS_LOG = logging.getLogger("rlhf.diagnosis")  # the console's last line: the root cause
 TRACEBACK_LOG = logging.getLogger("rlhf.traceback")  # the controller's log file only, never the console
 
 
@@ -46,7 +45,7 @@ class Drained(Exception):
     """The run stopped after a step because it received SIGTERM; the step and its checkpoint are done."""
 
 
-class RunLifecycle:
+class RunLifecycle(FailureReports, CheckpointSaves):
     columns: list[str] = []  # steps.csv
     loop_name = "controller-rpc"
     label = "training"  # in the eval log lines: "eval accuracy before GRPO"
@@ -250,120 +249,7 @@ class RunLifecycle:
         if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None):
             signal.signal(signal.SIGTERM, note)
 
-    def report_root_cause(self, early: bool = False) -> None:
-        """The diagnosis of this run's evidence (ours in both modes; faithful still behaves as the seeds' system).
-
-        early: right after the failure, before cleanup (the peers' span exporters get one export period);
-        then after cleanup, with everything the run left: the console ends with where to look and, last,
-        the root cause; torchrun's closing block quotes it too.
-        """
-        try:
-            tracing.flush()  # this process's spans (controller, train-0, MetaServer) are evidence too
-            if early and self.cfg.tracing.enabled:
-                time.sleep(self.cfg.tracing.export_delay_ms / 1000 + 0.1)  # the other processes' next span export
-            diag = diagnosis.diagnose(self.run_dir)
-            diagnosis.write(diag)
-        except Exception as exc:  # noqa: BLE001 — the diagnosis must never hide the failure it explains
-            log.warning("diagnosis failed: %s: %s", type(exc).__name__, exc)
-            return
-        self.root_cause = diag.headline()
-        if early:
-            DIAGNOSIS_LOG.error("%s", diag.headline())
-            return
-        log.info("logs: %s  trace: rlhf trace %s  diagnosis: rlhf diagnose %s", os.path.join(self.run_dir, "logs"),
-                 self.run_dir, self.run_dir)
-        if diag.root is not None:
-            log.info("evidence: %s (confidence %.2f%s)", diag.root.source, diag.confidence,
-                     f"; runner-up: {diag.runner_up.process}, {diag.runner_up.category}" if diag.runner_up else "")
-        DIAGNOSIS_LOG.error("%s", diag.headline())
-        error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-        if error_file:  # torchrun's "Root Cause" block prints this instead of "To enable traceback see ..."
-            try:
-                with open(error_file, "w", encoding="utf-8") as fh:
-                    json.dump({"message": f"{diag.headline()} (run failed: {self.first_failure[:300]})",
-                               "timestamp": int(time.time())}, fh)
-            except OSError:
-                pass
-
-    def _stall_reported(self, found: str) -> None:
-        """The watchdog found a stall and the policy lets the run wait: the live diagnosis, beside the run."""
-        self.stalled = True
-        threading.Thread(target=self.report_root_cause, kwargs={"early": True}, name="stall-diagnosis",
-                         daemon=True).start()
-
-    def report_unfired(self, last_step: int) -> list[dict[str, str]]:
-        """Armed faults that never fired: a WARNING each (the experiment did not happen), with the likely reason."""
-        if not self.cfg.faults:
-            return []
-        unfired = faults.never_fired(self.run_dir, self.cfg.faults, last_step, rl=self.rl,
-                                     colocate=self.cfg.runtime.colocate, weights_mode=self.cfg.weights.mode)
-        for fault in unfired:
-            log.warning("fault %s never fired: %s", fault["name"], fault["why"])
-        return unfired
-
     # ------------------------------------------------------------------ checkpoints
-
-    def checkpoint(self, slot: str, step: int, background: bool = False) -> bool:
-        """Save `slot` per the policy: a failure stops the run (fatal_save_errors), is skipped keeping the newest
-        valid slot (skip_failed_saves with atomic_checkpoints), or is a WARNING; False when it failed.
-
-        background (only without fatal_save_errors, checkpoint.periodic_async): the ranks write on a writer
-        thread and reply at once; meta.json is written without waiting for them (the seeds' asynchronous save).
-        """
-        stage = "latest_recover_save" if slot.startswith("latest") else "periodic_recover_save"
-        if self.policy.skip_failed_saves and self.policy.atomic_checkpoints:
-            try:
-                self.save(slot, step, stage)
-            except (RemoteError, HTTPStatusError, OSError) as exc:
-                if isinstance(exc, (TimeoutError, ConnectionError)):
-                    raise  # a rank that does not answer (a hung write) or is gone: the run cannot go on without it
-                # every rank answered, one with an error (or meta.json could not be written here): the step goes on
-                self.saves_failed += 1
-                self.failed_in_a_row += 1
-                shutil.rmtree(os.path.join(self.run_dir, "checkpoints", staging_name(slot)), ignore_errors=True)
-                limit = self.cfg.checkpoint.max_failed_saves
-                if self.failed_in_a_row >= limit:
-                    raise
-                found = ckpt.newest_checkpoint(os.path.join(self.run_dir, "checkpoints"), check_sums=False)
-                newest = f"{os.path.relpath(found[0], os.path.join(self.run_dir, 'checkpoints'))} (step " \
-                    f"{found[1]['step']})" if found else "none (no save has succeeded yet)"
-                log.warning("step %d: %s to %s failed (%s: %s); skipped, the newest valid checkpoint stays %s "
-                            "(%d failed in a row; checkpoint.max_failed_saves=%d fails the run)", step, stage, slot,
-                            type(exc).__name__, str(exc)[:300], newest, self.failed_in_a_row, limit)
-                return False
-            self.failed_in_a_row = 0
-            return True
-        if self.policy.fatal_save_errors:
-            self.save(slot, step, stage)
-            return True
-        try:
-            self.save(slot, step, stage, background)
-            return True
-        except (RuntimeError, OSError, TimeoutError) as exc:
-            self.saves_failed += 1
-            log.warning("step %d: %s to %s failed (%s: %s); continuing", step, stage, slot, type(exc).__name__, exc)
-            return False
-
-    def save(self, slot: str, step: int, stage: str, background: bool = False) -> None:
-        """Every rank writes its files, then meta.json last; atomic_checkpoints: in a staging folder, renamed."""
-        checkpoints = os.path.join(self.run_dir, "checkpoints")
-        atomic = self.policy.atomic_checkpoints
-        final = os.path.join(checkpoints, slot)
-        directory = os.path.join(checkpoints, staging_name(slot)) if atomic else final
-        if atomic:
-            shutil.rmtree(directory, ignore_errors=True)
-        os.makedirs(directory, exist_ok=True)
-        bounded = self.policy.abandon_stuck_saves and self.policy.skip_failed_saves and atomic and not background
-        replies = self.workers.call("save", {"directory": directory, "fsync": True, "background": background,
-                                             "stall_s": self.cfg.checkpoint.write_stall_s if bounded else 0},
-                                    step=step, stage=stage)
-        files: dict[str, str] = {}
-        for reply, _ in replies:
-            files.update(reply["files"])
-        meta = {"step": step, "complete": True, "files": files, "slot": slot, "controller": self.checkpoint_state(step)}
-        ckpt.finish_slot(checkpoints, slot, directory, meta, atomic)
-
-    # ------------------------------------------------------------------ cleanup
 
     @property
     def cleanup_level(self) -> int:
@@ -393,11 +279,6 @@ class RunLifecycle:
             self.loop.gather(*[c.close() for c in self.clients()], return_exceptions=True)
             self.loop.close()
             stacks.tidy(self.run_dir)  # the stacks files no watchdog asked for
-
-
-def staging_name(slot: str) -> str:
-    """The folder an atomic save writes `slot` into before it is renamed into place."""
-    return f".staging-{slot.replace(os.sep, '-')}"
 
 
 def stragglers(times: dict[int, float], threshold: float) -> list[tuple[int, float, float]]:

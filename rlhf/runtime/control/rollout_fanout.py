@@ -23,11 +23,11 @@ import torch
 from rlhf import tracing
 from rlhf.config import Config
 from rlhf.data import completion_text, encode_prompts, rl_batch
+from rlhf.errors import HTTPStatusError, RpcTimeout
 from rlhf.rollout.sglang_api import output_logprobs
 from rlhf.runtime.batch_memory import DistributedBatchMemory
 from rlhf.runtime.client import Client, LoopThread
 from rlhf.runtime.control.services import RolloutServices
-from rlhf.runtime.errors import HTTPStatusError, RpcTimeout
 
 log = logging.getLogger("rlhf.controller")
 

@@ -23,9 +23,9 @@ import yaml
 from rlhf import exits
 from rlhf.config import Config
 from rlhf.devices import rollout_device
+from rlhf.errors import HTTPStatusError, RpcConnectionError, RpcTimeout
 from rlhf.procs import wait_for_file
 from rlhf.runtime.client import Client, LoopThread
-from rlhf.runtime.errors import HTTPStatusError, RpcConnectionError, RpcTimeout
 from rlhf.runtime.http import DEFAULT_HOST
 from rlhf.runtime.metaserver import MetaServer
 from rlhf.runtime.scheduler import RemoteScheduler, SchedulerClient

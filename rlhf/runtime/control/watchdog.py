@@ -24,10 +24,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from rlhf import stacks
+from rlhf import exits, stacks
 from rlhf.analysis import WATCHDOG_REPORT_ONLY
+from rlhf.errors import SyncStall
 from rlhf.runtime.client import Client
-from rlhf.runtime.errors import SyncStall
 
 log = logging.getLogger("rlhf.controller")
 
@@ -139,7 +139,8 @@ class StallWatchdog:
         if not self.run_dir:
             return ""
         written = await asyncio.get_running_loop().run_in_executor(None, stacks.dump, self.run_dir,
-                                                                   f"stall watchdog: {found}")
+                                                                   f"stall watchdog: {found}",
+                                                                   exits.all_lives(self.run_dir))
         if not written:
             return ""
         stuck = written.get(f"train-{found.missing}")

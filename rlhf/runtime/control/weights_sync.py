@@ -28,6 +28,7 @@ from rlhf.config import Config
 from rlhf.runtime.client import Client, LoopThread
 from rlhf.runtime.control.services import RolloutServices
 from rlhf.runtime.control.workers import WorkerGroup
+from rlhf.train.parallel import make_layout
 
 log = logging.getLogger("rlhf.controller")
 
@@ -140,6 +141,11 @@ class WeightSync:
         self.source, self.fell_back = writer, 1
         return {"upload_s_max": upload, "update_s_max": time.perf_counter() - t1}
 
+    async def _rollout_checksums(self, step: int) -> list[tuple[Any, dict]]:
+        """Every rollout server's weights checksum and version."""
+        return list(await asyncio.gather(*[c.call("/weights_checksum", method="GET", stage="weights_update", step=step)
+                                           for c in self.services.rollout]))
+
     def verify(self, version: str, step: int) -> int:
         """Every rollout server must report `version` and the trainer's checksum; returns 1 or raises.
         sglang servers have no checksum route: their /model_info weight_version is checked alone."""
@@ -151,12 +157,14 @@ class WeightSync:
             if wrong:
                 raise WeightsMismatch(f"step {step}: trainer has version {version}; " + "; ".join(wrong))
             return 1
-        # every rank holds the same weights: one rank's checksum (the fallback writer's, when a rank was stuck)
-        trainer, *replies = self.loop.gather(
-            self.workers.clients[self.source].call("/weights_checksum", stage="weights_update", step=step),
-            *[c.call("/weights_checksum", method="GET", stage="weights_update", step=step)
-              for c in self.services.rollout])
-        trainer = trainer[0]
+        # every rank holds the same weights: one rank's checksum (the fallback writer's, when a rank was stuck); in a
+        # sharded layout each rank holds pieces, which every rank gathers for the checksum: all are asked
+        sharded = make_layout(self.cfg.train.parallel, self.cfg.train.tp_size, len(self.workers)).sharded
+        askers = self.workers.clients if sharded else [self.workers.clients[self.source]]
+        *trainers, replies = self.loop.gather(
+            *[c.call("/weights_checksum", stage="weights_update", step=step) for c in askers],
+            self._rollout_checksums(step))
+        trainer = trainers[self.source if sharded else 0][0]
         wrong = [f"rollout-{r}: version {rep['weight_version']} checksum {rep['checksum'][:12]}"
                  for r, (rep, _) in enumerate(replies)
                  if rep["weight_version"] != version or rep["checksum"] != trainer["checksum"]]

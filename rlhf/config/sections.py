@@ -1,68 +1,24 @@
-"""Configuration: a tree of dataclasses, presets as functions, YAML files, dotted overrides.
-
-Every component owns one dataclass below. Each field carries a one-line docstring (the string
-literal right after it) that `--help` prints, with units. Values are resolved in this order:
-
-    preset function  →  --config FILE.yaml  →  --section.field VALUE on the command line
-
-and every section validates itself in ``__post_init__`` with a message that lists the valid
-choices, so a typo fails before any work starts.
-"""
+"""The config tree: one dataclass per component (model, task, rollout, train, algorithm, sft, weights, runtime,
+checkpoint, preflight, tracing) and the root `Config`. Each field's docstring (the string after it) is what
+`--help` prints, with units; each section validates itself in __post_init__."""
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import difflib
-import functools
 import importlib.util
-import inspect
-import textwrap
-import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
 from rlhf.algorithms import AGGREGATIONS, LOSSES
+from rlhf.config.checks import ConfigError, _choice, _in_range, _positive
+from rlhf.config.resilience import Policy
 from rlhf.models import MODEL_PRESETS
-from rlhf.runtime.resilience import Policy
 from rlhf.tasks import REWARDS, TASKS
 
-
-class ConfigError(ValueError):
-    """A configuration value or key is invalid; the message says which and what is allowed."""
-
-
-MOVED_KEYS = {"runtime.resilience": "resilience.preset (or --resilience faithful|hardened)"}
-
-
+PARALLEL_LAYOUTS = ("dp", "fsdp")  # train.parallel (rlhf.train.parallel lays them out)
 SGLANG_SERVER_MODULES = ("sglang", "sgl_kernel", "fastapi", "uvicorn", "zmq")  # what sglang.launch_server imports
-
-
-def _choice(key: str, value: Any, choices: typing.Iterable[Any]) -> None:
-    choices = list(choices)
-    if value not in choices:
-        hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
-        extra = f" (did you mean {hint[0]!r}?)" if hint else ""
-        raise ConfigError(
-            f"{key}: {value!r} is not valid{extra}; choose one of: {', '.join(map(str, choices))}"
-        )
-
-
-def _positive(key: str, value: float, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(f"{key}: must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
-
-
-def _in_range(key: str, value: float, lo: float, hi: float) -> None:
-    if not lo <= value <= hi:
-        raise ConfigError(f"{key}: must be in [{lo}, {hi}], got {value!r}")
-
-
-# --------------------------------------------------------------------------------------------
-# Sections
-# --------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -197,6 +153,10 @@ class OptimConfig:
     """Optimizer steps per GRPO step (the batch is cut in this many mini-batches; >1 makes the ratio leave 1)."""
     warmup_steps: int = 10
     """Linear learning-rate warmup over this many optimizer steps (a fresh AdamW's first steps are sign-like)."""
+    parallel: str = "dp"
+    """GRPO train layout: dp (every rank holds the whole model and AdamW state, gradients all-reduced) or fsdp (FSDP2: parameters, gradients and AdamW state sharded over the data-parallel ranks). The SFT warm start runs replicated before it."""
+    tp_size: int = 1
+    """Tensor-parallel ranks per model replica: attention heads and MLP columns split among them (DTensor); train ranks = data-parallel ranks x tp_size, and tp_size must divide the heads, KV heads and MLP width."""
 
     def __post_init__(self) -> None:
         _positive("train.lr", self.lr)
@@ -207,6 +167,8 @@ class OptimConfig:
         _positive("train.micro_batch_size", self.micro_batch_size)
         _positive("train.mini_batches", self.mini_batches)
         _positive("train.warmup_steps", self.warmup_steps, allow_zero=True)
+        _choice("train.parallel", self.parallel, PARALLEL_LAYOUTS)
+        _positive("train.tp_size", self.tp_size)
 
 
 @dataclass
@@ -437,290 +399,3 @@ class Config:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
-
-# --------------------------------------------------------------------------------------------
-# Presets: functions that return a Config
-# --------------------------------------------------------------------------------------------
-
-
-def preset_default() -> Config:
-    """The embedded default: tiny Llama, 2-operand addition, CPU, a few minutes on a laptop."""
-    return Config()
-
-
-def preset_smoke() -> Config:
-    """Seconds-long run for tests and wiring checks; it does not aim to learn."""
-    cfg = Config(steps=2)
-    cfg.task.eval_size = 32
-    cfg.task.val_size = 16
-    cfg.rollout.prompts_per_step = 4
-    cfg.rollout.group_size = 4
-    cfg.sft.max_steps = 10
-    cfg.sft.eval_every = 5
-    cfg.sft.batch_size = 16
-    cfg.train.micro_batch_size = 8
-    return cfg
-
-
-def preset_real_model() -> Config:
-    """A pretrained 100 M-1 B model from --model.path: small steps, a real KL anchor, checkpoints every 10 steps.
-
-    The default's settings are tuned for a random tiny model that must move far; a pretrained model
-    at lr 1e-4 leaves its reference at once (KL 51.6 on the first informative step, seen on
-    SmolLM2-135M). No SFT warm start (the model already answers), one optimizer step per GRPO step
-    (on-policy), and the 2-slot parity checkpoint every 10 steps instead of every step (a 135 M
-    model's slot is 1.6 GB with optimizer state: half a step's time on CPU).
-    """
-    cfg = Config(steps=50)
-    cfg.train.lr = 1e-6
-    cfg.train.warmup_steps = 5
-    cfg.train.mini_batches = 1
-    cfg.train.micro_batch_size = 16
-    cfg.train.weight_decay = 0.0
-    cfg.algorithm.kl_coef = 0.04
-    cfg.rollout.prompts_per_step = 16
-    cfg.rollout.group_size = 8
-    cfg.rollout.max_new_tokens = 16
-    cfg.sft.max_steps = 0
-    cfg.checkpoint.latest_every = 10
-    cfg.weights.mode = "meta"
-    return cfg
-
-
-PRESETS: dict[str, Callable[[], Config]] = {"default": preset_default, "smoke": preset_smoke,
-                                            "real-model": preset_real_model}
-
-
-# --------------------------------------------------------------------------------------------
-# Building a config from a preset, a YAML file and dotted overrides
-# --------------------------------------------------------------------------------------------
-
-
-@functools.cache
-def _field_docs(cls: type) -> dict[str, str]:
-    """The docstring literal under each field of a dataclass (read from its source once: every command reads them
-    twice, for --help's text and the boolean flags)."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError):  # source not available (frozen app): fall back to no docs
-        return {}
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for node, nxt in zip(body, body[1:]):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-            and isinstance(nxt.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
-
-
-def _is_section(tp: Any) -> bool:
-    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
-
-
-def _resolved_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _convert(key: str, raw: Any, tp: Any) -> Any:
-    """Convert a YAML or command-line value to the field's declared type."""
-    if tp is bool:
-        if isinstance(raw, bool):
-            return raw
-        text = str(raw).strip().lower()
-        if text in ("1", "true", "yes", "on"):
-            return True
-        if text in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"{key}: expected a boolean (true/false), got {raw!r}")
-    if tp in (int, float):
-        if isinstance(raw, bool):
-            raise ConfigError(f"{key}: expected {tp.__name__}, got boolean {raw!r}")
-        try:
-            if tp is int and isinstance(raw, float) and not raw.is_integer():
-                raise ValueError
-            return tp(raw) if not (tp is int and isinstance(raw, str)) else int(raw, 0)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key}: expected {tp.__name__}, got {raw!r}") from None
-    if tp is list:
-        if not isinstance(raw, list):
-            raise ConfigError(f"{key}: expected a list, got {type(raw).__name__}")
-        return list(raw)
-    if tp is str:
-        if isinstance(raw, (dict, list)):
-            raise ConfigError(f"{key}: expected a string, got {type(raw).__name__}")
-        return str(raw)
-    raise ConfigError(f"{key}: unsupported field type {tp!r}")
-
-
-def _merge(cls: type, base: Any, updates: dict[str, Any], prefix: str = "") -> Any:
-    """A new instance of `cls` from `base` with `updates` (nested dicts) applied and validated."""
-    if not isinstance(updates, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {updates!r}")
-    types = _resolved_types(cls)
-    kwargs: dict[str, Any] = {}
-    if "preset" in updates and hasattr(cls, "from_preset"):  # a preset resets the section; its other keys follow
-        base = cls.from_preset(_convert(prefix + "preset", updates["preset"], str))
-    for f in dataclasses.fields(cls):
-        kwargs[f.name] = getattr(base, f.name)
-    for key, value in updates.items():
-        full = prefix + str(key)
-        if full in MOVED_KEYS:
-            raise ConfigError(f"config key {full!r} has moved: use {MOVED_KEYS[full]}")
-        if key not in types:
-            valid = [f.name for f in dataclasses.fields(cls)]
-            hint = difflib.get_close_matches(str(key), valid, n=1)
-            extra = f" (did you mean '{prefix}{hint[0]}'?)" if hint else ""
-            raise ConfigError(f"unknown config key {full!r}{extra}; valid keys here: {', '.join(valid)}")
-        tp = types[key]
-        if _is_section(tp):
-            kwargs[key] = _merge(tp, kwargs[key], value, prefix=full + ".")
-        else:
-            kwargs[key] = _convert(full, value, tp)
-    try:
-        return cls(**kwargs)
-    except ConfigError as err:
-        # Sections report their own dotted keys; keep them.
-        raise err
-
-
-def apply_overrides(cfg: Config, updates: dict[str, Any]) -> Config:
-    """Return a validated copy of `cfg` with nested `updates` applied."""
-    return _merge(Config, cfg, updates)
-
-
-def dotted_to_nested(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """[('rollout.group_size', '8')] -> {'rollout': {'group_size': '8'}}."""
-    nested: dict[str, Any] = {}
-    for key, value in pairs:
-        node = nested
-        parts = key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"{key}: {part!r} is a value, not a section")
-        node[parts[-1]] = value
-    return nested
-
-
-def load_yaml(path: str) -> dict[str, Any]:
-    """Read a YAML config file; syntax errors name the file and line."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"--config: file not found: {path}") from None
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark is not None else path
-        raise ConfigError(f"{where}: YAML syntax error: {getattr(err, 'problem', err)}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
-    return data
-
-
-def _bool_fields() -> set[str]:
-    out = set()
-    for key, tp, _doc, _default in iter_fields():
-        if tp is bool:
-            out.add(key)
-    return out
-
-
-def iter_fields(cls: type = Config, base: Any = None, prefix: str = ""):
-    """Yield (dotted key, type, doc, default) for every leaf field of the config tree."""
-    base = base if base is not None else cls()
-    types = _resolved_types(cls)
-    docs = _field_docs(cls)
-    for f in dataclasses.fields(cls):
-        tp = types[f.name]
-        value = getattr(base, f.name)
-        if _is_section(tp):
-            yield from iter_fields(tp, value, prefix + f.name + ".")
-        else:
-            yield prefix + f.name, tp, docs.get(f.name, ""), value
-
-
-def format_help(cfg: Config | None = None) -> str:
-    """All config keys with type, default and doc, grouped by section, for --help."""
-    cfg = cfg or Config()
-    lines = []
-    section = None
-    for key, tp, doc, default in iter_fields(Config, cfg):
-        if tp is list:
-            continue  # faults: set with --faults FILE (YAML), not a dotted flag
-        head = key.split(".")[0] if "." in key else ""
-        if head != section:
-            section = head
-            lines.append(f"\n  [{head or 'run'}]")
-        flag = key if "." in key else key.replace("_", "-")  # top-level keys are argparse flags: --run-dir
-        lines.append(f"  --{flag} {tp.__name__.upper():5s} (default: {default!r})")
-        if doc:
-            lines.append(f"        {doc}")
-    return "\n".join(lines)
-
-
-def parse_overrides(argv: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
-    """Split argv into dotted (key, value) pairs and everything else.
-
-    `--a.b value`, `--a.b=value` and, for boolean fields, a bare `--a.b` (meaning true).
-    Non-dotted top-level keys of Config (`--seed`, `--steps`) are handled by the caller.
-    """
-    bools = _bool_fields()
-    pairs: list[tuple[str, str]] = []
-    rest: list[str] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg.startswith("--") and "." in arg.split("=", 1)[0]:
-            key, eq, value = arg[2:].partition("=")
-            key = key.replace("-", "_")  # --sft.eval-every and --sft.eval_every are the same key
-            if not eq:
-                nxt = argv[i + 1] if i + 1 < len(argv) else None
-                if key in bools and (nxt is None or nxt.startswith("--")):
-                    value = "true"
-                elif nxt is None:
-                    raise ConfigError(f"--{key}: missing value")
-                else:
-                    value = nxt
-                    i += 1
-            pairs.append((key, value))
-        else:
-            rest.append(arg)
-        i += 1
-    return pairs, rest
-
-
-def build_config(
-    preset: str = "default",
-    config_file: str | None = None,
-    dotted: list[tuple[str, Any]] | None = None,
-    top_level: dict[str, Any] | None = None,
-    scenario: list[tuple[str, Any]] | None = None,
-) -> Config:
-    """Preset → YAML file → a fault file's `config:` (scenario) → top-level flags (--seed, --steps, --run-dir)
-    → dotted overrides."""
-    _choice("--preset", preset, PRESETS)
-    cfg = PRESETS[preset]()
-    if config_file:
-        try:
-            cfg = apply_overrides(cfg, load_yaml(config_file))
-        except ConfigError as err:
-            raise ConfigError(f"{config_file}: {err}") from None
-    if scenario:
-        try:
-            cfg = apply_overrides(cfg, dotted_to_nested(scenario))
-        except ConfigError as err:
-            raise ConfigError(f"fault file config: {err}") from None
-    if top_level:
-        cfg = apply_overrides(cfg, {k: v for k, v in top_level.items() if v is not None})
-    if dotted:
-        cfg = apply_overrides(cfg, dotted_to_nested(dotted))
-    return cfg

@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from rlhf.config.checks import ConfigError
+
 
 @dataclass(frozen=True)
 class Policy:
@@ -62,8 +64,6 @@ class Policy:
 
     def __post_init__(self) -> None:
         if self.preset not in PRESET_NAMES:
-            from rlhf.config import ConfigError  # config imports this module: import at use
-
             raise ConfigError(f"resilience.preset: {self.preset!r} is not valid; choose one of: "
                               + ", ".join(PRESET_NAMES))
 

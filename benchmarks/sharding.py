@@ -1,0 +1,269 @@
+#!/usr/bin/env python
+"""Sharded training: memory per rank and seconds per step of each layout, and a whole GRPO run dp cannot hold.
+
+Part `layouts` starts one torchrun world (gloo, CPU) per (layout, world size) on --model (default `llama-500m`, a
+~0.54 B-parameter Llama, random init, no download) and takes --steps GRPO train steps of one synthetic batch
+(--rows sequences of --tokens tokens, the first half prompt) after one warm-up step. Per rank it measures the bytes
+of parameters, gradients (after a backward) and AdamW state this rank holds, the process's peak RSS, and the
+median seconds of a train step. A (layout, world) whose replicated copies would not fit this machine's memory
+(16 bytes a parameter on each rank) is listed as skipped with what it would need.
+
+Part `run` is the real runtime: `examples/grpo_trainer.py` under torchrun with --run-world train ranks and
+--train.parallel fsdp on --model for 2 GRPO steps (no warm start, bf16 rollout servers), sampling the RSS of every
+process of the run (train ranks, rollout servers, scheduler) 5 times a second; it prints the whole run's peak.
+
+    python benchmarks/sharding.py                                   # both parts
+    python benchmarks/sharding.py --part layouts --worlds 2 --layouts dp,fsdp --model llama-25m
+    python benchmarks/sharding.py --part run --run-world 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+
+LAYOUTS = {"dp": ("dp", 1), "fsdp": ("fsdp", 1), "tp": ("dp", 2), "fsdp+tp": ("fsdp", 2)}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------- one world (under torchrun)
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from rlhf.config import AlgorithmConfig, ModelConfig, OptimConfig
+    from rlhf.models import build_model_and_tokenizer
+    from rlhf.runtime.dist import GlooDataParallel
+    from rlhf.train.engine import TrainEngine
+    from rlhf.train.parallel import build_mesh, local, make_layout
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    parallel, tp = LAYOUTS[args.layout]
+    model, _ = build_model_and_tokenizer(ModelConfig(name=args.model, dtype="float32"), seed=1, device="cpu")
+    layout = make_layout(parallel, tp, dist.get_world_size(), model.config)
+    mesh = build_mesh(layout, "cpu")
+    dp = GlooDataParallel("cpu", mesh["dp"].get_group() if mesh is not None else None)
+    optim = OptimConfig(micro_batch_size=args.rows, mini_batches=1, warmup_steps=0)
+    engine = TrainEngine(model, optim, AlgorithmConfig(kl_coef=0.0), keep_reference=False, dp=dp, layout=layout,
+                         mesh=mesh)
+    g = torch.Generator().manual_seed(dist.get_rank() // layout.tp)
+    rows = max(1, args.rows // layout.dp)
+    ids = torch.randint(3, min(model.config.vocab_size, 30000), (rows, args.tokens), generator=g)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "response_mask": torch.ones_like(ids),
+             "advantages": torch.randn(rows, generator=g)}
+    batch["response_mask"][:, : args.tokens // 2] = 0
+    batch["old_logprobs"] = engine.compute_logprobs(batch, "policy")
+
+    def nbytes(tensors) -> int:
+        return sum(local(t).numel() * local(t).element_size() for t in tensors)
+
+    params = nbytes(model.parameters())
+    times = []
+    grads = 0
+    for i in range(args.steps + 1):
+        if i == 1:  # after the warm-up step: gradients of one backward, as the optimizer step sees them
+            part = {k: v for k, v in batch.items()}
+            engine._accumulate(part, lambda p, lp, e: ((lp * p["response_mask"]).sum() * 0.0, {"tokens": 1.0}),
+                               with_entropy=False)
+            grads = nbytes(p.grad for p in model.parameters() if p.grad is not None)
+            engine.optimizer.zero_grad(set_to_none=True)
+        dist.barrier()
+        t0 = time.perf_counter()
+        engine.train_step(batch)
+        if i:
+            times.append(time.perf_counter() - t0)
+    optimizer = nbytes(v for s in engine.optimizer.state.values() for v in s.values()
+                       if isinstance(v, torch.Tensor) and v.dim() > 0)
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    mine = torch.tensor([params, grads, optimizer, peak_rss, statistics.median(times)], dtype=torch.float64)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as fh:
+            json.dump({"layout": layout.describe(), "per_rank": [t.tolist() for t in every],
+                       "model_params": sum(p.numel() for p in model.parameters()) if not layout.sharded else None}, fh)
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------- the tables
+
+
+def model_params(name: str) -> int:
+    import torch
+
+    from rlhf.models import MODEL_PRESETS
+
+    config = MODEL_PRESETS[name](256)
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def machine_bytes() -> int:
+    import psutil
+
+    return psutil.virtual_memory().total
+
+
+def layouts_part(args: argparse.Namespace) -> None:
+    n = model_params(args.model)
+    print(f"model {args.model}: {n / 1e9:.2f} B parameters, {n * 4 / 2**30:.1f} GiB fp32; batch {args.rows} x "
+          f"{args.tokens} tokens; {args.steps} timed steps after 1 warm-up; this machine {machine_bytes() / 2**30:.0f} "
+          f"GiB", flush=True)
+    rows = []
+    for world in [int(w) for w in args.worlds.split(",")]:
+        base = None
+        for name in args.layouts.split(","):
+            parallel, tp = LAYOUTS[name]
+            if world % tp:
+                continue
+            # replicated dp on each rank: parameters, gradients, their flat all-reduce buffer, AdamW's two moments
+            need = world * n * 20 if parallel == "dp" and tp == 1 else 0
+            if need > 0.8 * machine_bytes():
+                computed = {"layout": f"dp x{world} (replicated)", "state": n * 16.0}
+                rows.append((world, name, None, f"skipped: {world} replicas need ~{need / 2**30:.0f} GiB "
+                             f"(model+opt {n * 16 / 2**30:.2f} GiB / rank, computed)"))
+                base = base or computed
+                print(f"world {world} {name}: skipped (~{need / 2**30:.0f} GiB of replicas)", flush=True)
+                continue
+            with tempfile.TemporaryDirectory() as tmp:
+                out = os.path.join(tmp, "out.json")
+                cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
+                       "--master_addr=127.0.0.1", f"--master_port={free_port()}", os.path.abspath(__file__), "--worker",
+                       "--layout", name, "--model", args.model, "--rows", str(args.rows), "--tokens", str(args.tokens),
+                       "--steps", str(args.steps), "--out", out]
+                t0 = time.perf_counter()
+                run = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+                if run.returncode != 0:
+                    rows.append((world, name, None, f"failed: {run.stderr.strip().splitlines()[-1][:80]}"))
+                    print(f"world {world} {name}: failed\n{run.stderr[-2000:]}", flush=True)
+                    continue
+                with open(out) as fh:
+                    got = json.load(fh)
+            per_rank = got["per_rank"]
+            state = max(p[0] + p[1] + p[2] for p in per_rank)
+            result = {"layout": got["layout"], "params": max(p[0] for p in per_rank),
+                      "grads": max(p[1] for p in per_rank), "optimizer": max(p[2] for p in per_rank), "state": state,
+                      "rss": max(p[3] for p in per_rank), "step_s": statistics.median(p[4] for p in per_rank)}
+            if name == "dp":
+                base = result
+            rows.append((world, name, result, ""))
+            print(f"world {world} {name}: done in {time.perf_counter() - t0:.0f} s", flush=True)
+        for w, name, result, note in rows:
+            if w == world and result is not None and base is not None:
+                result["vs_dp_state"] = result["state"] / base["state"]
+                if "step_s" in base:
+                    result["vs_dp_step"] = result["step_s"] / base["step_s"]
+    gib = 2**30
+    print()
+    print("| world | layout | params / rank | grads / rank | AdamW / rank | model+opt / rank | vs dp | peak RSS / rank "
+          "| s/step | vs dp |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for world, name, r, note in rows:
+        if r is None:
+            print(f"| {world} | {name} | {note} | | | | | | | |")
+            continue
+        vs_state = f"{r['vs_dp_state']:.2f}x" if "vs_dp_state" in r else "-"
+        vs_step = f"{r['vs_dp_step']:.2f}x" if "vs_dp_step" in r else "-"
+        print(f"| {world} | {r['layout']} | {r['params'] / gib:.2f} GiB | {r['grads'] / gib:.2f} GiB | "
+              f"{r['optimizer'] / gib:.2f} GiB | {r['state'] / gib:.2f} GiB | {vs_state} | {r['rss'] / gib:.2f} GiB | "
+              f"{r['step_s']:.2f} | {vs_step} |")
+
+
+def run_part(args: argparse.Namespace) -> None:
+    """A whole GRPO run under fsdp, the RSS of every one of its processes summed, sampled at 5 Hz."""
+    import psutil
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = os.path.join(tmp, "run")
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.run_world}",
+               "--master_addr=127.0.0.1", f"--master_port={free_port()}", os.path.join(ROOT, "examples",
+                                                                                       "grpo_trainer.py"),
+               "--run-dir", run_dir, "--model.name", args.model, "--train.parallel", "fsdp", "--steps", "2",
+               "--sft.max_steps", "0", "--rollout.servers", "1", "--rollout.prompts_per_step", "4",
+               "--rollout.group_size", "4", "--rollout.max_new_tokens", "4", "--train.micro_batch_size", "4",
+               "--task.eval_size", "4", "--task.val_size", "4", "--checkpoint.latest_every", "0",
+               "--runtime.rpc_timeout_s", "1800", "--weights.upload_timeout_s", "1800",
+               "--weights.update_timeout_s", "1800"]
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        root = psutil.Process(proc.pid)
+        peak, peak_parts = 0, {}
+        while proc.poll() is None:
+            total, parts = 0, {}
+            try:
+                family = [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                break
+            for p in family:
+                try:
+                    rss = p.memory_info().rss
+                    name = " ".join(p.cmdline()[1:3])[-40:]
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    continue
+                total += rss
+                parts[f"{p.pid} {name}"] = rss
+            if total > peak:
+                peak, peak_parts = total, parts
+            time.sleep(0.2)
+        out, err = proc.communicate()
+        wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        print(err[-3000:])
+        raise SystemExit(f"the run failed (exit {proc.returncode})")
+    summary = json.loads(out.strip().splitlines()[-1])
+    print(f"GRPO run: {args.model} on {args.run_world} train ranks, train.parallel fsdp ({summary['train_layout']}), "
+          f"2 steps, 1 rollout server: finished in {wall:.0f} s, step median {summary['step_time_median_s']:.1f} s")
+    print(f"whole run's peak RSS, every process summed: {peak / 2**30:.2f} GiB (machine {machine_bytes() / 2**30:.0f} "
+          "GiB)")
+    for name, rss in sorted(peak_parts.items(), key=lambda kv: -kv[1])[:8]:
+        print(f"  {rss / 2**30:6.2f} GiB  {name}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", choices=["layouts", "run", "all"], default="all")
+    parser.add_argument("--model", default="llama-500m", help="model preset (default llama-500m, ~0.54 B params)")
+    parser.add_argument("--worlds", default="2,4", help="train world sizes of part layouts")
+    parser.add_argument("--layouts", default="dp,fsdp,tp,fsdp+tp", help=f"of: {', '.join(LAYOUTS)}")
+    parser.add_argument("--rows", type=int, default=4, help="sequences in the global batch")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens per sequence")
+    parser.add_argument("--steps", type=int, default=2, help="timed train steps (after one warm-up step)")
+    parser.add_argument("--run-world", type=int, default=4, help="train ranks of part run")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--layout", default="dp", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    if args.part in ("layouts", "all"):
+        layouts_part(args)
+    if args.part in ("run", "all"):
+        run_part(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""Configuration: a tree of dataclasses, presets as functions, YAML files, dotted overrides.
+
+Every component owns one dataclass. Each field carries a one-line docstring (the string literal right after
+it) that `--help` prints, with units. Values are resolved in this order:
+
+    preset function  →  --config FILE.yaml  →  --section.field VALUE on the command line
+
+and every section validates itself in ``__post_init__`` with a message that lists the valid choices, so a
+typo fails before any work starts.
+
+What is where:
+
+    sections.py    the sections (ModelConfig, TaskConfig, RolloutConfig, OptimConfig as `train`, ...) and Config
+    resilience.py  Policy: the resilience behaviours by name, FAITHFUL / HARDENED (the `resilience` section)
+    presets.py     preset functions: default, smoke, real-model
+    parse.py       build_config: preset + YAML + dotted overrides; --help's text; YAML loading
+    checks.py      ConfigError and the checks the sections run
+"""
+
+from rlhf.config.checks import ConfigError
+from rlhf.config.parse import (
+    MOVED_KEYS,
+    apply_overrides,
+    build_config,
+    dotted_to_nested,
+    format_help,
+    iter_fields,
+    load_yaml,
+    parse_overrides,
+)
+from rlhf.config.presets import PRESETS, preset_default, preset_real_model, preset_smoke
+from rlhf.config.resilience import FAITHFUL, HARDENED, Policy
+from rlhf.config.sections import (
+    SGLANG_SERVER_MODULES,
+    AlgorithmConfig,
+    CheckpointConfig,
+    Config,
+    ModelConfig,
+    OptimConfig,
+    PreflightConfig,
+    RolloutConfig,
+    RuntimeConfig,
+    SFTConfig,
+    TaskConfig,
+    TracingConfig,
+    WeightsConfig,
+)
+
+__all__ = ["FAITHFUL", "HARDENED", "MOVED_KEYS", "PRESETS", "SGLANG_SERVER_MODULES", "AlgorithmConfig",
+           "CheckpointConfig", "Config", "ConfigError", "ModelConfig", "OptimConfig", "Policy", "PreflightConfig",
+           "RolloutConfig", "RuntimeConfig", "SFTConfig", "TaskConfig", "TracingConfig", "WeightsConfig",
+           "apply_overrides", "build_config", "dotted_to_nested", "format_help", "iter_fields", "load_yaml",
+           "parse_overrides", "preset_default", "preset_real_model", "preset_smoke"]

@@ -1,0 +1,92 @@
+"""Evidence from the logs: ERROR lines, WARNING lines that report a failure, the traceback's last exception;
+background checkpoint writes that started and never finished."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+from rlhf.diagnosis.report import Evidence, stamp
+from rlhf.diagnosis.rules import (
+    _EXC_LINE,
+    _FAILURE_WARNING,
+    _NOT_EVIDENCE,
+    _STEP,
+    _WITHIN,
+    LOG_LINE,
+    _stage_in,
+    _subject,
+    categorize,
+)
+
+
+def _log_evidence(run_dir: str) -> list[Evidence]:
+    out = []
+    for path in sorted(glob.glob(os.path.join(run_dir, "logs", "*.log"))):
+        rel = os.path.relpath(path, run_dir)
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            lines = fh.read().splitlines()
+        current: Evidence | None = None
+        for i, line in enumerate(lines, 1):
+            m = LOG_LINE.match(line)
+            if m is None:
+                exc = _EXC_LINE.match(line.strip())
+                if current is not None and exc:  # a traceback under an ERROR line: its last exception refines it
+                    cat = categorize(line)
+                    if cat != "exception" and current.category in ("exception", "network", "timeout"):
+                        current.category = cat
+                continue
+            current = None
+            level, logger, msg, proc = m.group("level"), m.group("logger"), m.group("msg"), m.group("proc")
+            if logger.startswith(("rlhf.faults", "rlhf.diagnosis")) or _NOT_EVIDENCE.search(msg):
+                continue
+            if level not in ("ERROR", "CRITICAL") and not (level == "WARNING" and _FAILURE_WARNING.search(msg)):
+                continue
+            t = stamp(m.group("ts"))
+            subject, local = _subject(proc, msg)
+            category = categorize(msg)
+            onset = t
+            w = _WITHIN.search(msg)
+            if w and category in ("timeout", "hang"):
+                onset = t - float(w.group(1))
+            step_m = _STEP.search(msg)
+            current = Evidence(t, onset, proc, subject, category, _stage_in(msg), int(step_m.group(1)) if step_m else -1,
+                               msg, f"{rel}:{i}", "error" if level != "WARNING" else "warning", local)
+            out.append(current)
+    return out
+
+
+_WRITE = re.compile(r"background checkpoint write to (?P<dir>\S+) (?P<what>started|done|failed)")
+
+
+def _unfinished_writes(run_dir: str, evidence: list[Evidence]) -> list[Evidence]:
+    """A background checkpoint write that started and never finished, when something later read a broken file."""
+    broken = [e for e in evidence if e.category == "disk" and re.search(r"SafetensorError|incomplete|not fully", e.message)]
+    if not broken:
+        return []
+    out = []
+    for path in sorted(glob.glob(os.path.join(run_dir, "logs", "train-*.log"))):
+        open_writes: dict[str, tuple[float, int, int]] = {}
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            for i, line in enumerate(fh, 1):
+                m, w = LOG_LINE.match(line.rstrip("\n")), _WRITE.search(line)
+                if m is None or w is None:
+                    continue
+                if w.group("what") == "started":
+                    step_m = _STEP.search(line)
+                    open_writes[w.group("dir")] = (stamp(m.group("ts")), int(step_m.group(1)) if step_m else -1, i)
+                else:
+                    open_writes.pop(w.group("dir"), None)
+        name = os.path.basename(path)[:-4]
+        for directory, (t, step, line_no) in open_writes.items():
+            if t >= broken[0].time:
+                continue
+            slot = directory.rsplit(os.sep + "checkpoints" + os.sep, 1)[-1]
+            stage = "periodic_recover_save" if "periodic" in slot else "latest_recover_save"
+            out.append(Evidence(t, t, name, name, "hang", stage, step,
+                                f"{name}'s background checkpoint write to {slot} (step {step}) started and never "
+                                f"finished; {broken[0].reporter} later read a broken checkpoint "
+                                f"({broken[0].message[-90:]})", f"{os.path.relpath(path, run_dir)}:{line_no}",
+                                "unfinished", True))
+    return out

@@ -1,0 +1,95 @@
+"""Attention over the KV cache in its two layouts (block, grouped), the block layout's mask, and the relayout
+that keeps only the running rows' caches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+class Attention:
+    """A decode step's attention and its cache writes (a part of RolloutEngine)."""
+
+    def _attend_block(self, q: torch.Tensor, new_kv: torch.Tensor, t: int | torch.Tensor, idx: torch.Tensor | None,
+                      kv: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
+        """Attention in the block layout: kv (2, Bp, Hkv, P + M*n, D) holds a group's prompt keys/values, then
+        its samples' generated ones slot-major (slot s of sample j at column P + s*n + j). Each query head of a
+        group scores every column in one fused attention call; `bias` (Bp or 1, 1, n, P + M*n) leaves sample j
+        its prompt and its own columns. q (b, H, D), new_kv (b, 2Hkv, D): this step's rows. Returns every
+        layout row's output, (B, H*D)."""
+        Bp, n, B, P = state["Bp"], state["n"], state["B"], state["P"]
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        if isinstance(t, torch.Tensor):
+            kv.index_copy_(3, state["slot"], new_kv.view(Bp, n, 2, Hkv, D).permute(2, 0, 3, 1, 4))
+        elif idx is None:
+            kv.narrow(3, P + t * n, n).copy_(new_kv.view(Bp, n, 2, Hkv, D).permute(2, 0, 3, 1, 4))
+        else:
+            kv[:, state["g_idx"], :, P + t * n + state["j_idx"]] = new_kv.view(-1, 2, Hkv, D)
+            q = q.new_zeros(B, H, D).index_copy_(0, idx, q)
+        W, bias = state["width"]
+        k, v = kv.narrow(3, 0, W).unbind(0)  # (Bp, Hkv, W, D) each
+        out = F.scaled_dot_product_attention(  # q carries the scale; query head h reads KV head h // (H / Hkv)
+            q.view(Bp, n, H, D).transpose(1, 2), k, v, attn_mask=bias, scale=1.0, enable_gqa=H != Hkv)  # (Bp, H, n, D)
+        return out.transpose(1, 2).reshape(B, H * D)
+
+    def _attend_grouped(self, q: torch.Tensor, new_kv: torch.Tensor, t: int | torch.Tensor,
+                        idx: torch.Tensor | None, cache: tuple, state: dict[str, Any]) -> torch.Tensor:
+        """Attention in the grouped layout, for long generations: a group's prompt keys kp (Bp, Hkv, D, P) and
+        values vp (Bp, Hkv, P, D) read once for its n samples; each sample's generated keys/values in kv_g
+        (2, Bp, Hkv, n, M, D), so a query reads only its own. Scores over both go through one softmax. Returns
+        every layout row's output, (B, H*D)."""
+        kp, vp, kv_g = cache
+        Bp, n, B = state["Bp"], state["n"], state["B"]
+        H, Hkv, D, rep = self.num_heads, self.num_kv_heads, self.head_dim, self.num_heads // self.num_kv_heads
+        G = Bp * Hkv
+        S = state["M"] if state["static"] else int(t) + 1  # generated slots read (masked beyond t if static)
+        if isinstance(t, torch.Tensor):
+            kv_g.index_copy_(4, t, new_kv.view(Bp, n, 2, Hkv, 1, D).permute(2, 0, 3, 1, 4, 5))
+        elif idx is None:
+            kv_g.select(4, t).copy_(new_kv.view(Bp, n, 2, Hkv, D).permute(2, 0, 3, 1, 4))
+        else:
+            kv_g[:, state["g_idx"], :, state["j_idx"], t] = new_kv.view(-1, 2, Hkv, D)
+            q = q.new_zeros(B, H, D).index_copy_(0, idx, q)
+        qg = q.view(Bp, n, Hkv, rep, D).transpose(1, 2).contiguous()  # (Bp, Hkv, n, rep, D)
+        scores_p = torch.bmm(qg.view(G, n * rep, D), kp.view(G, D, -1))  # (G, n*rep, P)
+        if state["pad_bias"] is not None:
+            scores_p.view(Bp, Hkv, n * rep, -1).add_(state["pad_bias"])  # pads -inf
+        P = scores_p.shape[-1]
+        scores_g = torch.bmm(qg.view(G * n, rep, D), kv_g[0].narrow(3, 0, S).view(G * n, S, D).transpose(1, 2))
+        if state["static"]:
+            scores_g.add_(state["bias"])  # (1, 1, M): slots after t are -inf
+        scores = torch.cat([scores_p.view(G * n, rep, P), scores_g], dim=-1)  # (G*n, rep, P+S)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qg.dtype)  # one softmax; q carries the scale
+        out = torch.bmm(probs.narrow(-1, 0, P).view(G, n * rep, P), vp.view(G, P, D))  # (G, n*rep, D)
+        out = out.view(G * n, rep, D).add_(torch.bmm(probs.narrow(-1, P, S),
+                                                     kv_g[1].narrow(3, 0, S).view(G * n, S, D)))  # (G*n, rep, D)
+        out = out.view(Bp, Hkv, n, rep, D).transpose(1, 2).reshape(B, H * D)
+        return out
+
+    def _relayout(self, state: dict[str, Any], places: torch.Tensor) -> None:
+        """Keep only the cache rows at `places` (flat layout rows), each its own group (n = 1)."""
+        n, P, M = state["n"], state["P"], state["M"]
+        g, j = places // n, places % n
+        if state["pad_bias"] is not None:
+            state["pad_bias"] = state["pad_bias"][g]  # (b, 1, 1, P)
+        if state["block"]:  # slot s of sample j: column P + s*n + j -> P + s
+            gen = [kv.narrow(3, P, M * n).unflatten(3, (M, n))[:, g, :, :, j].movedim(0, 1) for kv in state["cache"]]
+            state["cache"] = [torch.cat([kv[:, g, :, :P], sel], dim=3) for kv, sel in zip(state["cache"], gen)]
+            state["bias"] = self._block_bias(state["pad_bias"], 1, P, M, static=False)
+        else:
+            state["cache"] = [(kp[g], vp[g], torch.stack([kv_g[0][g, :, j], kv_g[1][g, :, j]]).unsqueeze(3))
+                              for kp, vp, kv_g in state["cache"]]  # (2, b, Hkv, 1, M, D)
+        state["Bp"], state["n"], state["B"] = places.shape[0], 1, places.shape[0]
+
+    def _block_bias(self, pad_bias: torch.Tensor | None, n: int, P: int, M: int, static: bool) -> torch.Tensor:
+        """The block layout's additive mask, (Bp or 1, 1, n, P + M*n): sample j's queries read the prompt's real
+        tokens and the columns of its own sample, P + s*n + j (static: none until written)."""
+        device, dtype = self.device, self.dtype
+        own = (torch.arange(M * n, device=device) % n)[None] == torch.arange(n, device=device)[:, None]
+        gen = torch.zeros(n, M * n, device=device, dtype=dtype)
+        gen.masked_fill_(~own if not static else torch.ones_like(own), float("-inf"))  # (n, M*n)
+        prompt = torch.zeros(1, 1, n, P, device=device, dtype=dtype) if pad_bias is None else \
+            pad_bias.expand(-1, -1, n, P)
+        return torch.cat([prompt, gen.expand(prompt.shape[0], 1, -1, -1)], dim=-1).contiguous()

@@ -1,0 +1,238 @@
+"""Train layouts on a DeviceMesh: replicated data parallel, FSDP2, tensor parallel, and FSDP x TP (as torchtitan).
+
+    train.parallel dp     every rank holds the whole model and AdamW state; gradients summed in one flat
+                          all-reduce over the data-parallel group (the tiny default; no mesh is made)
+    train.parallel fsdp   FSDP2 (`fully_shard`) on every decoder layer and on the root: parameters, gradients
+                          and AdamW state sharded over the `dp` mesh dimension; all-gather before a layer's
+                          forward and backward, reduce-scatter of its gradients after
+    train.tp_size N       DTensor tensor parallel inside each decoder layer over the `tp` dimension: q/k/v and
+                          gate/up column-wise (attention heads and MLP columns split), o and down row-wise
+                          (their outputs all-reduced). The embedding, the norms and the LM head stay replicated
+                          on each TP rank (logits and the loss are computed whole on every rank of a TP group).
+
+The world is a (dp, tp) mesh, ranks row-major: train rank r is in data-parallel group r // tp and is rank r % tp
+of its TP group. The ranks of one TP group train on the same data. The engine's math (losses, logprobs,
+micro-batching) is the same in every layout; this module only lays the model out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlhf.config.sections import PARALLEL_LAYOUTS as PARALLEL
+from rlhf.train.collectives import fsdp_comms, watch_tp
+
+TP_PLAN = {  # HF Llama / Mistral / Qwen2 decoder layer
+    "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise",
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the train world holds the model: `parallel` (dp or fsdp) over `dp` ranks, times `tp` tensor-parallel
+    ranks (world = dp x tp)."""
+
+    parallel: str = "dp"
+    dp: int = 1
+    tp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp
+
+    @property
+    def fsdp(self) -> bool:
+        return self.parallel == "fsdp"
+
+    @property
+    def sharded(self) -> bool:
+        """Whether parameters are DTensors (any layout but plain replicated data parallel)."""
+        return self.fsdp or self.tp > 1
+
+    def dp_rank(self, rank: int) -> int:
+        """The data-parallel group (the batch shard) of train rank `rank`."""
+        return rank // self.tp
+
+    def describe(self) -> str:
+        if not self.sharded:
+            return f"dp x{self.dp} (replicated)"
+        return f"{self.parallel} x{self.dp}" + (f" x tp {self.tp}" if self.tp > 1 else "")
+
+
+def layout_problems(parallel: str, tp: int, world: int, model_config: Any) -> list[str]:
+    """Why the world cannot hold this layout (each with the valid choices), or []."""
+    problems = []
+    if parallel not in PARALLEL:
+        problems.append(f"train.parallel {parallel!r} is not a layout; choose one of: {', '.join(PARALLEL)}")
+    if tp < 1:
+        problems.append(f"train.tp_size {tp} must be at least 1")
+        return problems
+    if world % tp:
+        valid = [d for d in range(1, world + 1) if world % d == 0]
+        problems.append(f"train.tp_size {tp} does not divide the {world} train ranks (world = dp x tp); "
+                        f"valid tp sizes here: {', '.join(map(str, valid))}")
+    if model_config is not None and tp > 1:
+        heads = model_config.num_attention_heads
+        kv = getattr(model_config, "num_key_value_heads", None) or heads
+        ffn = model_config.intermediate_size
+        for what, n in (("attention heads", heads), ("key/value heads", kv), ("MLP columns", ffn)):
+            if n % tp:
+                valid = [d for d in range(1, max(heads, 1) + 1) if heads % d == 0 and kv % d == 0 and ffn % d == 0]
+                problems.append(f"train.tp_size {tp} does not divide the model's {n} {what}; tensor parallel splits "
+                                f"them evenly (tp sizes this model takes: {', '.join(map(str, valid))})")
+    return problems
+
+
+def make_layout(parallel: str, tp: int, world: int, model_config: Any = None) -> Layout:
+    problems = layout_problems(parallel, tp, world, model_config)
+    if problems:
+        raise ValueError("; ".join(problems))
+    return Layout(parallel, world // tp, tp)
+
+
+def build_mesh(layout: Layout, device_type: str) -> Any:
+    """The (dp, tp) DeviceMesh of the world; None for plain replicated data parallel (no subgroups made)."""
+    if not layout.sharded:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
+
+
+def parallelize(model: torch.nn.Module, layout: Layout, mesh: Any, param_dtype: torch.dtype | None = None,
+                train: bool = True, tracker: Any = None) -> torch.nn.Module:
+    """Lay `model` (an HF causal LM with model.model.layers) out in place: tensor parallel first, then FSDP.
+
+    param_dtype (fsdp): bf16/fp16 compute with fp32 master weights, gradients reduced in fp32 (FSDP2's
+    MixedPrecisionPolicy). train=False (the frozen reference): the same layout, no gradient reduction. The layout's
+    collectives pass fault points and mark the heartbeat (rlhf.train.collectives; tracker: the rank's dp hooks)."""
+    if layout.tp > 1:
+        apply_tp(model, mesh["tp"], tracker)
+    if layout.fsdp:
+        apply_fsdp(model, mesh["dp"], param_dtype, tracker)
+    if not train:
+        model.requires_grad_(False)
+    return model
+
+
+@torch.no_grad()
+def frozen_copy(model: torch.nn.Module, layout: Layout, mesh: Any, param_dtype: torch.dtype | None = None,
+                tracker: Any = None) -> torch.nn.Module:
+    """A frozen copy of a laid-out model, in the same layout, made without a whole copy on any rank: the skeleton is
+    built on the meta device and laid out, then each rank fills in its own pieces (and the buffers) from `model`."""
+    with torch.device("meta"):
+        twin = type(model)(model.config)
+    parallelize(twin, layout, mesh, param_dtype, train=False, tracker=tracker)
+    twin.to_empty(device=local(next(model.parameters())).device)
+    if getattr(model.config, "tie_word_embeddings", False):
+        twin.tie_weights()  # to_empty gives the tied LM head a tensor of its own: one parameter again, as in `model`
+    ours, theirs = list(model.named_parameters()), list(twin.named_parameters())
+    if len(ours) != len(theirs):
+        raise RuntimeError(f"frozen_copy: the copy has {len(theirs)} parameters, the model {len(ours)}")
+    for (name, src), (twin_name, dst) in zip(ours, theirs):
+        if name != twin_name or tuple(src.shape) != tuple(dst.shape):
+            raise RuntimeError(f"frozen_copy: {name} {tuple(src.shape)} has no twin ({twin_name} {tuple(dst.shape)})")
+        local(dst).copy_(local(src))
+    for (_, src), (_, dst) in zip(model.named_buffers(), twin.named_buffers()):
+        dst.copy_(src)
+    return twin.eval()
+
+
+def apply_tp(model: torch.nn.Module, tp_mesh: Any, tracker: Any = None) -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    rowwise = [name for name, style in TP_PLAN.items() if style == "rowwise"]
+    for layer in model.model.layers:
+        parallelize_module(layer, tp_mesh, {name: styles[style]() for name, style in TP_PLAN.items()})
+        watch_tp(layer, rowwise, tracker)
+
+
+def apply_fsdp(model: torch.nn.Module, dp_mesh: Any, param_dtype: torch.dtype | None, tracker: Any = None) -> None:
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else \
+        MixedPrecisionPolicy()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp)  # the rest: embedding, final norm, LM head (tied or not)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # the loss is already normalised by the global token count: gradients are summed, not averaged;
+            # as a plain SUM reduce-scatter (gloo has no PREMUL_SUM, the op a divide factor asks for otherwise)
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+            all_gather, reduce_scatter = fsdp_comms(tracker)
+            module.set_custom_all_gather(all_gather)
+            module.set_custom_reduce_scatter(reduce_scatter)
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter or gradient (itself for a plain tensor)."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
+    """The global gradient norm over every layout's pieces, and clipping to max_norm (> 0).
+
+    Sharded gradients (DTensors) give their whole norm through DTensor's own reduction; replicated ones
+    (norms and embeddings under tensor parallel) count once, as each TP rank holds the same copy."""
+    grads = [p.grad for p in params if p.grad is not None]
+    groups: dict[Any, list[torch.Tensor]] = {}  # by mesh: FSDP x TP holds 2-D (dp, tp) and 1-D (dp) DTensors
+    for g in grads:
+        groups.setdefault(g.device_mesh if is_dtensor(g) else None, []).append(g)
+    squares = torch.zeros((), dtype=torch.float64)
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group)
+        norm = norm.full_tensor() if is_dtensor(norm) else norm
+        squares = squares + norm.detach().double().cpu() ** 2
+    total = math.sqrt(float(squares))
+    if max_norm > 0:
+        coef = min(1.0, max_norm / (total + 1e-6))
+        if coef < 1.0:
+            for g in grads:
+                local(g).mul_(coef)
+    return total
+
+
+@torch.no_grad()
+def full_state(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Every parameter whole, by name (shared parameters once), cast to `dtype` when given. In a sharded layout each
+    piece is gathered (DTensor.full_tensor, one collective a parameter): every rank of the world must call it."""
+    out = {}
+    for name, p in model.named_parameters():
+        whole = p.full_tensor() if is_dtensor(p) else p.detach()
+        out[name] = whole.to(dtype) if dtype is not None else whole
+    return out
+
+
+@torch.no_grad()
+def load_full_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy whole tensors into a model in any layout: each rank keeps its own pieces (cut locally, no communication).
+    Names, shapes and dtypes as `rlhf.weights.import_state` checks them."""
+    from torch.distributed.tensor import distribute_tensor
+
+    params = dict(model.named_parameters())
+    missing, unexpected = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
+    if missing or unexpected:
+        raise ValueError(f"weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, p in params.items():
+        src = tensors[name]
+        if tuple(src.shape) != tuple(p.shape):
+            raise ValueError(f"weights: {name} has shape {tuple(src.shape)}, model expects {tuple(p.shape)}")
+        src = src.to(device=local(p).device, dtype=p.dtype)
+        if is_dtensor(p):
+            local(p).copy_(distribute_tensor(src, p.device_mesh, p.placements, src_data_rank=None).to_local())
+        else:
+            p.copy_(src)

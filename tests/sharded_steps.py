@@ -1,0 +1,120 @@
+"""Run under torchrun: GRPO steps of one global batch in replicated dp and in each sharded layout, on one world.
+
+    python -m torch.distributed.run --nproc_per_node=N tests/sharded_steps.py --model tiny-llama \
+        --layouts fsdp,tp2 --steps 3 --out result.json
+
+Every layout starts from the same seeded weights and trains on the same global batch (each data-parallel group
+its share of it); rank 0 writes, per layout, each step's loss and grad norm and the largest difference of the
+updated weights (gathered whole) and of the first logprobs from those of replicated dp. tests/test_sharding.py
+asserts on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from rlhf.config import AlgorithmConfig, ModelConfig, OptimConfig  # noqa: E402
+from rlhf.models import build_model_and_tokenizer  # noqa: E402
+from rlhf.runtime.dist import GlooDataParallel  # noqa: E402
+from rlhf.train.engine import TrainEngine  # noqa: E402
+from rlhf.train.parallel import build_mesh, is_dtensor, make_layout  # noqa: E402
+
+
+def global_batch(vocab: int, rows: int = 8, length: int = 14, seed: int = 3) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (rows, length), generator=g)
+    lengths = torch.randint(length - 4, length + 1, (rows,), generator=g)
+    attention = (torch.arange(length)[None] < lengths[:, None]).long()
+    response = attention.clone()
+    response[:, :6] = 0  # the prompt
+    return {"input_ids": ids * attention, "attention_mask": attention, "response_mask": response,
+            "advantages": torch.randn(rows, generator=g)}
+
+
+def shard_of(batch: dict[str, torch.Tensor], share: int, dp: int, world: int,
+             minis: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Data-parallel group `share` of `dp`'s rows, laid out so that its optimizer steps see the same global
+    mini-batches as replicated dp on the whole world does: replicated rank r holds rows r*B/world.. and its
+    mini-batch j is the j-th slice of them; a group of world/dp such ranks' rows go mini-batch by mini-batch."""
+    rows = batch["input_ids"].shape[0]
+    per = rows // world
+    ranks = range(share * world // dp, (share + 1) * world // dp)
+    order = [r * per + i for j in range(minis) for r in ranks for i in range(j * per // minis, (j + 1) * per // minis)]
+    index = torch.tensor(order)
+    return {k: v[index] for k, v in batch.items()}, index
+
+
+def run(layout_name: str, model_name: str, steps: int, batch: dict[str, torch.Tensor]) -> dict:
+    parallel, tp = ("fsdp", 1) if layout_name == "fsdp" else ("dp", 1) if layout_name == "dp" else \
+        ("fsdp" if layout_name.startswith("fsdp+") else "dp", int(layout_name.rsplit("tp", 1)[1]))
+    model, _ = build_model_and_tokenizer(ModelConfig(name=model_name, dtype="float32"), seed=11, device="cpu")
+    layout = make_layout(parallel, tp, dist.get_world_size(), model.config)
+    mesh = build_mesh(layout, "cpu")
+    dp = GlooDataParallel("cpu", mesh["dp"].get_group() if mesh is not None else None)
+    optim = OptimConfig(micro_batch_size=2, warmup_steps=0)  # the default lr, clip and 2 optimizer steps a step
+    engine = TrainEngine(model, optim, AlgorithmConfig(kl_coef=0.05), keep_reference=True, dp=dp, layout=layout,
+                         mesh=mesh)
+    share = layout.dp_rank(dist.get_rank())
+    mine, order = shard_of(batch, share, layout.dp, dist.get_world_size(), optim.mini_batches)
+    mine["old_logprobs"] = engine.compute_logprobs(mine, "policy")
+    mine["ref_logprobs"] = engine.compute_logprobs(mine, "reference")
+    first = mine["old_logprobs"].clone()
+    records = []
+    for _ in range(steps):
+        m = engine.train_step(mine)
+        # the step's loss is each data-parallel group's part of it: summed over one rank of each TP group
+        parts = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, torch.tensor([m["loss"]], dtype=torch.float64))
+        records.append({"loss": float(sum(parts[r] for r in range(0, dist.get_world_size(), layout.tp))),
+                        "grad_norm": m["grad_norm"]})
+        mine["old_logprobs"] = engine.compute_logprobs(mine, "policy")
+    weights = {n: (p.full_tensor() if is_dtensor(p) else p.detach()).clone() for n, p in model.named_parameters()}
+    whole = torch.zeros_like(batch["attention_mask"], dtype=torch.float32)
+    if dist.get_rank() % layout.tp == 0:  # one rank of each TP group puts its rows back in the batch's order
+        whole[order] = first
+    dist.all_reduce(whole)
+    local_bytes = sum(p.to_local().numel() if is_dtensor(p) else p.numel() for p in model.parameters()) * 4
+    return {"records": records, "weights": weights, "logprobs": whole, "layout": layout.describe(),
+            "param_bytes_rank": local_bytes}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="tiny-llama")
+    parser.add_argument("--layouts", default="fsdp")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    model, tok = build_model_and_tokenizer(ModelConfig(name=args.model), seed=11)
+    batch = global_batch(model.config.vocab_size)
+    base = run("dp", args.model, args.steps, batch)
+    out = {"dp": {"records": base["records"], "layout": base["layout"], "param_bytes_rank": base["param_bytes_rank"]}}
+    for name in args.layouts.split(","):
+        got = run(name, args.model, args.steps, batch)
+        diff = max(float((got["weights"][n] - w).abs().max()) for n, w in base["weights"].items())
+        out[name] = {"records": got["records"], "layout": got["layout"], "max_weight_diff": diff,
+                     "max_logprob_diff": float((got["logprobs"] - base["logprobs"]).abs().max()),
+                     "param_bytes_rank": got["param_bytes_rank"]}
+    start, _ = build_model_and_tokenizer(ModelConfig(name=args.model, dtype="float32"), seed=11)
+    out["dp"]["max_update"] = max(float((base["weights"][n] - p.detach()).abs().max())
+                                  for n, p in start.named_parameters())
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as fh:
+            json.dump(out, fh, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
