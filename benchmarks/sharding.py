@@ -9,8 +9,9 @@ median seconds of a train step. A (layout, world) whose replicated copies would 
 (16 bytes a parameter on each rank) is listed as skipped with what it would need.
 
 Part `run` is the real runtime: `examples/grpo_trainer.py` under torchrun with --run-world train ranks and
---train.parallel fsdp on --model for 2 GRPO steps (no warm start, bf16 rollout servers), sampling the RSS of every
-process of the run (train ranks, rollout servers, scheduler) 5 times a second; it prints the whole run's peak.
+--train.parallel fsdp on --model for 2 GRPO steps (no warm start; --run-dtype bfloat16: bf16 compute and a bf16
+rollout server, fp32 master weights and AdamW state), sampling the RSS of every process of the run (train ranks,
+rollout server, scheduler) 5 times a second; it prints the whole run's peak.
 
     python benchmarks/sharding.py                                   # both parts
     python benchmarks/sharding.py --part layouts --worlds 2 --layouts dp,fsdp --model llama-25m
@@ -24,15 +25,33 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 LAYOUTS = {"dp": ("dp", 1), "fsdp": ("fsdp", 1), "tp": ("dp", 2), "fsdp+tp": ("fsdp", 2)}
+
+
+def launch(cmd: list[str], log_path: str, on_poll: Any = None) -> tuple[int, str]:
+    """Run cmd in its own process group (rlhf.procs.spawn), its output into log_path; the whole group is stopped
+    when it ends or this script does (Ctrl-C, an error): no process is left behind. on_poll(proc) runs 5 times a
+    second meanwhile. Returns (exit code, output)."""
+    from rlhf.procs import spawn, stop_group
+
+    proc = spawn(cmd, env=dict(os.environ), log_path=log_path, cwd=ROOT)
+    try:
+        while proc.poll() is None:
+            if on_poll is not None:
+                on_poll(proc)
+            time.sleep(0.2)
+    finally:
+        code = stop_group(proc)
+    with open(log_path, encoding="utf-8", errors="replace") as fh:
+        return (code if code is not None else -1), fh.read()
 
 
 def free_port() -> int:
@@ -139,13 +158,14 @@ def layouts_part(args: argparse.Namespace) -> None:
             parallel, tp = LAYOUTS[name]
             if world % tp:
                 continue
-            # replicated dp on each rank: parameters, gradients, their flat all-reduce buffer, AdamW's two moments
-            need = world * n * 20 if parallel == "dp" and tp == 1 else 0
+            # replicated (dp, or dp x tp: each TP rank a 1/tp share of the layers, the embeddings whole) on each rank:
+            # parameters, gradients, their flat all-reduce buffer and AdamW's two moments, 20 bytes a parameter
+            need = world * n * 20 * (1.0 if tp == 1 else 0.6) if parallel == "dp" else 0
             if need > 0.8 * machine_bytes():
-                computed = {"layout": f"dp x{world} (replicated)", "state": n * 16.0}
-                rows.append((world, name, None, f"skipped: {world} replicas need ~{need / 2**30:.0f} GiB "
-                             f"(model+opt {n * 16 / 2**30:.2f} GiB / rank, computed)"))
-                base = base or computed
+                if tp == 1:
+                    base = base or {"layout": f"dp x{world} (replicated)", "state": n * 16.0}  # computed, not run
+                rows.append((world, name, None, f"skipped: ~{need / 2**30:.0f} GiB of replicas"
+                             + (f" (model+opt {n * 16 / 2**30:.2f} GiB / rank, computed)" if tp == 1 else "")))
                 print(f"world {world} {name}: skipped (~{need / 2**30:.0f} GiB of replicas)", flush=True)
                 continue
             with tempfile.TemporaryDirectory() as tmp:
@@ -155,10 +175,12 @@ def layouts_part(args: argparse.Namespace) -> None:
                        "--layout", name, "--model", args.model, "--rows", str(args.rows), "--tokens", str(args.tokens),
                        "--steps", str(args.steps), "--out", out]
                 t0 = time.perf_counter()
-                run = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-                if run.returncode != 0:
-                    rows.append((world, name, None, f"failed: {run.stderr.strip().splitlines()[-1][:80]}"))
-                    print(f"world {world} {name}: failed\n{run.stderr[-2000:]}", flush=True)
+                code, text = launch(cmd, os.path.join(tmp, "out.log"))
+                if code != 0:
+                    killed = "SIGKILL" in text or "exitcode  : -9" in text
+                    rows.append((world, name, None, "failed: killed (out of memory)" if killed else
+                                 f"failed: exit {code}"))
+                    print(f"world {world} {name}: failed\n{text[-2000:]}", flush=True)
                     continue
                 with open(out) as fh:
                     got = json.load(fh)
@@ -201,22 +223,22 @@ def run_part(args: argparse.Namespace) -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.run_world}",
                "--master_addr=127.0.0.1", f"--master_port={free_port()}", os.path.join(ROOT, "examples",
                                                                                        "grpo_trainer.py"),
-               "--run-dir", run_dir, "--model.name", args.model, "--train.parallel", "fsdp", "--steps", "2",
+               "--run-dir", run_dir, "--model.name", args.model, "--model.dtype", args.run_dtype,
+               "--train.parallel", "fsdp", "--steps", "2",
                "--sft.max_steps", "0", "--rollout.servers", "1", "--rollout.prompts_per_step", "4",
                "--rollout.group_size", "4", "--rollout.max_new_tokens", "4", "--train.micro_batch_size", "4",
                "--task.eval_size", "4", "--task.val_size", "4", "--checkpoint.latest_every", "0",
                "--runtime.rpc_timeout_s", "1800", "--weights.upload_timeout_s", "1800",
-               "--weights.update_timeout_s", "1800"]
+               "--weights.update_timeout_s", "1800", "--weights.max_versions", "1"]
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-        root = psutil.Process(proc.pid)
-        peak, peak_parts = 0, {}
-        while proc.poll() is None:
+        peak = [0, {}]
+
+        def sample(proc: Any) -> None:
             total, parts = 0, {}
             try:
-                family = [root, *root.children(recursive=True)]
+                family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
             except psutil.NoSuchProcess:
-                break
+                return
             for p in family:
                 try:
                     rss = p.memory_info().rss
@@ -225,17 +247,18 @@ def run_part(args: argparse.Namespace) -> None:
                     continue
                 total += rss
                 parts[f"{p.pid} {name}"] = rss
-            if total > peak:
-                peak, peak_parts = total, parts
-            time.sleep(0.2)
-        out, err = proc.communicate()
+            if total > peak[0]:
+                peak[0], peak[1] = total, parts
+
+        code, text = launch(cmd, os.path.join(tmp, "run.log"), sample)
         wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        print(err[-3000:])
-        raise SystemExit(f"the run failed (exit {proc.returncode})")
-    summary = json.loads(out.strip().splitlines()[-1])
-    print(f"GRPO run: {args.model} on {args.run_world} train ranks, train.parallel fsdp ({summary['train_layout']}), "
-          f"2 steps, 1 rollout server: finished in {wall:.0f} s, step median {summary['step_time_median_s']:.1f} s")
+    if code != 0:
+        print(text[-3000:])
+        raise SystemExit(f"the run failed (exit {code})")
+    peak, peak_parts = peak
+    summary = json.loads(next(line for line in reversed(text.splitlines()) if line.startswith("{")))
+    print(f"GRPO run: {args.model} ({args.run_dtype}) on {args.run_world} train ranks, train.parallel fsdp "
+          f"({summary['train_layout']}), 2 steps, 1 rollout server: finished in {wall:.0f} s, step median {summary['step_time_median_s']:.1f} s")
     print(f"whole run's peak RSS, every process summed: {peak / 2**30:.2f} GiB (machine {machine_bytes() / 2**30:.0f} "
           "GiB)")
     for name, rss in sorted(peak_parts.items(), key=lambda kv: -kv[1])[:8]:
@@ -252,6 +275,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="tokens per sequence")
     parser.add_argument("--steps", type=int, default=2, help="timed train steps (after one warm-up step)")
     parser.add_argument("--run-world", type=int, default=4, help="train ranks of part run")
+    parser.add_argument("--run-dtype", default="bfloat16",
+                        help="part run's model.dtype: the rollout server's weights and the train compute (FSDP keeps "
+                             "fp32 master weights and AdamW state)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--layout", default="dp", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)

@@ -29,6 +29,20 @@ def freeze_gc() -> None:
     gc.freeze()
 
 
+def release_freed_memory() -> None:
+    """Hand the heap's freed pages back to the system (glibc's malloc_trim): after a whole model is replaced by its
+    shards (FSDP, tensor parallel), the freed copy would otherwise stay in the process's resident memory. A no-op
+    where the C library has no malloc_trim."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def own_threads(n: int) -> None:
     """Set the intra-op thread count (OpenMP and MKL) of the calling thread to n; threads that have not run a
     torch op yet start from n too.

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import load_file, save_file
 from safetensors.torch import save as st_save
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 
 def export_state(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -31,16 +32,22 @@ def export_state(model: torch.nn.Module, dtype: torch.dtype | None = None) -> di
 
 @torch.no_grad()
 def import_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Copy tensors into the model's parameters; names, shapes and dtypes must match exactly."""
+    """Copy whole tensors into the model's parameters; names and shapes must match exactly. A parameter laid out in
+    pieces (a DTensor: FSDP, tensor parallel) keeps this rank's piece of its tensor, cut here (no communication)."""
     params = dict(model.named_parameters())
     missing, unexpected = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
     if missing or unexpected:
         raise ValueError(f"weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     for name, p in params.items():
         src = tensors[name]
-        if src.shape != p.shape:
+        if tuple(src.shape) != tuple(p.shape):
             raise ValueError(f"weights: {name} has shape {tuple(src.shape)}, model expects {tuple(p.shape)}")
-        p.copy_(src.to(device=p.device, dtype=p.dtype))
+        if isinstance(p, DTensor):
+            piece = p.to_local()
+            piece.copy_(distribute_tensor(src.to(device=piece.device, dtype=p.dtype), p.device_mesh, p.placements,
+                                          src_data_rank=None).to_local())
+        else:
+            p.copy_(src.to(device=p.device, dtype=p.dtype))
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:

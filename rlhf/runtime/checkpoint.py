@@ -33,7 +33,7 @@ from rlhf.errors import CheckpointWriteStalled
 from rlhf.faults import fault_point
 from rlhf.runtime import sharded_checkpoint
 from rlhf.tracing.metrics import thread_activity
-from rlhf.train.parallel import is_dtensor, load_full_state, local
+from rlhf.train.parallel import is_dtensor, local
 from rlhf.weights import export_state, import_state
 
 META = "meta.json"
@@ -286,7 +286,7 @@ def _replicated_into_sharded(path: str, model: torch.nn.Module, optimizer: Any) 
     pieces from the whole tensors (no communication)."""
     from torch.distributed.tensor import distribute_tensor
 
-    load_full_state(model, load_file(os.path.join(path, "model.safetensors")))
+    import_state(model, load_file(os.path.join(path, "model.safetensors")))
     if optimizer is None:
         return
     sharded_checkpoint.init_optimizer_state(optimizer)

@@ -18,6 +18,7 @@ micro-batching) is the same in every layout; this module only lays the model out
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -206,33 +207,40 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
     return total
 
 
-@torch.no_grad()
-def full_state(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Every parameter whole, by name (shared parameters once), cast to `dtype` when given. In a sharded layout each
-    piece is gathered (DTensor.full_tensor, one collective a parameter): every rank of the world must call it."""
-    out = {}
-    for name, p in model.named_parameters():
+class Gathered(Mapping):
+    """Every parameter whole, by name (shared parameters once), cast to `dtype` when given, gathered when it is read:
+    one collective a read in a sharded layout (DTensor.full_tensor), so every rank of the world reads the same names
+    in the same order, and a rank that keeps only some of them (its share of a weights upload) never holds the
+    whole model. Iterates in name order."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None) -> None:
+        self.params = dict(sorted(model.named_parameters()))
+        self.dtype = dtype
+
+    @torch.no_grad()
+    def __getitem__(self, name: str) -> torch.Tensor:
+        p = self.params[name]
         whole = p.full_tensor() if is_dtensor(p) else p.detach()
-        out[name] = whole.to(dtype) if dtype is not None else whole
-    return out
+        return whole.to(self.dtype) if self.dtype is not None else whole
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.params)
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def only(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The tensors of `names`, after reading every parameter in order (this rank's part of every collective)."""
+        keep = set(names)
+        out = {}
+        for name in self:
+            whole = self[name]
+            if name in keep:
+                out[name] = whole
+        return out
 
 
-@torch.no_grad()
-def load_full_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Copy whole tensors into a model in any layout: each rank keeps its own pieces (cut locally, no communication).
-    Names, shapes and dtypes as `rlhf.weights.import_state` checks them."""
-    from torch.distributed.tensor import distribute_tensor
-
-    params = dict(model.named_parameters())
-    missing, unexpected = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
-    if missing or unexpected:
-        raise ValueError(f"weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    for name, p in params.items():
-        src = tensors[name]
-        if tuple(src.shape) != tuple(p.shape):
-            raise ValueError(f"weights: {name} has shape {tuple(src.shape)}, model expects {tuple(p.shape)}")
-        src = src.to(device=local(p).device, dtype=p.dtype)
-        if is_dtensor(p):
-            local(p).copy_(distribute_tensor(src, p.device_mesh, p.placements, src_data_rank=None).to_local())
-        else:
-            p.copy_(src)
+def full_state(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Every parameter whole, by name: in a sharded layout gathered, every rank of the world taking part."""
+    state = Gathered(model, dtype)
+    return state.only(state)

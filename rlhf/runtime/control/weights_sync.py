@@ -12,7 +12,8 @@ Fault points: weights_update.upload / .update / .save_dir (on the workers and se
 
 With the policy's weights_fallback, a meta update that fails (an upload, the MetaServer, a pull) is done
 again through disk by a train rank that is free (every rank holds the whole model); the stuck upload, if
-any, ends on its own timeout while the step goes on.
+any, ends on its own timeout while the step goes on. In a sharded layout every rank takes part in the write (the
+writer gathers the pieces), so the fallback waits for every upload to end first.
 """
 
 from __future__ import annotations
@@ -117,7 +118,10 @@ class WeightSync:
         """weights_fallback: `version` through disk, written by a train rank whose upload has ended (a rank still
         stuck in its upload would serve the write only after it); the first error is raised if disk fails too."""
         t0 = time.perf_counter()
-        if uploads and not any(t.done() for t in uploads):
+        sharded = make_layout(self.cfg.train.parallel, self.cfg.train.tp_size, len(self.workers)).sharded
+        if uploads and sharded:  # every rank gathers its pieces for the writer: all of them must be free
+            await asyncio.wait(uploads)  # bounded by the upload timeout
+        elif uploads and not any(t.done() for t in uploads):
             await asyncio.wait(uploads, return_when=asyncio.FIRST_COMPLETED)  # bounded by the upload timeout
         writer = next((r for r, t in enumerate(uploads) if t.done()), 0)
         for t in uploads:  # a stuck upload ends on its own timeout; its error is evidence in its rank's log
@@ -129,8 +133,9 @@ class WeightSync:
         with tracing.span("weights.fallback", stage="weights_update", step=step,
                           **{"rlhf.writer": f"train-{writer}", "rlhf.error": what}):
             try:
-                await self.workers.clients[writer].call("/save_weights_dir", {"path": path, "writer": writer},
-                                                        stage="weights_update", step=step)
+                writing = self.workers.clients if sharded else [self.workers.clients[writer]]
+                await asyncio.gather(*[c.call("/save_weights_dir", {"path": path, "writer": writer},
+                                              stage="weights_update", step=step) for c in writing])
                 upload = time.perf_counter() - t0
                 t1 = time.perf_counter()
                 await asyncio.gather(*self._load_from_disk(path, version, step))
@@ -162,7 +167,8 @@ class WeightSync:
         sharded = make_layout(self.cfg.train.parallel, self.cfg.train.tp_size, len(self.workers)).sharded
         askers = self.workers.clients if sharded else [self.workers.clients[self.source]]
         *trainers, replies = self.loop.gather(
-            *[c.call("/weights_checksum", stage="weights_update", step=step) for c in askers],
+            *[c.call("/weights_checksum", {"digest": not sharded or r == self.source}, stage="weights_update",
+                     step=step) for r, c in enumerate(askers)],
             self._rollout_checksums(step))
         trainer = trainers[self.source if sharded else 0][0]
         wrong = [f"rollout-{r}: version {rep['weight_version']} checksum {rep['checksum'][:12]}"

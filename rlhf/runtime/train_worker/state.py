@@ -18,7 +18,7 @@ from rlhf.runtime import checkpoint as ckpt
 from rlhf.runtime.client import Client
 from rlhf.runtime.colocation import fresh_allocation
 from rlhf.runtime.metaserver import push_shard
-from rlhf.train.parallel import full_state
+from rlhf.train.parallel import Gathered
 from rlhf.weights import checksum, encode_shard, save_state_dir, write_shard
 
 log = logging.getLogger("rlhf.train_worker")
@@ -33,9 +33,13 @@ class WeightsAndCheckpoints:
     """A train rank's weights and checkpoint endpoints (a part of TrainWorker)."""
 
     def weights_checksum(self, args: dict, tensors: dict) -> dict:
-        """The checksum of the whole model as the rollout servers get it (in a sharded layout every rank is called:
-        the pieces are gathered)."""
-        return {"checksum": checksum(full_state(self.model, self.wire_dtype), self.cfg.weights.verify_checksum)}
+        """The checksum of the whole model as the rollout servers get it. In a sharded layout every rank is called (the
+        pieces are gathered one parameter at a time); args['digest'] false: this rank only takes part."""
+        state = Gathered(self.model, self.wire_dtype)
+        if not args.get("digest", True):
+            state.only(())
+            return {"checksum": ""}
+        return {"checksum": checksum(state, self.cfg.weights.verify_checksum)}
 
     def upload_weights(self, args: dict, tensors: dict) -> dict:
         """Send this rank's shard of the weights to the MetaServer as version args['version'].
@@ -44,11 +48,11 @@ class WeightsAndCheckpoints:
         """
         version, shard = str(args["version"]), f"rank{self.rank}"
         with tracing.span("weights.serialize"):
-            state = full_state(self.model, self.wire_dtype)  # sharded layouts: gathered, every rank taking part
+            state = Gathered(self.model, self.wire_dtype)  # sharded layouts: gathered, every rank taking part
             names = shard_names(list(state), self.rank, self.world_size)
-            fresh_allocation(self.run_dir, self.device, sum(state[n].numel() * state[n].element_size() for n in names),
+            part = state.only(names)  # this rank's share, never the whole model
+            fresh_allocation(self.run_dir, self.device, sum(t.numel() * t.element_size() for t in part.values()),
                              "the weights upload buffer")
-            part = {n: state[n] for n in names}
             path, body = "", None
             if args.get("shm_dir"):
                 path = os.path.join(args["shm_dir"], f"v{version}-{shard}.safetensors")
@@ -79,8 +83,12 @@ class WeightsAndCheckpoints:
         """Disk mode: rank `writer` (0 unless the weights fallback picks a rank that is free) writes an HF
         safetensors directory the rollout servers load."""
         fault_point("weights_update.save_dir")
-        state = full_state(self.model) if self.layout.sharded else None  # a collective: every rank, writer or not
-        if self.rank == int(args.get("writer", 0)):
+        writer = self.rank == int(args.get("writer", 0))
+        state = None
+        if self.layout.sharded:  # gathered parameter by parameter, every rank taking part; the writer keeps them
+            gathered = Gathered(self.model)
+            state = gathered.only(gathered if writer else ())
+        if writer:
             path = args["path"]
             tmp = path + ".tmp"
             save_state_dir(self.model, tmp, self.tokenizer, tensors=state)

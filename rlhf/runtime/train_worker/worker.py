@@ -24,6 +24,7 @@ from rlhf.config import Config
 from rlhf.devices import relocate
 from rlhf.faults import fault_point
 from rlhf.models import build_model_and_tokenizer, stop_token_ids, torch_dtype
+from rlhf.procs import release_freed_memory
 from rlhf.runtime.batch_memory import BatchSizeMismatch
 from rlhf.runtime.client import LoopThread
 from rlhf.runtime.colocation import DeviceLease, device_name
@@ -34,7 +35,8 @@ from rlhf.runtime.train_worker.baseline import SftAndPreflight
 from rlhf.runtime.train_worker.state import WeightsAndCheckpoints
 from rlhf.tracing.metrics import disk_wait_threads
 from rlhf.train.engine import TrainEngine
-from rlhf.train.parallel import build_mesh, full_state, load_full_state, make_layout
+from rlhf.train.parallel import build_mesh, full_state, make_layout
+from rlhf.weights import import_state
 
 log = logging.getLogger("rlhf.train_worker")
 
@@ -142,9 +144,11 @@ class TrainWorker(SftAndPreflight, WeightsAndCheckpoints):
         self.engine = TrainEngine(self.model, cfg.train, cfg.algorithm, temperature=cfg.rollout.temperature or 1.0,
                                   keep_reference=cfg.algorithm.kl_coef > 0, dp=self.dp, compute_dtype=self.wire_dtype,
                                   layout=self.layout, mesh=self.mesh)
+        if self.layout.sharded:
+            release_freed_memory()  # the whole model each rank built is its pieces now
         ref_path = os.path.join(self.run_dir, "checkpoints", "reference", "model.safetensors")
         if args.get("load_reference") and self.engine.reference is not None:
-            load_full_state(self.engine.reference, load_file(ref_path))
+            import_state(self.engine.reference, load_file(ref_path))
         elif self.engine.reference is not None and args.get("save_reference", True):
             state = full_state(self.engine.reference)  # in a sharded layout a collective: every rank takes part
             if self.rank == 0:
