@@ -7,6 +7,7 @@
     rlhf faults list       every fault kind and point;  rlhf faults validate FILE  checks a fault file
     rlhf report RUN_DIR    figures of how a fault propagated (RUN_DIR/report/*.png)
     rlhf diagnose RUN_DIR  the root cause of a failed run from its evidence alone (RUN_DIR/diagnosis.json)
+    rlhf export RUN_DIR OUT [--step N]  a Hugging Face model directory from a checkpoint (replicated or sharded)
 """
 
 from __future__ import annotations
@@ -96,7 +97,13 @@ def diagnose_main(argv: list[str] | None = None, prog: str = "rlhf diagnose") ->
     return run(argv, prog)
 
 
-COMMANDS = {"diagnose": diagnose_main, "report": report_main, "grpo": grpo_main, "sft": sft_main, "config": config_main, "trace": trace_main, "faults": faults_main}
+def export_main(argv: list[str] | None = None, prog: str = "rlhf export") -> int:
+    from rlhf.runtime.export import export_main as run
+
+    return run(argv, prog)
+
+
+COMMANDS = {"export": export_main, "diagnose": diagnose_main, "report": report_main, "grpo": grpo_main, "sft": sft_main, "config": config_main, "trace": trace_main, "faults": faults_main}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -111,9 +111,10 @@ def main() -> None:
     weights: dict[str, dict] = {}
     if args.save:
         name, directory = args.save.split(":", 1)
-        record, after, _ = save(name, directory)
+        record, after, saved = save(name, directory)
         out[f"save:{name}"] = record
         weights[f"save-{name}"] = after
+        weights[f"at-save-{name}"] = saved["state"][0]  # what the checkpoint holds: `rlhf export` must give it
     for spec in args.load:
         directory, name = spec.rsplit(":", 1)
         record, after, _ = load(directory, name)

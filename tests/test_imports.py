@@ -28,7 +28,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                   "rlhf.runtime.dist",
                   "rlhf.runtime.colocation", "rlhf.runtime.batch_memory")),
     ("control", ("rlhf.runtime.control", "rlhf.runtime.controller", "rlhf.runtime.sft_controller")),
-    ("entry points", ("rlhf.runtime.launch", "rlhf.runtime.sglang_launch", "rlhf.cli", "rlhf.cli_args",
+    ("entry points", ("rlhf.runtime.launch", "rlhf.runtime.sglang_launch", "rlhf.runtime.export", "rlhf.cli",
+                      "rlhf.cli_args",
                       "rlhf.report")),
 ]
 

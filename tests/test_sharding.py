@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from transformers import LlamaConfig
 
 from rlhf.train.parallel import Layout, layout_problems, make_layout
@@ -97,6 +98,10 @@ def test_checkpoints_are_written_by_shard_and_resume_into_another_layout_and_wor
     after_writer = load_file(tmp_path / "save-fsdp.safetensors")
     after_resumed = load_file(tmp_path / "load-fsdp4-fsdp.safetensors")
     assert max(float((after_writer[k] - after_resumed[k]).abs().max()) for k in after_writer) <= TOLERANCE
+    from rlhf.runtime.export import whole_model
+
+    exported, at_save = whole_model(str(tmp_path / "fsdp4")), load_file(tmp_path / "at-save-fsdp.safetensors")
+    assert sorted(exported) == sorted(at_save) and all(torch.equal(exported[k], at_save[k]) for k in at_save)
     shards = sorted((tmp_path / "fsdp4" / "shards").glob("*.safetensors"))
     sizes = [f.stat().st_size for f in shards]
     assert len(shards) == 4 and max(sizes) < 0.4 * sum(sizes)  # every rank its own quarter, none the whole
@@ -131,6 +136,17 @@ def test_a_grpo_run_trains_sharded_verifies_its_weights_and_resumes_into_another
     assert sorted(p.name for p in (slot / "shards").iterdir()) == ["rank00000.safetensors", "rank00001.safetensors"]
     meta = json.loads((slot / "meta.json").read_text())
     assert "shards/rank00001.safetensors" in meta["files"] and "model.safetensors" not in meta["files"]
+    out = subprocess.run([sys.executable, "-m", "rlhf.cli", "export", str(run_dir), str(tmp_path / "hf")],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "exported step 2 from" in out.stderr and "latest_even" in out.stderr
+    from rlhf.models import load_model_dir
+
+    model, _ = load_model_dir(str(tmp_path / "hf"), torch.float32, torch.device("cpu"))  # an HF directory
+    assert sum(p.numel() for p in model.parameters()) > 0
+    missing = subprocess.run([sys.executable, "-m", "rlhf.cli", "export", str(run_dir), str(tmp_path / "x"), "--step",
+                              "7"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert missing.returncode != 0 and "no valid checkpoint of step 7" in missing.stderr and "[1, 2]" in missing.stderr
     second = subprocess.run(torchrun(run_dir, "--steps", "4", "--train.tp_size", "2"), capture_output=True, text=True,
                             timeout=300, cwd=ROOT)
     assert second.returncode == 0, second.stderr[-3000:]

@@ -82,7 +82,7 @@ def snapshot(rank: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     return items
 
 
-def _whole_shapes(path: str) -> dict[str, list[int]]:
+def whole_shapes(path: str) -> dict[str, list[int]]:
     """key -> the whole tensor's shape, from every shard file's pieces and offsets."""
     shapes: dict[str, list[int]] = {}
     folder = os.path.join(path, SHARDS)
@@ -126,7 +126,7 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | N
     if optimizer is not None:
         init_optimizer_state(optimizer)
     template = _flat_state(model, optimizer)
-    saved = _whole_shapes(path)
+    saved = whole_shapes(path)
     missing = sorted(k for k in template if k not in saved)
     wrong = [f"{k}: checkpoint {saved[k]}, model {list(t.shape)}" for k, t in template.items()
              if k in saved and saved[k] != list(t.shape)]
