@@ -42,12 +42,19 @@ def import_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> No
         src = tensors[name]
         if tuple(src.shape) != tuple(p.shape):
             raise ValueError(f"weights: {name} has shape {tuple(src.shape)}, model expects {tuple(p.shape)}")
-        if isinstance(p, DTensor):
-            piece = p.to_local()
-            piece.copy_(distribute_tensor(src.to(device=piece.device, dtype=p.dtype), p.device_mesh, p.placements,
-                                          src_data_rank=None).to_local())
-        else:
-            p.copy_(src.to(device=p.device, dtype=p.dtype))
+        copy_whole_(p, src)
+
+
+@torch.no_grad()
+def copy_whole_(target: torch.Tensor, src: torch.Tensor) -> None:
+    """target <- src, a whole tensor: a target laid out in pieces (a DTensor: FSDP, tensor parallel) takes this
+    rank's piece of it, cut here (no communication)."""
+    if isinstance(target, DTensor):
+        piece = target.to_local()
+        piece.copy_(distribute_tensor(src.to(device=piece.device, dtype=target.dtype), target.device_mesh,
+                                      target.placements, src_data_rank=None).to_local())
+    else:
+        target.copy_(src.to(device=target.device, dtype=target.dtype))
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:

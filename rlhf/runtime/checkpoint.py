@@ -33,8 +33,8 @@ from rlhf.errors import CheckpointWriteStalled
 from rlhf.faults import fault_point
 from rlhf.runtime import sharded_checkpoint
 from rlhf.tracing.metrics import thread_activity
-from rlhf.train.parallel import is_dtensor, local
-from rlhf.weights import export_state, import_state
+from rlhf.train.parallel import is_dtensor
+from rlhf.weights import copy_whole_, export_state, import_state
 
 META = "meta.json"
 
@@ -284,8 +284,6 @@ def _optimizer_files(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]
 def _replicated_into_sharded(path: str, model: torch.nn.Module, optimizer: Any) -> None:
     """A replicated slot (model.safetensors; AdamW state by parameter index) into a sharded layout: each rank cuts its
     pieces from the whole tensors (no communication)."""
-    from torch.distributed.tensor import distribute_tensor
-
     import_state(model, load_file(os.path.join(path, "model.safetensors")))
     if optimizer is None:
         return
@@ -295,13 +293,7 @@ def _replicated_into_sharded(path: str, model: torch.nn.Module, optimizer: Any) 
     for index, p in enumerate(params):
         for key, target in optimizer.state[p].items():
             src = tensors.get(f"{index}.{key}")
-            if src is None or not isinstance(target, torch.Tensor):
-                continue
-            if is_dtensor(target):
-                piece = distribute_tensor(src.to(target.dtype), target.device_mesh, target.placements,
-                                          src_data_rank=None)
-                local(target).copy_(piece.to_local())
-            else:
-                target.copy_(src)
+            if src is not None and isinstance(target, torch.Tensor):
+                copy_whole_(target, src)
     for group, saved in zip(optimizer.param_groups, meta["param_groups"]):
         group.update({k: v for k, v in saved.items() if k != "params"})

@@ -10,12 +10,10 @@ model.safetensors and the tokenizer's files, which `--model.path OUT` (or transf
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 
 from rlhf.runtime import checkpoint as ckpt
@@ -26,26 +24,17 @@ def whole_model(slot: str) -> dict[str, torch.Tensor]:
     """The slot's parameters whole, by name."""
     if not sharded_checkpoint.is_sharded_slot(slot):
         return load_file(os.path.join(slot, "model.safetensors"))
-    folder = os.path.join(slot, sharded_checkpoint.SHARDS)
     out: dict[str, torch.Tensor] = {}
-    shapes = {k[len("model."):]: v for k, v in sharded_checkpoint.whole_shapes(slot).items() if k.startswith("model.")}
-    for name in sorted(os.listdir(folder)):
-        if not name.endswith(".safetensors"):
+    shapes = sharded_checkpoint.whole_shapes(slot)
+    for key, piece, start in sharded_checkpoint.pieces(slot):
+        if not key.startswith("model."):
             continue
-        with safe_open(os.path.join(folder, name), framework="pt") as f:
-            info = json.loads((f.metadata() or {}).get(sharded_checkpoint.SHARDING_INFO, "{}"))
-            for key in f.keys():
-                if not key.startswith("model."):
-                    continue
-                piece = f.get_tensor(key)
-                param = key[len("model."):]
-                if param not in out:
-                    out[param] = torch.zeros(shapes[param], dtype=piece.dtype)
-                start = info.get(key, {}).get("saved_offsets", [0] * piece.dim())
-                region = out[param]
-                for dim, (offset, size) in enumerate(zip(start, piece.shape)):
-                    region = region.narrow(dim, offset, size)
-                region.copy_(piece)
+        data = piece[:]
+        name = key[len("model."):]
+        region = out.setdefault(name, torch.zeros(shapes[key], dtype=data.dtype))
+        for dim, (offset, size) in enumerate(zip(start, data.shape)):
+            region = region.narrow(dim, offset, size)
+        region.copy_(data)
     return out
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from safetensors import safe_open
@@ -30,7 +30,6 @@ from rlhf.train.parallel import is_dtensor, local
 SHARDS = "shards"
 GROUPS = "optimizer-groups.json"
 SHARDING_INFO = "DCP_SHARDING_INFO"  # torch.distributed.checkpoint.hf_storage's metadata key, with "saved_offsets"
-STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
 
 
 def is_sharded_slot(path: str) -> bool:
@@ -82,9 +81,8 @@ def snapshot(rank: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     return items
 
 
-def whole_shapes(path: str) -> dict[str, list[int]]:
-    """key -> the whole tensor's shape, from every shard file's pieces and offsets."""
-    shapes: dict[str, list[int]] = {}
+def pieces(path: str) -> Iterator[tuple[str, Any, list[int]]]:
+    """Every piece of a sharded slot: (key, its safetensors slice, its offsets in the whole tensor), file by file."""
     folder = os.path.join(path, SHARDS)
     for name in sorted(os.listdir(folder)):
         if not name.endswith(".safetensors"):
@@ -92,12 +90,17 @@ def whole_shapes(path: str) -> dict[str, list[int]]:
         with safe_open(os.path.join(folder, name), framework="pt") as f:
             info = json.loads((f.metadata() or {}).get(SHARDING_INFO, "{}"))
             for key in f.keys():
-                if key == "empty":
-                    continue
-                size = f.get_slice(key).get_shape()
-                start = info.get(key, {}).get("saved_offsets", [0] * len(size))
-                end = [s + o for s, o in zip(size, start)]
-                shapes[key] = [max(a, b) for a, b in zip(shapes.get(key, end), end)]
+                if key != "empty":
+                    piece = f.get_slice(key)
+                    yield key, piece, info.get(key, {}).get("saved_offsets", [0] * len(piece.get_shape()))
+
+
+def whole_shapes(path: str) -> dict[str, list[int]]:
+    """key -> the whole tensor's shape, from every shard file's pieces and offsets."""
+    shapes: dict[str, list[int]] = {}
+    for key, piece, start in pieces(path):
+        end = [s + o for s, o in zip(piece.get_shape(), start)]
+        shapes[key] = [max(a, b) for a, b in zip(shapes.get(key, end), end)]
     return shapes
 
 

@@ -219,12 +219,17 @@ def current_step() -> int:
 
 
 @contextmanager
-def at_step(step: int) -> Iterator[None]:
-    token = _current_step.set(step)
+def _holding(var: contextvars.ContextVar, value: Any) -> Iterator[None]:
+    token = var.set(value)
     try:
         yield
     finally:
-        _current_step.reset(token)
+        var.reset(token)
+
+
+def at_step(step: int) -> Any:
+    """The step of the code run inside (what spans and fault points record)."""
+    return _holding(_current_step, step)
 
 
 def current_stage() -> str:
@@ -233,13 +238,8 @@ def current_stage() -> str:
     return _current_stage.get()
 
 
-@contextmanager
-def at_stage(stage: str) -> Iterator[None]:
-    token = _current_stage.set(stage)
-    try:
-        yield
-    finally:
-        _current_stage.reset(token)
+def at_stage(stage: str) -> Any:
+    return _holding(_current_stage, stage)
 
 
 def attributes(stage: str | None = None, step: int | None = None, **extra: Any) -> dict[str, Any]:
