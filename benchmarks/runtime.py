@@ -10,9 +10,12 @@ Part `bandwidth` moves the weights of --model (default `llama-25m`, ~100 MB fp32
 step does, with one process per train rank and per rollout server, and a MetaServer in this
 process as in the controller:
 
-  meta   every train rank serialises its shard and PUTs it to the MetaServer while every
+  meta   every train rank serialises its share (1/ranks of every tensor's rows) and PUTs it to the MetaServer while every
          rollout server already waits on the manifest, fetches all shards, checks each tensor's crc32 and
          loads them into its model; time = from the start signal until the last server loaded.
+  distributed  train rank 0 and the rollout servers form a gloo process group; rank 0 broadcasts the weights
+         bucket by bucket (a flat buffer each, --bucket-mb) and each server copies them into its model (as
+         /update_weights_from_distributed); any host
   disk   rank 0 writes an HF safetensors directory (as `save_weights_dir`), then every rollout
          server reads it and loads it into its model (as `/update_weights_from_disk`).
   copy   a plain in-memory copy of the same bytes (param.copy_), one process: the floor.
@@ -107,24 +110,23 @@ def _build(model_name: str, seed: int):
 
 def _uploader(rank: int, world: int, model_name: str, url: str, token: str, repeats: int, barrier, results,
               shm_dir: str = "", checksum: str = "none") -> None:
+    from rlhf.pieces import own_pieces
     from rlhf.runtime.client import Client
     from rlhf.runtime.metaserver import push_shard
-    from rlhf.runtime.train_worker import shard_names
-    from rlhf.weights import encode_shard, export_state, write_shard
+    from rlhf.weights import encode_shard, write_shard
 
     model, _ = _build(model_name, seed=rank)
 
     async def put(version: str) -> int:  # as TrainWorker.upload_weights does
         client = Client(url, token)
         try:
-            state = export_state(model)
-            part = {n: state[n] for n in shard_names(list(state), rank, world)}
+            part, where = own_pieces(model, rank, world)
             if shm_dir:
                 path = os.path.join(shm_dir, f"v{version}-rank{rank}.safetensors")
-                size = write_shard(part, path, checksum)
+                size = write_shard(part, path, checksum, where)
                 await push_shard(client, version, f"rank{rank}", None, 600, path=path)
                 return size
-            body = encode_shard(part, checksum)
+            body = encode_shard(part, checksum, where)
             await push_shard(client, version, f"rank{rank}", body, 600)
             return len(body)
         finally:
@@ -138,16 +140,16 @@ def _uploader(rank: int, world: int, model_name: str, url: str, token: str, repe
 
 
 def _puller(rank: int, model_name: str, url: str, token: str, repeats: int, barrier, results) -> None:
+    from rlhf.pieces import import_pieces
     from rlhf.runtime.client import Client
-    from rlhf.runtime.metaserver import pull_weights
-    from rlhf.weights import import_state
+    from rlhf.runtime.metaserver import pull_pieces
 
     model, _ = _build(model_name, seed=100 + rank)
 
     async def pull(version: str) -> None:
         client = Client(url, token)
         try:
-            import_state(model, await pull_weights(client, version, 600, 600))
+            import_pieces(model, await pull_pieces(client, version, 600, 600))
         finally:
             await client.close()
 
@@ -167,6 +169,50 @@ def _disk_reader(rank: int, model_name: str, path: str, repeats: int, barrier, r
         t0 = time.perf_counter()
         import_state(model, load_state_dir(path))
         results.put(("read", rank, time.perf_counter() - t0, 0))
+
+
+def _broadcaster(model_name: str, port: int, world: int, bucket_mb: float, repeats: int, barrier, results) -> None:
+    """Train rank 0 in distributed mode: every bucket packed flat and broadcast to the group."""
+    from rlhf.runtime import weights_group as wg
+
+    model, _ = _build(model_name, seed=0)
+    group = wg.join("127.0.0.1", port, 0, world, "gloo", 300)
+    params = dict(sorted(model.named_parameters()))
+    plan = wg.plan_buckets([{"name": n, "dtype": wg.dtype_name(p.dtype), "shape": list(p.shape)}
+                            for n, p in params.items()], int(bucket_mb * 2**20))
+    buffers = wg.Buffers()
+    for _ in range(repeats):
+        barrier.wait()
+        t0 = time.perf_counter()
+        for b in plan:
+            wg.broadcast(group, wg.pack([params[n].detach() for n in b["names"]], "cpu", buffers))
+        results.put(("broadcast", 0, time.perf_counter() - t0, 0))
+
+
+def _receiver(rank: int, model_name: str, port: int, world: int, bucket_mb: float, repeats: int, barrier,
+              results) -> None:
+    """A rollout server in distributed mode: each bucket received into one flat buffer, then copied into the model
+    (as /update_weights_from_distributed with the flattened_bucket format)."""
+    import torch
+
+    from rlhf.runtime import weights_group as wg
+
+    model, _ = _build(model_name, seed=100 + rank)
+    group = wg.join("127.0.0.1", port, 1 + rank, world, "gloo", 300)
+    params = dict(sorted(model.named_parameters()))
+    plan = wg.plan_buckets([{"name": n, "dtype": wg.dtype_name(p.dtype), "shape": list(p.shape)}
+                            for n, p in params.items()], int(bucket_mb * 2**20))
+    buffers = wg.Buffers()
+    for _ in range(repeats):
+        barrier.wait()
+        t0 = time.perf_counter()
+        for b in plan:
+            buffer = buffers.get(b["bytes"])
+            wg.broadcast(group, buffer)
+            with torch.no_grad():
+                for name, t in wg.unpack(buffer, b["names"], b["dtypes"], b["shapes"]):
+                    params[name].copy_(t)
+        results.put(("receive", rank, time.perf_counter() - t0, 0))
 
 
 async def _open_version(url: str, token: str, version: str, shards: int) -> None:
@@ -247,6 +293,36 @@ def run_bandwidth(args: argparse.Namespace) -> None:
                     p.kill()
             server.stop()
 
+    # distributed: train rank 0 broadcasts to a gloo group of the servers (sglang's update_weights_from_distributed)
+    from rlhf.runtime import weights_group as wg
+
+    rows["distributed (gloo broadcast)"] = []
+    store = wg.open_store("127.0.0.1", 300)
+    world = 1 + args.servers
+    barrier = ctx.Barrier(1 + world)
+    procs = [ctx.Process(target=_broadcaster, args=(args.model, store.port, world, args.bucket_mb, total, barrier,
+                                                    results))]
+    procs += [ctx.Process(target=_receiver, args=(r, args.model, store.port, world, args.bucket_mb, total, barrier,
+                                                  results)) for r in range(args.servers)]
+    try:
+        for p in procs:
+            p.start()
+        for i in range(total):
+            barrier.wait(timeout=300)
+            t0 = time.perf_counter()
+            _collect(results, world)
+            seconds = time.perf_counter() - t0
+            print(f"[bandwidth] distributed {'warm-up' if i < args.warmup else 'repeat'} {i + 1}/{total}: "
+                  f"{seconds:.2f} s", file=sys.stderr, flush=True)
+            if i >= args.warmup:
+                rows["distributed (gloo broadcast)"].append(seconds)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+        del store
+
     # disk
     for k in ("disk", "disk write (rank 0)", "disk read+load (max server)"):
         rows[k] = []
@@ -299,7 +375,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5,
                     help="bandwidth: updates run first and not counted (a fresh process's first touch of new memory)")
     ap.add_argument("--ranks", type=int, default=2, help="train ranks (uploaders)")
-    ap.add_argument("--servers", type=int, default=2, help="rollout servers (pullers / readers)")
+    ap.add_argument("--servers", type=int, default=2, help="rollout servers (pullers / readers / receivers)")
+    ap.add_argument("--bucket-mb", type=float, default=256.0, help="distributed: MB per broadcast bucket")
     ap.add_argument("--checksum", default="none", choices=["crc32", "sha256", "none"],
                     help="per-tensor digest the uploader writes and every rollout server checks (weights.checksum)")
     ap.add_argument("--steps", type=int, default=20, help="steps per run for the stages part")

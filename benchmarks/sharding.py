@@ -8,6 +8,13 @@ of parameters, gradients (after a backward) and AdamW state this rank holds, the
 median seconds of a train step. A (layout, world) whose replicated copies would not fit this machine's memory
 (16 bytes a parameter on each rank) is listed as skipped with what it would need.
 
+Part `weights` moves the weights of --model (bf16 on the wire) from each layout's train ranks (--weights-layouts,
+--worlds) through a real MetaServer (shared memory, as the runtime on one host) into a rollout model in this
+process, by two paths: `pieces`, what the runtime does (each rank sends only what it holds: its DTensor pieces, its
+share of the rows of what it holds alike with others; the rollout side puts every parameter together), and
+`gathered`, the path before it (every parameter gathered whole, each rank keeping every world-th name). Seconds
+from the go to the last tensor loaded, and the weights' GB/s over them.
+
 Part `run` is the real runtime: `examples/grpo_trainer.py` under torchrun with --run-world train ranks and
 --train.parallel fsdp on --model for 2 GRPO steps (no warm start; --run-dtype bfloat16: bf16 compute and a bf16
 rollout server, fp32 master weights and AdamW state), sampling the RSS of every process of the run (train ranks,
@@ -15,6 +22,7 @@ rollout server, scheduler) 5 times a second; it prints the whole run's peak.
 
     python benchmarks/sharding.py                                   # both parts
     python benchmarks/sharding.py --part layouts --worlds 2 --layouts dp,fsdp --model llama-25m
+    python benchmarks/sharding.py --part weights --worlds 2,4 --model llama-110m
     python benchmarks/sharding.py --part run --run-world 4
 """
 
@@ -24,6 +32,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import sys
 import tempfile
@@ -122,6 +131,134 @@ def worker(args: argparse.Namespace) -> None:
             json.dump({"layout": layout.describe(), "per_rank": [t.tolist() for t in every],
                        "model_params": sum(p.numel() for p in model.parameters()) if not layout.sharded else None}, fh)
     dist.destroy_process_group()
+
+
+def weights_worker(args: argparse.Namespace) -> None:
+    """One train rank of part `weights`: for each path and repeat, wait for the parent's go, make this rank's share
+    of the weights as that path does, write it into the MetaServer's shared-memory folder and PUT its path."""
+    import asyncio
+
+    import torch
+    import torch.distributed as dist
+
+    from rlhf.config import ModelConfig
+    from rlhf.models import build_model_and_tokenizer
+    from rlhf.pieces import own_pieces
+    from rlhf.runtime.client import Client
+    from rlhf.runtime.metaserver import push_shard
+    from rlhf.train.parallel import Gathered, build_mesh, make_layout, parallelize
+    from rlhf.weights import write_shard
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    parallel, tp = LAYOUTS[args.layout]
+    model, _ = build_model_and_tokenizer(ModelConfig(name=args.model, dtype="float32"), seed=1, device="cpu")
+    layout = make_layout(parallel, tp, world, model.config)
+    if layout.sharded:
+        parallelize(model, layout, build_mesh(layout, "cpu"))
+    store = dist.TCPStore("127.0.0.1", args.store_port, is_master=False)
+    url, token, shm_dir = store.get("url").decode(), store.get("token").decode(), store.get("shm_dir").decode()
+    wire = torch.bfloat16
+
+    def share(path: str) -> tuple[dict, dict | None]:
+        if path == "pieces":  # what the runtime does: only this rank's pieces, no collective
+            return own_pieces(model, rank, world, wire)
+        # the path before: every parameter whole (gathered in a sharded layout), every world-th name kept
+        state = Gathered(model, wire)
+        return state.only(sorted(state)[rank::world]), None
+
+    async def put(version: str, part: dict, where: dict | None) -> int:
+        client = Client(url, token)
+        try:
+            path = os.path.join(shm_dir, f"v{version}-rank{rank}.safetensors")
+            size = write_shard(part, path, "crc32", where)
+            await push_shard(client, version, f"rank{rank}", None, 600, path=path)
+            return size
+        finally:
+            await client.close()
+
+    for version in store.get("versions").decode().split(","):
+        store.wait([f"go/{version}"])
+        t0 = time.perf_counter()
+        part, where = share(version.split("-")[1])
+        size = asyncio.run(put(version, part, where))
+        del part, where
+        store.set(f"up/{version}/{rank}", json.dumps({"seconds": time.perf_counter() - t0, "bytes": size}))
+    dist.destroy_process_group()
+
+
+def weights_part(args: argparse.Namespace) -> None:
+    """The weights upload of each layout and world, by each path, through a real MetaServer (shared memory) into a
+    rollout model in this process: seconds from the go to the last tensor loaded, and GB/s of the bf16 weights."""
+    import asyncio
+
+    import torch
+    import torch.distributed as dist
+
+    from rlhf.config import ModelConfig
+    from rlhf.models import build_model_and_tokenizer
+    from rlhf.pieces import import_pieces
+    from rlhf.runtime.client import Client
+    from rlhf.runtime.metaserver import MetaServer, pull_pieces
+
+    torch.set_num_threads(2)
+    rollout, _ = build_model_and_tokenizer(ModelConfig(name=args.model, dtype="bfloat16"), seed=2, device="cpu")
+    nbytes = sum(p.numel() * p.element_size() for p in rollout.parameters())
+    print(f"weights: {args.model}, {nbytes / 1e9:.2f} GB in bf16 to one rollout model; {args.repeats} timed updates "
+          "after one warm-up, per layout, world and path", flush=True)
+    token = "bench-weights"
+    rows = []
+    for world in [int(w) for w in args.worlds.split(",")]:
+        for name in args.weights_layouts.split(","):
+            meta = MetaServer(token, max_versions=1, max_bytes=4 * nbytes, transport="shm")
+            url = meta.start()
+            store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            versions = [f"{name}-{path}-{i}" for path in ("gathered", "pieces") for i in range(args.repeats + 1)]
+            for key, value in (("url", url), ("token", token), ("shm_dir", meta.shm_dir),
+                               ("versions", ",".join(versions))):
+                store.set(key, value)
+            tmp = tempfile.mkdtemp(prefix="rlhf-bench-weights-")
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
+                   "--master_addr=127.0.0.1", f"--master_port={free_port()}", os.path.abspath(__file__),
+                   "--weights-worker", "--layout", name, "--model", args.model, "--store-port", str(store.port)]
+            from rlhf.procs import spawn, stop_group
+
+            proc = spawn(cmd, env=dict(os.environ), log_path=os.path.join(tmp, "out.log"), cwd=ROOT)
+            timings: dict[str, list[tuple[float, float]]] = {"gathered": [], "pieces": []}
+            try:
+                for version in versions:
+                    async def update() -> None:
+                        client = Client(url, token)
+                        try:
+                            await client.call("/versions", {"version": version, "shards": world})
+                            store.set(f"go/{version}", "1")
+                            import_pieces(rollout, await pull_pieces(client, version, 600, 600))  # as a rollout server
+                        finally:
+                            await client.close()
+
+                    t0 = time.perf_counter()
+                    asyncio.run(update())
+                    seconds = time.perf_counter() - t0
+                    ups = [json.loads(store.get(f"up/{version}/{r}")) for r in range(world)]
+                    if not version.endswith("-0"):  # the first of each path warms up
+                        timings[version.split("-")[1]].append((seconds, max(u["seconds"] for u in ups)))
+                if proc.wait(timeout=120) != 0:
+                    raise SystemExit(f"weights worker failed:\n{open(os.path.join(tmp, 'out.log')).read()[-3000:]}")
+            finally:
+                stop_group(proc)
+                meta.stop()
+                shutil.rmtree(tmp, ignore_errors=True)
+            for path, got in timings.items():
+                seconds = statistics.median(t for t, _ in got)
+                rows.append((world, name, path, statistics.median(u for _, u in got), seconds, nbytes / seconds / 1e9))
+            print(f"world {world} {name}: done", flush=True)
+    print()
+    print("| world | layout | path | upload s (slowest rank) | update s (go to loaded) | GB/s |")
+    print("|---:|---|---|---:|---:|---:|")
+    for world, name, path, upload, seconds, rate in rows:
+        label = "pieces (each rank its own)" if path == "pieces" else "gathered, by name (before)"
+        print(f"| {world} | {name} | {label} | {upload:.2f} | {seconds:.2f} | {rate:.2f} |")
 
 
 # ---------------------------------------------------------------------------- the tables
@@ -267,7 +404,7 @@ def run_part(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=["layouts", "run", "all"], default="all")
+    parser.add_argument("--part", choices=["layouts", "weights", "run", "all"], default="all")
     parser.add_argument("--model", default="llama-500m", help="model preset (default llama-500m, ~0.54 B params)")
     parser.add_argument("--worlds", default="2,4", help="train world sizes of part layouts")
     parser.add_argument("--layouts", default="dp,fsdp,tp,fsdp+tp", help=f"of: {', '.join(LAYOUTS)}")
@@ -278,15 +415,24 @@ def main() -> None:
     parser.add_argument("--run-dtype", default="bfloat16",
                         help="part run's model.dtype: the rollout server's weights and the train compute (FSDP keeps "
                              "fp32 master weights and AdamW state)")
+    parser.add_argument("--weights-layouts", default="dp,fsdp", help=f"layouts of part weights, of: {', '.join(LAYOUTS)}")
+    parser.add_argument("--repeats", type=int, default=3, help="timed weights updates of part weights (after one)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--weights-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--store-port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--layout", default="dp", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return
+    if args.weights_worker:
+        weights_worker(args)
+        return
     if args.part in ("layouts", "all"):
         layouts_part(args)
+    if args.part in ("weights", "all"):
+        weights_part(args)
     if args.part in ("run", "all"):
         run_part(args)
 

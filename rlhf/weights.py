@@ -100,6 +100,8 @@ def checksum(tensors: dict[str, torch.Tensor], algorithm: str = "sha256") -> str
 
 # ---------------------------------------------------------------- weight shards on the wire
 
+PIECES = "pieces"  # shard metadata: tensor key -> {"name": parameter, "offset": [...], "whole": its shape}
+
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
               "BOOL": torch.bool}
@@ -109,27 +111,33 @@ class ShardCorrupt(ValueError):
     """A weights shard whose bytes do not match the digests its uploader wrote into it."""
 
 
-def _shard_parts(tensors: dict[str, torch.Tensor], algorithm: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def _shard_parts(tensors: dict[str, torch.Tensor], algorithm: str, pieces: dict[str, dict] | None = None
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     cpu = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     metadata = {"checksum": algorithm}
     if algorithm != "none":
         metadata["digests"] = json.dumps({k: digest(_raw(v), algorithm) for k, v in cpu.items()})
+    if pieces:
+        metadata[PIECES] = json.dumps(pieces)
     return cpu, metadata
 
 
-def encode_shard(tensors: dict[str, torch.Tensor], algorithm: str = "crc32") -> bytes:
+def encode_shard(tensors: dict[str, torch.Tensor], algorithm: str = "crc32", pieces: dict[str, dict] | None = None
+                 ) -> bytes:
     """One safetensors blob with a digest per tensor, computed by the sender, in its metadata.
 
     The digests travel inside the shard, so any consumer checks end to end what the uploader
     sent, and the relay in between (the MetaServer) never re-hashes or decodes a tensor.
+    `pieces` (rlhf.pieces.own_pieces): where each tensor lies in its parameter, also in the metadata.
     """
-    cpu, metadata = _shard_parts(tensors, algorithm)
+    cpu, metadata = _shard_parts(tensors, algorithm, pieces)
     return st_save(cpu, metadata=metadata)
 
 
-def write_shard(tensors: dict[str, torch.Tensor], path: str, algorithm: str = "crc32") -> int:
+def write_shard(tensors: dict[str, torch.Tensor], path: str, algorithm: str = "crc32",
+                pieces: dict[str, dict] | None = None) -> int:
     """encode_shard's blob written straight to a file (one copy of the tensors); returns its size."""
-    cpu, metadata = _shard_parts(tensors, algorithm)
+    cpu, metadata = _shard_parts(tensors, algorithm, pieces)
     tmp = path + ".tmp"
     save_file(cpu, tmp, metadata=metadata)
     os.replace(tmp, path)  # a reader never maps a half-written shard
@@ -157,7 +165,14 @@ def shard_header(buffer: Any, size: int | None = None) -> tuple[dict[str, Any], 
 
 def decode_shard(buffer: bytes, verify: bool = True) -> dict[str, torch.Tensor]:
     """Tensors of a shard as zero-copy views of `buffer`, each checked against its sender's digest."""
+    return decode_pieces(buffer, verify)[0]
+
+
+def decode_pieces(buffer: bytes, verify: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """decode_shard, and where each tensor lies in its parameter (the uploader's own_pieces; {} for a shard of
+    whole tensors named by their parameter)."""
     header, metadata, base = shard_header(buffer)
+    pieces = json.loads(metadata.get(PIECES, "{}"))
     digests = json.loads(metadata["digests"]) if "digests" in metadata else {}
     algorithm = metadata.get("checksum", "none")
     view = memoryview(buffer)
@@ -174,7 +189,7 @@ def decode_shard(buffer: bytes, verify: bool = True) -> dict[str, torch.Tensor]:
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.frombuffer(chunk, dtype=dtype) if end > start else torch.empty(0, dtype=dtype)
         out[name] = flat.view(entry["shape"])
-    return out
+    return out, pieces
 
 
 def to_safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:

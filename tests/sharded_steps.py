@@ -5,8 +5,9 @@
 
 Every layout starts from the same seeded weights and trains on the same global batch (each data-parallel group
 its share of it); rank 0 writes, per layout, each step's loss and grad norm and the largest difference of the
-updated weights (gathered whole) and of the first logprobs from those of replicated dp. tests/test_sharding.py
-asserts on them.
+updated weights (gathered whole) and of the first logprobs from those of replicated dp, and whether the pieces each
+rank uploads (rlhf.weights.own_pieces) put together give those weights exactly. tests/test_sharding.py asserts on
+them.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rlhf.config import AlgorithmConfig, ModelConfig, OptimConfig  # noqa: E402
 from rlhf.models import build_model_and_tokenizer  # noqa: E402
+from rlhf.pieces import assemble, own_pieces  # noqa: E402
 from rlhf.runtime.dist import GlooDataParallel  # noqa: E402
 from rlhf.train.engine import TrainEngine  # noqa: E402
 from rlhf.train.parallel import build_mesh, is_dtensor, make_layout  # noqa: E402
+from rlhf.weights import decode_pieces, encode_shard  # noqa: E402
 
 
 def global_batch(vocab: int, rows: int = 8, length: int = 14, seed: int = 3) -> dict[str, torch.Tensor]:
@@ -83,7 +86,29 @@ def run(layout_name: str, model_name: str, steps: int, batch: dict[str, torch.Te
     dist.all_reduce(whole)
     local_bytes = sum(p.to_local().numel() if is_dtensor(p) else p.numel() for p in model.parameters()) * 4
     return {"records": records, "weights": weights, "logprobs": whole, "layout": layout.describe(),
-            "param_bytes_rank": local_bytes}
+            "param_bytes_rank": local_bytes, **pieces_check(model, weights)}
+
+
+def pieces_check(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict:
+    """The weight upload's pieces (each rank's own, as it sends them: a safetensors blob with digests and where each
+    piece lies) are exchanged and put together as a rollout server does; they must equal the weights bit for bit,
+    every element sent once."""
+    world = dist.get_world_size()
+    part, where = own_pieces(model, dist.get_rank(), world)
+    blob = torch.frombuffer(bytearray(encode_shard(part, "crc32", where)), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([blob.numel()]))
+    longest = int(max(sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[:blob.numel()] = blob
+    blobs = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(blobs, padded)
+    shards = {f"rank{r}": decode_pieces(bytes(b[:int(n)].numpy())) for r, (b, n) in enumerate(zip(blobs, sizes))}
+    whole = assemble(shards)
+    sent = [sum(t.numel() * t.element_size() for t in tensors.values()) for tensors, _ in shards.values()]
+    exact = sorted(whole) == sorted(weights) and all(torch.equal(whole[n], w) for n, w in weights.items())
+    return {"pieces_exact": exact, "piece_bytes": sent,
+            "model_bytes": sum(w.numel() * w.element_size() for w in weights.values())}
 
 
 def main() -> None:
@@ -99,13 +124,15 @@ def main() -> None:
     model, tok = build_model_and_tokenizer(ModelConfig(name=args.model), seed=11)
     batch = global_batch(model.config.vocab_size)
     base = run("dp", args.model, args.steps, batch)
-    out = {"dp": {"records": base["records"], "layout": base["layout"], "param_bytes_rank": base["param_bytes_rank"]}}
+    pieces = ("pieces_exact", "piece_bytes", "model_bytes")
+    out = {"dp": {"records": base["records"], "layout": base["layout"], "param_bytes_rank": base["param_bytes_rank"],
+                  **{k: base[k] for k in pieces}}}
     for name in args.layouts.split(","):
         got = run(name, args.model, args.steps, batch)
         diff = max(float((got["weights"][n] - w).abs().max()) for n, w in base["weights"].items())
         out[name] = {"records": got["records"], "layout": got["layout"], "max_weight_diff": diff,
                      "max_logprob_diff": float((got["logprobs"] - base["logprobs"]).abs().max()),
-                     "param_bytes_rank": got["param_bytes_rank"]}
+                     "param_bytes_rank": got["param_bytes_rank"], **{k: got[k] for k in pieces}}
     start, _ = build_model_and_tokenizer(ModelConfig(name=args.model, dtype="float32"), seed=11)
     out["dp"]["max_update"] = max(float((base["weights"][n] - p.detach()).abs().max())
                                   for n, p in start.named_parameters())

@@ -15,14 +15,15 @@ PACKAGE = pathlib.Path(ROOT) / "rlhf"
 # bottom up; a module belongs to the layer of its longest listed prefix
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundations", ("rlhf", "rlhf.registry", "rlhf.clock", "rlhf.procs", "rlhf.devices", "rlhf.run_dir",
-                     "rlhf.progress", "rlhf.stacks", "rlhf.exits", "rlhf.errors", "rlhf.weights", "rlhf.analysis")),
+                     "rlhf.progress", "rlhf.stacks", "rlhf.exits", "rlhf.errors", "rlhf.weights", "rlhf.pieces",
+                     "rlhf.analysis")),
     ("math, models, tasks", ("rlhf.algorithms", "rlhf.models", "rlhf.tasks")),
     ("config", ("rlhf.config",)),
     ("tracing", ("rlhf.tracing",)),
     ("faults", ("rlhf.faults", "rlhf.stages")),
     ("engines", ("rlhf.rollout", "rlhf.train", "rlhf.data", "rlhf.evaluation", "rlhf.trainers", "rlhf.diagnosis")),
     ("transport", ("rlhf.runtime", "rlhf.runtime.http", "rlhf.runtime.client", "rlhf.runtime.wire",
-                   "rlhf.runtime.shm")),
+                   "rlhf.runtime.shm", "rlhf.runtime.weights_group")),
     ("services", ("rlhf.runtime.metaserver", "rlhf.runtime.scheduler", "rlhf.runtime.rollout_server",
                   "rlhf.runtime.train_worker", "rlhf.runtime.checkpoint", "rlhf.runtime.sharded_checkpoint",
                   "rlhf.runtime.dist",

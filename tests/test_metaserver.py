@@ -26,12 +26,13 @@ async def _publish_and_pull(url, meta, version, parts, transport, checksum="crc3
     try:
         await client.call("/versions", {"version": version, "shards": len(parts)})
         for i, part in enumerate(parts):
+            part, where = part if isinstance(part, tuple) else (part, None)  # (own_pieces' tensors, where)
             if transport == "shm":
                 path = os.path.join(meta.shm_dir, f"v{version}-rank{i}.safetensors")
-                write_shard(part, path, checksum)
+                write_shard(part, path, checksum, where)
                 await push_shard(client, version, f"rank{i}", None, 10, path=path)
             else:
-                await push_shard(client, version, f"rank{i}", encode_shard(part, checksum), 10)
+                await push_shard(client, version, f"rank{i}", encode_shard(part, checksum, where), 10)
         manifest, _ = await client.call(f"/weights/{version}/manifest?wait_s=5", method="GET")
         return manifest, await pull_weights(client, version, 5, 10)
     finally:
@@ -63,6 +64,37 @@ def test_shards_arrive_bit_exact_with_digests_in_the_manifest(transport):
     finally:
         meta.stop()
     assert not meta.shm_dir or not os.path.exists(meta.shm_dir)  # stop() removes every file it owned
+
+
+@pytest.mark.parametrize("transport", ["shm", "http"])
+def test_each_rank_sends_its_rows_and_the_puller_puts_every_parameter_together(transport):
+    """Three ranks of a replicated model each send 1/3 of every parameter's rows (own_pieces), named by parameter and
+    slice; the manifest says where each piece lies, and the puller's tensors are the model's, bit for bit. A piece
+    missing or sent twice is named with its parameter and the shards it came from."""
+    from rlhf.pieces import PiecesMismatch, own_pieces
+
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.LayerNorm(7), torch.nn.Linear(7, 2))
+    whole = {n: p.detach() for n, p in model.named_parameters()}
+    parts = [own_pieces(model, r, 3, torch.bfloat16) for r in range(3)]
+    meta = MetaServer(TOKEN, transport=transport)
+    url = meta.start()
+    try:
+        manifest, got = asyncio.run(_publish_and_pull(url, meta, "1", parts, transport))
+        assert sorted(got) == sorted(whole)
+        for name, t in whole.items():
+            assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], t.to(torch.bfloat16)), name
+        entry = manifest["tensors"]["0.weight[5:7,0:5]"]  # 7 rows over 3 ranks: 3, 2, 2
+        assert (entry["shard"], entry["name"], entry["offset"], entry["whole"], entry["shape"]) == \
+            ("rank2", "0.weight", [5, 0], [7, 5], [2, 5])
+        assert {e["shard"] for e in manifest["tensors"].values() if e["name"] == "2.bias"} == {"rank0", "rank1"}
+        with pytest.raises(PiecesMismatch, match=r"weights 2: parameter 0\.bias \(pieces from rank0, rank1\): "
+                                                 r"its pieces cover 5 of its 7 elements"):
+            asyncio.run(_publish_and_pull(url, meta, "2", parts[:2], transport))  # rank 2's rows never sent
+        with pytest.raises(PiecesMismatch, match=r"weights 3: parameter 0\.bias \(pieces from rank0, rank1, "
+                                                 r"rank2\): pieces overlap"):
+            asyncio.run(_publish_and_pull(url, meta, "3", [parts[0], parts[1], parts[1]], transport))
+    finally:
+        meta.stop()
 
 
 def test_eviction_and_delete_remove_shared_memory_files():
@@ -253,3 +285,25 @@ def test_a_shard_put_again_is_kept_and_goes_through_the_clients_fault_point(tmp_
         meta.stop()
     with open(tmp_path / "faults" / "markers.jsonl") as fh:
         assert '"dns-once"' in fh.read()
+
+
+def test_a_rollout_models_slices_are_compared_with_the_pieces_each_rank_holds():
+    """weights.verify in a sharded layout: each train rank's digest of each piece it holds against the digest of the
+    same slice of a rollout server's model; a change to one row is found in that piece alone, named by its key."""
+    from rlhf.pieces import own_pieces, piece_digests, slice_digests
+
+    trainer = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 3))
+    rollout = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 3)).to(torch.bfloat16)
+    rollout.load_state_dict(trainer.state_dict())
+    sent, where = {}, {}
+    for rank in range(2):
+        part, info = own_pieces(trainer, rank, 2, torch.bfloat16)
+        sent.update(piece_digests(part, "sha256"))
+        where.update({k: {**info[k], "shape": list(t.shape)} for k, t in part.items()})
+    assert slice_digests(rollout, where, "sha256") == sent and len(sent) == 8  # 4 parameters x 2 ranks' rows
+    with torch.no_grad():
+        rollout[0].weight[6].add_(1.0)  # a row in rank 1's half of the first weight
+    got = slice_digests(rollout, where, "sha256")
+    assert [k for k in sent if got[k] != sent[k]] == ["0.weight[4:8,0:6]"]
+    assert slice_digests(rollout, {"x[0:1]": {"name": "missing.weight", "offset": [0], "shape": [1]}},
+                         "sha256") == {"x[0:1]": "absent"}

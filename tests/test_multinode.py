@@ -7,12 +7,16 @@ import subprocess
 import sys
 
 import psutil
+import pytest
 
 from tests.conftest import ROOT
 from tests.test_runtime import assert_none_left, free_port, steps, wait_for_rows
 
 
-def test_two_nodes_form_one_run_each_with_its_scheduler_and_rollout_server(tmp_path):
+@pytest.mark.parametrize("mode, n_steps", [("meta", 12), ("distributed", 4)])
+def test_two_nodes_form_one_run_each_with_its_scheduler_and_rollout_server(tmp_path, mode, n_steps):
+    """meta: the weights through the MetaServer; distributed: train rank 0 (node 0) broadcasts them to a gloo group of
+    both nodes' rollout servers, across the two addresses."""
     run_dir = tmp_path / "run"
     port = free_port()
     procs = []
@@ -20,7 +24,7 @@ def test_two_nodes_form_one_run_each_with_its_scheduler_and_rollout_server(tmp_p
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=two-nodes-{port}",
                f"{ROOT}/examples/grpo_trainer.py", "--run-dir", str(run_dir), "--preset", "smoke", "--rollout.servers",
-               "2", "--steps", "30", "--sft.max_steps", "0"]
+               "2", "--steps", str(n_steps), "--sft.max_steps", "0", "--weights.mode", mode]
         env = {**os.environ, "RLHF_HOST": f"127.0.0.{node + 1}"}
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                       cwd=ROOT))
@@ -48,5 +52,7 @@ def test_two_nodes_form_one_run_each_with_its_scheduler_and_rollout_server(tmp_p
     assert (run_dir / "rollout-0.url").read_text().startswith("http://127.0.0.1:")
     log = (run_dir / "logs" / "controller-0.log").read_text()
     assert "(+ scheduler-1 http://127.0.0.2:" in log and "2 train ranks" in log
-    assert [int(r["step"]) for r in steps(run_dir)] == list(range(1, 31))
+    assert [int(r["step"]) for r in steps(run_dir)] == list(range(1, n_steps + 1))
+    if mode == "distributed":
+        assert "weights update group formed: train-0 and 2 rollout servers (gloo)" in log
     assert all(r["weights_verified"] in ("True", "true", "1") for r in steps(run_dir))

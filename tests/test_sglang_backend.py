@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import psutil
+import pytest
 
 from rlhf.models.hf_dir import write_addition_jsonl, write_model_dir
 from tests.conftest import ROOT
@@ -42,12 +43,14 @@ def _span_names(path):
     return names
 
 
-def test_grpo_through_sglang_routes_only_colocated(tmp_path):
+@pytest.mark.parametrize("mode", ["disk", "distributed"])
+def test_grpo_through_sglang_routes_only_colocated(tmp_path, mode):
+    """disk: an HF directory each step; distributed: sglang's weights update group, a broadcast each step."""
     run_dir = tmp_path / "run"
     out = _run(["--preset", "smoke", "--steps", "3", "--model.path", write_model_dir(str(tmp_path / "model")),
                 "--task.name", "jsonl", "--task.path", write_addition_jsonl(str(tmp_path / "add.jsonl")),
                 "--rollout.backend", "sglang", "--rollout.sglang_launcher", "rlhf.runtime.sglang_launch",
-                "--weights.mode", "disk", "--colocate", "--run-dir", str(run_dir)], tmp_path)
+                "--weights.mode", mode, "--colocate", "--run-dir", str(run_dir)], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 3
@@ -56,13 +59,18 @@ def test_grpo_through_sglang_routes_only_colocated(tmp_path):
     verified = [r.split(",")[header.index("weights_verified")] for r in rows[1:]]
     assert verified == ["1", "1", "1"]  # each step's version, read back from /model_info
     served = set(_span_names(run_dir / "traces" / "rollout-0.jsonl"))
-    assert {"POST /generate", "POST /update_weights_from_disk", "GET /model_info", "POST /release_memory_occupation",
-            "POST /resume_memory_occupation"} <= served  # colocation through sglang's release/resume
+    update = {"disk": {"POST /update_weights_from_disk"},
+              "distributed": {"POST /init_weights_update_group", "POST /update_weights_from_distributed"}}[mode]
+    assert update | {"POST /generate", "GET /model_info", "POST /release_memory_occupation",
+                     "POST /resume_memory_occupation"} <= served  # colocation through sglang's release/resume
     assert not any(name.split(" ")[-1] in ("/events", "/weights_checksum", "/update_weights_from_meta")
                    for name in served)
     assert not (run_dir / "rollout-0.sglang.yaml").exists()  # the launch file held the key; gone once it served
     weights = run_dir / "weights" / "latest"
-    assert (weights / "config.json").exists() and (weights / "tokenizer.json").exists()  # a full HF directory
+    if mode == "disk":
+        assert (weights / "config.json").exists() and (weights / "tokenizer.json").exists()  # a full HF directory
+    else:
+        assert not weights.exists()  # nothing went through disk
     with open(run_dir / "exits.jsonl") as fh:
         pids = [json.loads(line)["pid"] for line in fh if '"start"' in line]
     assert pids and not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]

@@ -33,6 +33,11 @@ def sharded_steps(tmp_path, nproc, model, layouts):
 def assert_same_steps(result, layouts):
     base = result["dp"]
     assert base["max_update"] > 20 * TOLERANCE  # the steps moved the weights far more than the tolerance
+    for name in ["dp", *layouts]:  # the weight upload: every rank sends only its pieces, which tile the model
+        got, world = result[name], len(result[name]["piece_bytes"])
+        assert got["pieces_exact"], name
+        assert sum(got["piece_bytes"]) == got["model_bytes"], name  # every element sent once, by one rank
+        assert max(got["piece_bytes"]) < 1.2 * got["model_bytes"] / world, (name, got["piece_bytes"])  # balanced
     for name in layouts:
         got = result[name]
         for step, (a, b) in enumerate(zip(got["records"], base["records"]), 1):

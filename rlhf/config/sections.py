@@ -234,7 +234,7 @@ class SFTConfig:
 @dataclass
 class WeightsConfig:
     mode: str = "meta"
-    """weights_update path: 'meta' (train ranks upload to the MetaServer while rollout servers pull, in parallel) or 'disk' (HF safetensors directory, then /update_weights_from_disk)."""
+    """weights_update path: 'meta' (train ranks upload to the MetaServer while rollout servers pull, in parallel), 'disk' (HF safetensors directory, then /update_weights_from_disk) or 'distributed' (train rank 0 and every rollout server in one process group, the weights broadcast bucket by bucket: sglang's /update_weights_from_distributed; any host, real sglang servers too)."""
     max_versions: int = 2
     """MetaServer keeps at most this many weight versions in memory."""
     max_bytes: int = 4 << 30
@@ -249,15 +249,18 @@ class WeightsConfig:
     """meta mode: how shard bytes travel. shm: as files in a shared-memory folder (every process on this host; control stays HTTP); http: in the HTTP bodies (any host)."""
     checksum: str = "none"
     """Per-tensor digest in each meta-mode shard, written by the uploader and checked by every rollout server (names the corrupt tensor): none, crc32 (about halves the relay's speed), sha256. weights.verify already checks the whole model end to end."""
+    bucket_mb: float = 256.0
+    """distributed mode: the most MB of tensors one broadcast carries (a flat buffer per bucket; a larger tensor is a bucket of its own)."""
     verify_checksum: str = "crc32"
     """Digest of the whole model for weights.verify (trainer vs every rollout server, each step): crc32 (3.7 GB/s here) or sha256 (1.6 GB/s)."""
 
     def __post_init__(self) -> None:
-        _choice("weights.mode", self.mode, ["meta", "disk"])
+        _choice("weights.mode", self.mode, ["meta", "disk", "distributed"])
         _choice("weights.checksum", self.checksum, ["crc32", "sha256", "none"])
         _choice("weights.transport", self.transport, ["shm", "http"])
         _choice("weights.verify_checksum", self.verify_checksum, ["sha256", "crc32"])
         _positive("weights.max_versions", self.max_versions)
+        _positive("weights.bucket_mb", self.bucket_mb)
         _positive("weights.max_bytes", self.max_bytes)
         _positive("weights.upload_timeout_s", self.upload_timeout_s)
         _positive("weights.update_timeout_s", self.update_timeout_s)
@@ -387,9 +390,9 @@ class Config:
         _positive("steps", self.steps, allow_zero=True)
         _positive("eval_every", self.eval_every, allow_zero=True)
         if self.rollout.backend == "sglang":
-            if self.weights.mode != "disk":
-                raise ConfigError(f"weights.mode: {self.weights.mode!r} needs rollout.backend native (the MetaServer "
-                                  "pull is our extension); with rollout.backend sglang use --weights.mode disk")
+            if self.weights.mode == "meta":
+                raise ConfigError("weights.mode: 'meta' needs rollout.backend native (the MetaServer pull is our "
+                                  "extension); with rollout.backend sglang use --weights.mode distributed or disk")
             if not self.model.path:
                 raise ConfigError("model.path: rollout.backend sglang loads a Hugging Face model directory; the "
                                   f"embedded {self.model.name!r} has no tokenizer sglang can read")

@@ -305,6 +305,8 @@ def _why_not(spec: FaultSpec, last_step: int, rl: bool, colocate: bool, weights_
     meta_only = ("weights_update.upload", "metaserver.put", "metaserver.get")
     if all(p in meta_only for p in points) and weights_mode != "meta":
         return f"{', '.join(points)} is passed only with weights.mode meta (this run: {weights_mode})"
+    if all(p == "weights_update.broadcast" for p in points) and weights_mode != "distributed":
+        return f"weights_update.broadcast is passed only with weights.mode distributed (this run: {weights_mode})"
     if all(p == "weights_update.save_dir" for p in points) and weights_mode != "disk":
         return f"weights_update.save_dir is passed only with weights.mode disk (this run: {weights_mode})"
     if spec.when.steps and min(spec.when.steps) > last_step:

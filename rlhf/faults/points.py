@@ -9,6 +9,8 @@ POINTS: dict[str, str] = {
     "weights_update.upload": "train rank, before it PUTs its shard to the MetaServer (peer: metaserver)",
     "weights_update.update": "rollout server, before it pulls a version from the MetaServer or loads a directory",
     "weights_update.save_dir": "train rank 0, before it writes the HF directory the rollout servers load (disk mode)",
+    "weights_update.broadcast": "train rank 0 before it broadcasts a bucket of the weights, and a rollout server "
+                                "before it receives one (weights.mode distributed; peer: the group's name)",
     "rollout.generate": "rollout server, before a /generate batch runs",
     "reference.compute": "train rank, before reference (or old-policy) logprobs",
     "train.step": "train rank, before the GRPO loss/backward/optimizer step",
@@ -38,6 +40,7 @@ POINTS: dict[str, str] = {
 _TRAIN, _ROLLOUT, _CONTROLLER = ("train",), ("rollout",), ("controller",)
 POINT_ROLES: dict[str, tuple[str, ...]] = {
     "weights_update.upload": _TRAIN, "weights_update.update": _ROLLOUT, "weights_update.save_dir": _TRAIN,
+    "weights_update.broadcast": ("train", "rollout"),
     "rollout.generate": _ROLLOUT, "reference.compute": _TRAIN, "train.step": _TRAIN, "sft.step": _TRAIN,
     "collective.all_reduce": _TRAIN, "collective.all_gather": _TRAIN, "collective.reduce_scatter": _TRAIN,
     "rpc.client.send": ("controller", "train", "rollout"),
@@ -52,9 +55,12 @@ POINT_ROLES: dict[str, tuple[str, ...]] = {
 ROUTES: dict[str, tuple[str, ...]] = {
     "train": ("/sft_warm_start", "/begin_grpo", "/compute_logprobs", "/train_step", "/upload_weights",
               "/save_weights_dir", "/save", "/load", "/events", "/sft_begin", "/sft_step", "/sft_eval", "/sft_run_for",
-              "/health", "/weights_checksum", "/heartbeat", "/shutdown", "/preflight", "/start_scheduler"),
+              "/health", "/weights_checksum", "/heartbeat", "/shutdown", "/preflight", "/start_scheduler",
+              "/weights_group", "/broadcast_weights"),
     # sglang's routes, then our extensions (/update_weights_from_meta, /events, /weights_checksum)
-    "rollout": ("/generate", "/update_weights_from_disk", "/update_weight_version", "/release_memory_occupation",
+    "rollout": ("/generate", "/update_weights_from_disk", "/init_weights_update_group",
+                "/update_weights_from_distributed", "/destroy_weights_update_group", "/update_weight_version",
+                "/release_memory_occupation",
                 "/resume_memory_occupation", "/abort_request", "/pause_generation", "/continue_generation",
                 "/flush_cache", "/health", "/health_generate", "/ready", "/model_info", "/get_model_info",
                 "/server_info", "/get_server_info", "/update_weights_from_meta", "/events", "/weights_checksum",
@@ -92,6 +98,7 @@ POINT_PEERS: dict[str, tuple[str, ...]] = {
     "scheduler.stop_job": ("scheduler-0",),
     "weights_update.upload": ("metaserver-0",),
     "weights_update.update": ("metaserver-0",),
+    "weights_update.broadcast": ("weight_update_group",),
     "metaserver.put": ("rank{r}",),
     "metaserver.get": ("rank{r}", "manifest"),
 }

@@ -4,9 +4,10 @@
     PUT  /weights/<v>/<shard> safetensors body      a train rank's shard, over HTTP
                               or {"path": P} (JSON) the shard as a file in the MetaServer's
                                                     shared-memory directory (same host)
-    GET  /weights/<v>/manifest?wait_s=S             names, shapes, dtypes, bytes, the uploader's digest per
-                                                    tensor; bytes (and path, when in shared memory) per
-                                                    shard; waits up to S s for all shards
+    GET  /weights/<v>/manifest?wait_s=S             per piece (an HF parameter's slice, `name[0:64,0:128]`):
+                                                    its shard, parameter name, offset, whole shape, shape,
+                                                    dtype, bytes and the uploader's digest; bytes (and path,
+                                                    when in shared memory) per shard; waits up to S s for all
     GET  /weights/<v>/<shard>                       the shard's safetensors bytes (any host)
     DELETE /weights/<v>                             drop a version
     GET  /health
@@ -45,10 +46,11 @@ from aiohttp import web
 from rlhf import tracing
 from rlhf.config.resilience import HARDENED, Policy
 from rlhf.faults import afault_point
+from rlhf.pieces import assemble
 from rlhf.runtime import wire
 from rlhf.runtime.http import Service, ServiceThread
 from rlhf.runtime.shm import SHM_PREFIX, shm_root, sweep_stale_shm  # noqa: F401 (also this module's API)
-from rlhf.weights import ShardCorrupt, decode_shard, shard_header
+from rlhf.weights import PIECES, ShardCorrupt, decode_pieces, shard_header
 
 log = logging.getLogger("rlhf.metaserver")
 
@@ -180,11 +182,13 @@ class MetaServer:
             # uploader's digests travel inside the shard and every consumer checks them end to end
             header, metadata, _ = shard_header(head, size=entry.size)
             digests = json.loads(metadata.get("digests", "{}"))
-            for name, info in header.items():
+            where = json.loads(metadata.get(PIECES, "{}"))
+            for key, info in header.items():
                 start, end = info["data_offsets"]
-                v.entries[name] = {"shard": shard, "shape": info["shape"], "dtype": info["dtype"],
-                                   "bytes": end - start, "checksum": metadata.get("checksum", "none"),
-                                   "digest": digests.get(name, "")}
+                piece = where.get(key, {"name": key, "offset": [0] * len(info["shape"]), "whole": info["shape"]})
+                v.entries[key] = {"shard": shard, "shape": info["shape"], "dtype": info["dtype"],
+                                  "bytes": end - start, "checksum": metadata.get("checksum", "none"),
+                                  "digest": digests.get(key, ""), **piece}
         if shard in v.shards and v.shards[shard].path != entry.path:  # a retried PUT names the same file: keep it
             v.shards[shard].drop()
         v.shards[shard] = entry
@@ -253,10 +257,22 @@ async def push_shard(client: Any, version: str, shard: str, body: bytes | None, 
 
 
 async def pull_weights(client: Any, version: str, wait_s: float, timeout_s: float) -> dict:
-    """Rollout side of a meta-mode update: wait for the manifest, fetch every shard at once, verify.
+    """pull_pieces, each parameter put together whole (rlhf.weights.assemble: its pieces must tile it exactly; one
+    sent in a single piece is that piece, not a copy)."""
+    shards = await pull_pieces(client, version, wait_s, timeout_s)
+    with tracing.span("weights.assemble", shards=len(shards)):
+        try:
+            return assemble(shards)
+        except ValueError as exc:
+            raise type(exc)(f"weights {version}: {exc}") from None
 
-    Shards arrive as raw bytes and become zero-copy tensor views after each tensor's digest is
-    checked against the one its uploader computed; the model's copy_ is the only copy made here.
+
+async def pull_pieces(client: Any, version: str, wait_s: float, timeout_s: float) -> dict:
+    """Rollout side of a meta-mode update: wait for the manifest, fetch every shard at once, verify: shard ->
+    (its pieces by key, where each lies in its parameter), for rlhf.weights.import_pieces or assemble.
+
+    Shards arrive as raw bytes (or are mapped from shared memory) and become zero-copy tensor views after each
+    piece's digest is checked against the one its uploader computed.
     """
     # the MetaServer's wait ends first (504 naming the missing shards), not our timeout
     manifest, _ = await client.call(f"/weights/{version}/manifest?wait_s={wait_s}", method="GET",
@@ -270,7 +286,7 @@ async def pull_weights(client: Any, version: str, wait_s: float, timeout_s: floa
     for s in local:
         with open(manifest["shards"][s]["path"], "rb") as fh:
             bodies[s] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)  # unmapped when its tensors are freed
-    tensors: dict = {}
+    decoded: dict = {}
     with tracing.span("weights.verify", shards=len(shards), mapped=len(local)):
         for shard in shards:
             body = bodies[shard]
@@ -278,10 +294,10 @@ async def pull_weights(client: Any, version: str, wait_s: float, timeout_s: floa
                 raise ShardCorrupt(f"weights {version}: shard {shard} arrived with {len(body)} bytes, manifest says "
                                    f"{manifest['shards'][shard]['bytes']}")
             try:
-                tensors.update(decode_shard(body))
+                decoded[shard] = decode_pieces(body)
             except ShardCorrupt as exc:
                 raise ShardCorrupt(f"weights {version}, shard {shard} from metaserver: {exc}") from None
-    missing = sorted(set(manifest["tensors"]) - set(tensors))
+    missing = sorted(set(manifest["tensors"]) - {key for tensors, _ in decoded.values() for key in tensors})
     if missing:
         raise ValueError(f"weights {version}: tensor(s) {missing[:3]} in the manifest but not in any shard")
-    return tensors
+    return decoded

@@ -25,6 +25,7 @@ from typing import Any, Iterator
 import torch
 from safetensors import safe_open
 
+from rlhf.pieces import replica_of
 from rlhf.train.parallel import is_dtensor, local
 
 SHARDS = "shards"
@@ -37,12 +38,10 @@ def is_sharded_slot(path: str) -> bool:
 
 
 def _owns(t: torch.Tensor, rank: int) -> bool:
-    """Whether this rank writes (its piece of) t: a replicated piece is written once, by the mesh coordinate 0 of
-    every dimension it is replicated over; a plain tensor (the same on every rank) by rank 0."""
-    if not is_dtensor(t):
-        return rank == 0
-    coordinate = t.device_mesh.get_coordinate() or []
-    return all(c == 0 for c, p in zip(coordinate, t.placements) if p.is_replicate())
+    """Whether this rank writes (its piece of) t: a piece several ranks hold alike is written once, by the first of
+    them (coordinate 0 of every mesh dimension it is replicated over, those its own mesh leaves out included); a
+    plain tensor (the same on every rank) by rank 0."""
+    return replica_of(t, rank, 1)[0] == 0
 
 
 def _flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:

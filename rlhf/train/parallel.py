@@ -150,7 +150,10 @@ def apply_tp(model: torch.nn.Module, tp_mesh: Any, tracker: Any = None) -> None:
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     rowwise = [name for name, style in TP_PLAN.items() if style == "rowwise"]
     for layer in model.model.layers:
-        parallelize_module(layer, tp_mesh, {name: styles[style]() for name, style in TP_PLAN.items()})
+        plan = {name: styles[style]() for name, style in TP_PLAN.items()}
+        for style in plan.values():
+            style.src_data_rank = None  # every rank built the same weights: each cuts its own piece, nothing is sent
+        parallelize_module(layer, tp_mesh, plan)
         watch_tp(layer, rowwise, tracker)
 
 

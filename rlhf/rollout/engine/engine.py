@@ -71,6 +71,7 @@ from safetensors.torch import load_file
 
 from rlhf.models import pad_token_id
 from rlhf.models import stop_token_ids as model_stop_ids
+from rlhf.pieces import import_pieces
 from rlhf.rollout.engine.attention import Attention
 from rlhf.rollout.engine.cuda_graphs import CudaGraphs
 from rlhf.rollout.engine.decode import DecodeLoop
@@ -135,6 +136,27 @@ class RolloutEngine(DecodeLoop, Forward, Attention, CudaGraphs, FusedWeights):
         with self.lock:
             import_state(self.model, tensors)
             self.weight_version = str(weight_version)
+
+    def update_weights_from_pieces(self, shards: dict[str, tuple[dict, dict]], weight_version: str) -> None:
+        """Copy the train ranks' pieces (rlhf.runtime.metaserver.pull_pieces) straight into the parameters' slices;
+        every piece is checked to tile its parameter before the first copy (rlhf.weights.import_pieces)."""
+        with self.lock:
+            try:
+                import_pieces(self.model, shards)
+            except ValueError as exc:  # refused before any copy: the model keeps its weights and version
+                raise type(exc)(f"weights {weight_version}: {exc}") from None
+            self.weight_version = str(weight_version)
+
+    @torch.no_grad()
+    def update_weights_from_named(self, named: list[tuple[str, torch.Tensor]], weight_version: str | None) -> None:
+        """Copy some named parameters (a bucket of a broadcast update) into the model; the version changes when
+        given (the update's last bucket)."""
+        with self.lock:
+            params = dict(self.model.named_parameters())
+            for name, t in named:
+                params[name].copy_(t)
+            if weight_version is not None:
+                self.weight_version = str(weight_version)
 
     def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
         """Load an HF model directory's *.safetensors (or, in a checkpoint slot, its model.safetensors)."""

@@ -2,13 +2,17 @@
 
     meta  every rank uploads its shard to the MetaServer while every rollout server waits for the
           version's manifest and pulls (shared memory on this host, HTTP otherwise); both sides at once
+    distributed  train rank 0 and every rollout server form one process group (sglang's /init_weights_update_group;
+          formed again when a server is started again or migrated) and rank 0 broadcasts the weights bucket by
+          bucket while every server receives them (/update_weights_from_distributed, a flat buffer a bucket); the
+          servers may be on any host, and real sglang servers take part the same way
     disk  rank 0 writes an HF directory (weights/latest, tokenizer included) that every rollout server
           loads; with the policy's private_weights_dir off, native servers load the newest parity
           checkpoint instead, written in place (the seeds' system); sglang servers always load the
           HF directory (a checkpoint slot is not one)
 
 `verify` then asks every rollout server for its weight_version and checksum (weights.verify).
-Fault points: weights_update.upload / .update / .save_dir (on the workers and servers).
+Fault points: weights_update.upload / .update / .save_dir / .broadcast (on the workers and servers).
 
 With the policy's weights_fallback, a meta update that fails (an upload, the MetaServer, a pull) is done
 again through disk by a train rank that is free (every rank holds the whole model); the stuck upload, if
@@ -27,20 +31,18 @@ from typing import Any
 from rlhf import tracing
 from rlhf.config import Config
 from rlhf.runtime.client import Client, LoopThread
+from rlhf.runtime.control.broadcast import OUTER_MARGIN_S, BroadcastUpdate
 from rlhf.runtime.control.services import RolloutServices
 from rlhf.runtime.control.workers import WorkerGroup
 from rlhf.train.parallel import make_layout
 
 log = logging.getLogger("rlhf.controller")
 
-OUTER_MARGIN_S = 10.0  # a call that wraps a server-side wait gets this much longer than the wait
-
-
 class WeightsMismatch(RuntimeError):
     """A rollout server's weights or version differ from the trainer's after a weights update."""
 
 
-class WeightSync:
+class WeightSync(BroadcastUpdate):
     def __init__(self, cfg: Config, run_dir: str, token: str, loop: LoopThread, workers: WorkerGroup,
                  services: RolloutServices) -> None:
         self.cfg, self.run_dir, self.token, self.loop = cfg, run_dir, token, loop
@@ -48,6 +50,7 @@ class WeightSync:
         self.latest_slot = ""  # the newest parity checkpoint (disk mode reads it without private_weights_dir)
         self.source = 0  # the train rank whose weights verify compares with (the fallback's writer)
         self.fell_back = 0  # 1 when this step's meta update was done through disk (steps.csv weights_fallback)
+        self.group: dict | None = None  # distributed mode: the weights update group's members and buckets
 
     def update(self, version: str, step: int) -> dict[str, float]:
         """Push the train ranks' weights to every rollout server as `version`; upload and update seconds."""
@@ -55,6 +58,8 @@ class WeightSync:
         self.source, self.fell_back = 0, 0
         if cfg.weights.mode == "meta":
             return self.loop.run(self._update_meta(version, step))
+        if cfg.weights.mode == "distributed":
+            return self.loop.run(self._update_distributed(version, step))
         t0 = time.perf_counter()
         if not cfg.resilience.private_weights_dir and self.latest_slot and cfg.rollout.backend == "native":
             path = os.path.join(self.run_dir, "checkpoints", self.latest_slot)
@@ -146,6 +151,30 @@ class WeightSync:
         self.source, self.fell_back = writer, 1
         return {"upload_s_max": upload, "update_s_max": time.perf_counter() - t1}
 
+    def _verify_pieces(self, version: str, step: int) -> int:
+        """A sharded layout, piece by piece: every train rank gives a digest of each piece it holds (nothing is
+        gathered), every rollout server a digest of the same slices of its model; each must match."""
+        ranks = self.loop.gather(*[c.call("/weights_checksum", {"pieces": True}, stage="weights_update", step=step)
+                                   for c in self.workers.clients])
+        owner: dict[str, tuple[int, str]] = {}
+        where: dict[str, dict] = {}
+        for r, (reply, _) in enumerate(ranks):
+            for key, info in reply["pieces"].items():
+                owner[key] = (r, info.pop("digest"))
+                where[key] = info
+        replies = self.loop.gather(*[c.call("/weights_checksum", {"pieces": where}, stage="weights_update", step=step)
+                                     for c in self.services.rollout])
+        wrong = []
+        for i, (rep, _) in enumerate(replies):
+            differ = [key for key, (_, d) in owner.items() if rep["pieces"].get(key) != d]
+            if rep["weight_version"] != version or differ:
+                first = f" (first: {differ[0]} from train-{owner[differ[0]][0]})" if differ else ""
+                wrong.append(f"rollout-{i}: version {rep['weight_version']}, {len(differ)} of {len(owner)} pieces "
+                             f"differ{first}")
+        if wrong:
+            raise WeightsMismatch(f"step {step}: trainer has version {version}; " + "; ".join(wrong))
+        return 1
+
     async def _rollout_checksums(self, step: int) -> list[tuple[Any, dict]]:
         """Every rollout server's weights checksum and version."""
         return list(await asyncio.gather(*[c.call("/weights_checksum", method="GET", stage="weights_update", step=step)
@@ -162,15 +191,12 @@ class WeightSync:
             if wrong:
                 raise WeightsMismatch(f"step {step}: trainer has version {version}; " + "; ".join(wrong))
             return 1
-        # every rank holds the same weights: one rank's checksum (the fallback writer's, when a rank was stuck); in a
-        # sharded layout each rank holds pieces, which every rank gathers for the checksum: all are asked
-        sharded = make_layout(self.cfg.train.parallel, self.cfg.train.tp_size, len(self.workers)).sharded
-        askers = self.workers.clients if sharded else [self.workers.clients[self.source]]
-        *trainers, replies = self.loop.gather(
-            *[c.call("/weights_checksum", {"digest": not sharded or r == self.source}, stage="weights_update",
-                     step=step) for r, c in enumerate(askers)],
+        if make_layout(self.cfg.train.parallel, self.cfg.train.tp_size, len(self.workers)).sharded:
+            return self._verify_pieces(version, step)
+        # every rank holds the same weights: one rank's checksum (the fallback writer's, when a rank was stuck)
+        (trainer, _), replies = self.loop.gather(
+            self.workers.clients[self.source].call("/weights_checksum", stage="weights_update", step=step),
             self._rollout_checksums(step))
-        trainer = trainers[self.source if sharded else 0][0]
         wrong = [f"rollout-{r}: version {rep['weight_version']} checksum {rep['checksum'][:12]}"
                  for r, (rep, _) in enumerate(replies)
                  if rep["weight_version"] != version or rep["checksum"] != trainer["checksum"]]

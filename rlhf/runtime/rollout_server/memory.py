@@ -18,7 +18,7 @@ from rlhf.errors import BadRequest
 from rlhf.faults import afault_point, fault_point
 from rlhf.runtime.client import Client
 from rlhf.runtime.colocation import DeviceBusy, fresh_allocation, read_leak
-from rlhf.runtime.metaserver import pull_weights
+from rlhf.runtime.metaserver import pull_pieces
 
 log = logging.getLogger("rlhf.rollout_server")
 
@@ -95,15 +95,16 @@ class WeightsAndMemory:
         await afault_point("weights_update.update", peer="metaserver-0")
         client = Client(args["metaserver_url"], self.token, peer="metaserver-0", retries=self.policy.retry_idempotent)
         try:
-            weights = await pull_weights(client, version, float(args.get("wait_s", 60)), float(args.get("timeout_s", 600)))
+            shards = await pull_pieces(client, version, float(args.get("wait_s", 60)), float(args.get("timeout_s", 600)))
         finally:
             await client.close()
-        fresh_allocation(self.run_dir, self.device, sum(t.numel() * t.element_size() for t in weights.values()),
+        pieces = [t for tensors, _ in shards.values() for t in tensors.values()]
+        fresh_allocation(self.run_dir, self.device, sum(t.numel() * t.element_size() for t in pieces),
                          "the new weights")
         loop = asyncio.get_running_loop()
-        with tracing.span("weights.load", source="metaserver", weight_version=version):
-            await loop.run_in_executor(self.service.executor, self.engine.update_weights_from_tensors, weights, version)
-        return {"success": True, "weight_version": version, "tensors": len(weights)}
+        with tracing.span("weights.load", source="metaserver", weight_version=version, pieces=len(pieces)):
+            await loop.run_in_executor(self.service.executor, self.engine.update_weights_from_pieces, shards, version)
+        return {"success": True, "weight_version": version, "tensors": len(pieces)}
 
     def release_memory(self, args: dict, tensors: dict) -> dict:
         """sglang's release, by `tags` (default: all): "weights" move to pinned host memory on a GPU;

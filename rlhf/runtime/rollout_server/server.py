@@ -3,7 +3,8 @@
     python -m rlhf.runtime.rollout_server --run-dir D --rank R --config D/config.yaml --ready-file F
     (token in the RLHF_TOKEN environment variable, never on the command line)
 
-sglang paths and fields: /generate, /update_weights_from_disk, /release_memory_occupation,
+sglang paths and fields: /generate, /update_weights_from_disk, /init_weights_update_group,
+/update_weights_from_distributed, /destroy_weights_update_group (rollout_server.distributed), /release_memory_occupation,
 /resume_memory_occupation, /health, /health_generate, /abort_request, /model_info; our
 extensions: /update_weights_from_meta (pull a version from the MetaServer), /events
 (colocation), /weights_checksum. In colocated mode /generate needs the device lease.
@@ -29,12 +30,14 @@ from rlhf.config import build_config
 from rlhf.config.resilience import HARDENED, Policy
 from rlhf.errors import BadRequest
 from rlhf.models import build_model_and_tokenizer
-from rlhf.procs import own_threads, set_pdeathsig, write_atomic
+from rlhf.pieces import slice_digests
+from rlhf.procs import own_threads, release_freed_memory, set_pdeathsig, write_atomic
 from rlhf.rollout.engine import RolloutEngine
 from rlhf.rollout.sglang_api import SGLANG_VERSION, GenerateCall, RequestControl
 from rlhf.run_dir import setup_logging
 from rlhf.runtime.colocation import DeviceLease, device_name
 from rlhf.runtime.http import DEFAULT_HOST, Service, serve_forever
+from rlhf.runtime.rollout_server.distributed import DistributedWeights
 from rlhf.runtime.rollout_server.generate import GenerateRoutes
 from rlhf.runtime.rollout_server.memory import WeightsAndMemory
 from rlhf.tracing.setup import start_process_telemetry, stop_process_telemetry
@@ -42,7 +45,7 @@ from rlhf.tracing.setup import start_process_telemetry, stop_process_telemetry
 log = logging.getLogger("rlhf.rollout_server")
 
 
-class RolloutServer(GenerateRoutes, WeightsAndMemory):
+class RolloutServer(GenerateRoutes, WeightsAndMemory, DistributedWeights):
     """sglang's native API over the native engine (`sglang_only`: none of our extensions, as a real sglang)."""
 
     def __init__(self, engine: Any, rank: int, token: str, policy: Policy = HARDENED,
@@ -77,6 +80,10 @@ class RolloutServer(GenerateRoutes, WeightsAndMemory):
         self.service.raw_route("POST", "/generate", self.generate_http)
         self.service.raw_route("PUT", "/generate", self.generate_http)
         r("/update_weights_from_disk", self.update_weights_from_disk)
+        self.groups: dict[str, Any] = {}  # weights update groups joined, by name (rollout_server.distributed)
+        r("/init_weights_update_group", self.init_weights_update_group)
+        r("/update_weights_from_distributed", self.update_weights_from_distributed)
+        r("/destroy_weights_update_group", self.destroy_weights_update_group)
         r("/update_weight_version", self.update_weight_version, inline=True)
         r("/release_memory_occupation", self.release_memory, method=("GET", "POST"))
         r("/resume_memory_occupation", self.resume_memory, method=("GET", "POST"))
@@ -86,7 +93,8 @@ class RolloutServer(GenerateRoutes, WeightsAndMemory):
         r("/flush_cache", lambda a, t: web.Response(text="Cache flushed.\nNo cache outlives a call in the native "
                                                          "engine, so there was nothing to flush.\n"),
           method=("GET", "POST"), inline=True)
-        r("/health", lambda a, t: {"ok": True, "weight_version": self.engine.weight_version}, method="GET", inline=True)
+        r("/health", lambda a, t: {"ok": True, "weight_version": self.engine.weight_version, **self.broadcast_health()},
+          method="GET", inline=True)
         r("/health_generate", self.health_generate, method="GET")
         r("/ready", self.ready, method="GET", inline=True)
         for path in ("/model_info", "/get_model_info"):
@@ -96,9 +104,17 @@ class RolloutServer(GenerateRoutes, WeightsAndMemory):
         if not sglang_only:  # our extensions (a real sglang server has none of them)
             r("/update_weights_from_meta", self.update_weights_from_meta)
             r("/events", self.events)
-            r("/weights_checksum", lambda a, t: {"checksum": self.engine.weights_checksum(self.verify_checksum),
-                                                 "weight_version": self.engine.weight_version}, method="GET")
+            r("/weights_checksum", self.weights_checksum, method=("GET", "POST"))
             r("/rng_state", self.rng_state, method=("GET", "POST"))
+
+    def weights_checksum(self, args: dict, tensors: dict) -> dict:
+        """The weight version and the whole model's checksum (weights.verify); POST {"pieces": {key: {name, offset,
+        shape}}}: a digest of each of those slices instead (a sharded trainer's pieces, compared piece by piece)."""
+        if args.get("pieces"):
+            return {"pieces": slice_digests(self.engine.model, args["pieces"], self.verify_checksum),
+                    "weight_version": self.engine.weight_version}
+        return {"checksum": self.engine.weights_checksum(self.verify_checksum),
+                "weight_version": self.engine.weight_version}
 
     def rng_state(self, args: dict, tensors: dict) -> dict:
         """The sampling generator's state (GET), or set it (POST {"state": ...}): a checkpoint keeps it, so that a
@@ -200,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.faults:
         faults.arm(args.run_dir, cfg.faults)
     model, tok = build_model_and_tokenizer(cfg.model, seed=cfg.seed, device=args.device or None)
+    release_freed_memory()  # a low-precision model is built in fp32 first: give those pages back
     log.info("rollout server %d: %s on %s", args.rank, cfg.model.dtype, next(model.parameters()).device)
     seed = (cfg.rollout.seed if cfg.rollout.seed >= 0 else cfg.seed + 17) + 1000 * args.rank
     engine = RolloutEngine(model, tok, seed=seed)

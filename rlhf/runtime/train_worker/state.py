@@ -1,4 +1,4 @@
-"""What a train rank's weights and checkpoints do: its share of the weights to the MetaServer (meta mode), the HF
+"""What a train rank's weights and checkpoints do: the pieces of the weights it holds to the MetaServer (meta mode), the HF
 directory (disk mode), the weights checksum, checkpoint files (written now, bounded, or on a writer thread) and
 their load on resume."""
 
@@ -12,34 +12,75 @@ import shutil
 import threading
 import time
 
+import torch
+from safetensors.torch import load_file, save_file
+
 from rlhf import tracing
+from rlhf.errors import BadRequest
 from rlhf.faults import afault_point, fault_point
+from rlhf.pieces import own_pieces, piece_digests
 from rlhf.runtime import checkpoint as ckpt
+from rlhf.runtime import sharded_checkpoint as sharded_ckpt
+from rlhf.runtime import weights_group as wg
 from rlhf.runtime.client import Client
 from rlhf.runtime.colocation import fresh_allocation
+from rlhf.runtime.http import DEFAULT_HOST
 from rlhf.runtime.metaserver import push_shard
-from rlhf.train.parallel import Gathered
-from rlhf.weights import checksum, encode_shard, save_state_dir, write_shard
+from rlhf.train.parallel import Gathered, local
+from rlhf.weights import checksum, encode_shard, export_state, import_state, save_state_dir, write_shard
 
 log = logging.getLogger("rlhf.train_worker")
 
 
-def shard_names(names: list[str], rank: int, world_size: int) -> list[str]:
-    """Which parameters rank `rank` uploads: every world_size-th name (a stand-in for TP/PP shards)."""
-    return sorted(names)[rank::world_size]
+def save_reference(directory: str, reference: torch.nn.Module, rank: int, world: int, sharded: bool) -> None:
+    """The KL reference, once at GRPO's start, for a resume: replicated, rank 0 writes model.safetensors; sharded,
+    each rank writes its own pieces (shards/rank<r>.safetensors, the sharded checkpoint's format: nothing gathered)
+    and rank 0 removes what another layout left. Each file appears whole (a temporary name, then a rename)."""
+    def put(items: list) -> None:
+        for name, tensors in items:
+            path = os.path.join(directory, name)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tensors, metadata = tensors if isinstance(tensors, tuple) else (tensors, None)
+            save_file({k: v.contiguous() for k, v in tensors.items()}, path + ".tmp", metadata=metadata)
+            os.replace(path + ".tmp", path)
+
+    if not sharded:
+        if rank == 0:
+            shutil.rmtree(os.path.join(directory, sharded_ckpt.SHARDS), ignore_errors=True)
+            put([("model.safetensors", dict(reference.named_parameters()))])
+        return
+    if rank == 0:
+        folder = os.path.join(directory, sharded_ckpt.SHARDS)
+        stale = [os.path.join(folder, f) for f in (os.listdir(folder) if os.path.isdir(folder) else [])
+                 if f.startswith("rank") and int(f[4:9]) >= world]  # another world's ranks (ours overwrite theirs)
+        for path in [os.path.join(directory, "model.safetensors"), *stale]:
+            if os.path.exists(path):
+                os.unlink(path)
+    put(sharded_ckpt.snapshot(rank, reference, None))
+
+
+def load_reference(directory: str, reference: torch.nn.Module) -> None:
+    """save_reference's files into the reference as it is laid out now (sharded pieces are read into any layout by
+    torch.distributed.checkpoint: every rank takes part)."""
+    if sharded_ckpt.is_sharded_slot(directory):
+        sharded_ckpt.load(directory, reference, None)
+    else:
+        import_state(reference, load_file(os.path.join(directory, "model.safetensors")))
 
 
 class WeightsAndCheckpoints:
     """A train rank's weights and checkpoint endpoints (a part of TrainWorker)."""
 
     def weights_checksum(self, args: dict, tensors: dict) -> dict:
-        """The checksum of the whole model as the rollout servers get it. In a sharded layout every rank is called (the
-        pieces are gathered one parameter at a time); args['digest'] false: this rank only takes part."""
-        state = Gathered(self.model, self.wire_dtype)
-        if not args.get("digest", True):
-            state.only(())
-            return {"checksum": ""}
-        return {"checksum": checksum(state, self.cfg.weights.verify_checksum)}
+        """The checksum of the whole model as the rollout servers get it; args['pieces'] (and always in a sharded
+        layout): a digest of each piece this rank uploads instead, with where it lies (own_pieces), nothing
+        gathered, for a piece-by-piece comparison with the rollout servers' slices."""
+        if args.get("pieces") or self.layout.sharded:
+            part, where = own_pieces(self.model, self.rank, self.world_size, self.wire_dtype)
+            digests = piece_digests(part, self.cfg.weights.verify_checksum)
+            return {"pieces": {key: {**where[key], "shape": list(t.shape), "digest": digests[key]}
+                               for key, t in part.items()}}
+        return {"checksum": checksum(export_state(self.model, self.wire_dtype), self.cfg.weights.verify_checksum)}
 
     def upload_weights(self, args: dict, tensors: dict) -> dict:
         """Send this rank's shard of the weights to the MetaServer as version args['version'].
@@ -48,17 +89,17 @@ class WeightsAndCheckpoints:
         """
         version, shard = str(args["version"]), f"rank{self.rank}"
         with tracing.span("weights.serialize"):
-            state = Gathered(self.model, self.wire_dtype)  # sharded layouts: gathered, every rank taking part
-            names = shard_names(list(state), self.rank, self.world_size)
-            part = state.only(names)  # this rank's share, never the whole model
+            # only what this rank holds (its DTensor pieces; its share of replicated rows): no collective, no
+            # gather, each piece named by its HF parameter and slice
+            part, where = own_pieces(self.model, self.rank, self.world_size, self.wire_dtype)
             fresh_allocation(self.run_dir, self.device, sum(t.numel() * t.element_size() for t in part.values()),
                              "the weights upload buffer")
             path, body = "", None
             if args.get("shm_dir"):
                 path = os.path.join(args["shm_dir"], f"v{version}-{shard}.safetensors")
-                size = write_shard(part, path, self.cfg.weights.checksum)
+                size = write_shard(part, path, self.cfg.weights.checksum, where)
             else:
-                body = encode_shard(part, self.cfg.weights.checksum)
+                body = encode_shard(part, self.cfg.weights.checksum, where)
                 size = len(body)
         t0 = time.perf_counter()
 
@@ -77,7 +118,54 @@ class WeightsAndCheckpoints:
             if path and os.path.exists(path):
                 os.unlink(path)  # never handed over: the MetaServer does not own it
             raise
-        return {"rank": self.rank, "tensors": len(names), "bytes": size, "seconds": time.perf_counter() - t0}
+        return {"rank": self.rank, "tensors": len(part), "bytes": size, "seconds": time.perf_counter() - t0}
+
+    def weights_group(self, args: dict, tensors: dict) -> dict:
+        """distributed mode, on train rank 0 (the group's rank 0, the source): action 'open' starts the group's
+        rendezvous store on this host and returns its address and port with the tensors the broadcast sends (names,
+        wire dtype, shapes, in order); 'join' joins the group (blocks until every rollout server has joined too);
+        'destroy' leaves it."""
+        action = args.get("action")
+        if action == "destroy":
+            self._weights_group = self._weights_store = None
+            return {"ok": True}
+        if action == "open":
+            self._weights_group = None
+            self._weights_store = wg.open_store(DEFAULT_HOST, float(args.get("timeout_s", 300)))
+            dtype = wg.dtype_name(self.wire_dtype)
+            return {"master_address": DEFAULT_HOST, "master_port": self._weights_store.port,
+                    "tensors": [{"name": n, "dtype": dtype, "shape": list(p.shape)}
+                                for n, p in sorted(self.model.named_parameters())]}
+        if action == "join":
+            self._weights_backend, self._weights_buffers = str(args.get("backend", "gloo")), wg.Buffers()
+            with tracing.span("weights.group_join", world_size=int(args["world_size"])):
+                self._weights_group = wg.join(DEFAULT_HOST, self._weights_store.port, 0, int(args["world_size"]),
+                                              self._weights_backend, float(args.get("timeout_s", 300)),
+                                              str(args.get("group_name", wg.GROUP)), store=self._weights_store,
+                                              host=DEFAULT_HOST)
+            return {"ok": True}
+        raise BadRequest(f"weights_group action {action!r}: valid: open, join, destroy")
+
+    def broadcast_weights(self, args: dict, tensors: dict) -> dict:
+        """distributed mode: every bucket (args['buckets']: lists of names) packed into one flat buffer and broadcast
+        from this rank (group rank 0) to every rollout server. In a sharded layout every train rank is called: each
+        parameter is gathered (every rank taking part) and rank 0 sends it; the others only help gather."""
+        state = Gathered(self.model, self.wire_dtype)
+        sent, t0 = 0, time.perf_counter()
+        for names in args["buckets"]:
+            part = state.only(names) if self.layout.sharded else {n: state[n] for n in names}
+            if self.rank != 0:
+                continue
+            if self._weights_group is None:
+                raise RuntimeError("train-0: no weights update group (weights_group open and join first)")
+            on = local(next(self.model.parameters())).device if self._weights_backend == "nccl" else "cpu"
+            buffer = wg.pack([part[n] for n in names], on, self._weights_buffers)
+            fault_point("weights_update.broadcast", peer=str(args.get("group_name", wg.GROUP)))
+            with self.dp.inside(f"broadcast(weights, {len(names)} tensors)"), \
+                    tracing.span("weights.broadcast", tensors=len(names), bytes=buffer.numel()):
+                wg.broadcast(self._weights_group, buffer)
+            sent += buffer.numel()
+        return {"rank": self.rank, "bytes": sent, "seconds": time.perf_counter() - t0}
 
     def save_weights_dir(self, args: dict, tensors: dict) -> dict:
         """Disk mode: rank `writer` (0 unless the weights fallback picks a rank that is free) writes an HF

@@ -18,7 +18,6 @@ import time
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from rlhf.config import Config
 from rlhf.devices import relocate
@@ -32,11 +31,10 @@ from rlhf.runtime.dist import GlooDataParallel
 from rlhf.runtime.http import Service
 from rlhf.runtime.scheduler import SchedulerClient
 from rlhf.runtime.train_worker.baseline import SftAndPreflight
-from rlhf.runtime.train_worker.state import WeightsAndCheckpoints
+from rlhf.runtime.train_worker.state import WeightsAndCheckpoints, load_reference, save_reference
 from rlhf.tracing.metrics import disk_wait_threads
 from rlhf.train.engine import TrainEngine
-from rlhf.train.parallel import build_mesh, full_state, make_layout
-from rlhf.weights import import_state
+from rlhf.train.parallel import build_mesh, make_layout
 
 log = logging.getLogger("rlhf.train_worker")
 
@@ -71,13 +69,17 @@ class TrainWorker(SftAndPreflight, WeightsAndCheckpoints):
         self.built = self.service.executor.submit(self._build, device)
         for name in ("sft_warm_start", "begin_grpo", "compute_logprobs", "train_step", "upload_weights",
                      "save_weights_dir", "save", "load", "events", "sft_begin", "sft_step", "sft_eval",
-                     "sft_run_for", "preflight", "weights_checksum"):
+                     "sft_run_for", "preflight", "weights_checksum", "weights_group", "broadcast_weights"):
             self.service.route(f"/{name}", self._once_built(getattr(self, name)))
         self.service.route("/health", lambda a, t: {"ok": True, "rank": self.rank, "pid": os.getpid()},
                            method="GET", inline=True)
         self.loop_phase, self.loop_step = "idle", 0
         self._writes: queue.Queue = queue.Queue()
         self._writer: threading.Thread | None = None
+        self._weights_store: Any = None  # distributed weights mode, rank 0: the group's rendezvous store
+        self._weights_group: Any = None  # and its member of the weights update group
+        self._weights_backend = "gloo"
+        self._weights_buffers: Any = None  # the flat buffer the buckets are packed into, used again each bucket
         self.service.route("/heartbeat", self.heartbeat, method="GET", inline=True)
         self.service.untraced_paths.add("/heartbeat")  # the watchdog polls it: no span, and what this rank does stays
         self.shutdown_grace_s = 30.0  # how long a request still running at shutdown gets to finish (and log why)
@@ -146,16 +148,12 @@ class TrainWorker(SftAndPreflight, WeightsAndCheckpoints):
                                   layout=self.layout, mesh=self.mesh)
         if self.layout.sharded:
             release_freed_memory()  # the whole model each rank built is its pieces now
-        ref_path = os.path.join(self.run_dir, "checkpoints", "reference", "model.safetensors")
-        if args.get("load_reference") and self.engine.reference is not None:
-            import_state(self.engine.reference, load_file(ref_path))
-        elif self.engine.reference is not None and args.get("save_reference", True):
-            state = full_state(self.engine.reference)  # in a sharded layout a collective: every rank takes part
-            if self.rank == 0:
-                os.makedirs(os.path.dirname(ref_path), exist_ok=True)
-                tmp = ref_path + ".tmp"
-                save_file({k: v.contiguous() for k, v in state.items()}, tmp)
-                os.replace(tmp, ref_path)
+        if self.engine.reference is not None:
+            ref_dir = os.path.join(self.run_dir, "checkpoints", "reference")
+            if args.get("load_reference"):
+                load_reference(ref_dir, self.engine.reference)
+            elif args.get("save_reference", True):
+                save_reference(ref_dir, self.engine.reference, self.rank, self.world_size, self.layout.sharded)
         return {"ok": True, "layout": self.layout.describe()}
 
     def compute_logprobs(self, args: dict, tensors: dict) -> tuple[dict, dict]:
