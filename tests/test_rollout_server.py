@@ -121,7 +121,9 @@ ROLLOUT_ENDPOINTS = [("POST", "/generate"), ("POST", "/update_weights_from_disk"
                      ("POST", "/release_memory_occupation"), ("POST", "/resume_memory_occupation"), ("POST", "/events"),
                      ("POST", "/abort_request"), ("GET", "/model_info"), ("GET", "/get_model_info"),
                      ("GET", "/server_info"), ("POST", "/flush_cache"), ("POST", "/pause_generation"),
-                     ("POST", "/continue_generation"), ("POST", "/update_weight_version"), ("GET", "/weights_checksum")]
+                     ("POST", "/continue_generation"), ("POST", "/update_weight_version"), ("GET", "/weights_checksum"),
+                     ("POST", "/weights_checksum"), ("POST", "/init_weights_update_group"),
+                     ("POST", "/update_weights_from_distributed"), ("POST", "/destroy_weights_update_group")]
 META_ENDPOINTS = [("POST", "/versions"), ("PUT", "/weights/1/rank0"), ("GET", "/weights/1/manifest"),
                   ("GET", "/weights/1/rank0"), ("DELETE", "/weights/1"), ("GET", "/health")]
 
