@@ -27,8 +27,11 @@ setup(
     extras_require={
         # msgspec, pybase64, ipython, requests: what sglang's client and API contract modules import
         # (tests/test_sglang_contract.py; sglang itself: pip install --no-deps -r tests/sglang-contract.txt)
+        # your own data and rewards: Parquet files (pyarrow), Hugging Face datasets directories (datasets), the
+        # math_equal reward (math-verify)
+        "data": ["pyarrow>=14", "datasets>=2.16", "math-verify>=0.7"],
         "test": ["pytest>=8", "hypothesis>=6", "ruff>=0.5", "requests>=2.28", "msgspec>=0.18", "pybase64>=1.3",
-                 "ipython>=8"],
+                 "ipython>=8", "pyarrow>=14", "datasets>=2.16", "math-verify>=0.7"],
         # Never installed by the default commands: GPU-only and multi-GB.
         "gpu": ["sglang", "megatron-core", "nvidia-ml-py"],
     },

@@ -45,23 +45,26 @@ class PromptSampler:
         self._order = self._shuffle(self.epoch)
 
 
-def encode_prompts(tokenizer: Any, prompts: list[str], chat_template: bool = False) -> list[list[int]]:
+def encode_prompts(tokenizer: Any, prompts: list[Any], chat_template: bool = False) -> list[list[int]]:
     """Token ids of each prompt, as SFT, rollout and eval all feed them to the model.
 
     Plain: the tokenizer's own special tokens (its BOS). With `chat_template` (task.chat_template):
     the prompt as one user turn through the tokenizer's chat template with the generation prompt
-    appended; the template writes its own BOS, so none is added, and a doubled BOS is removed.
+    appended; the template writes its own BOS, so none is added, and a doubled BOS is removed. A prompt given as a
+    list of chat messages ({role, content}) is always rendered by the template.
     """
-    if not chat_template:
+    chats = any(isinstance(p, list) for p in prompts)  # a dataset's prompts as chat messages
+    if not chat_template and not chats:
         return [tokenizer.encode(p, add_special_tokens=True) for p in prompts]
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("task.chat_template is on but the tokenizer has no chat template "
-                         "(tokenizer_config.json 'chat_template'); turn it off for this model")
+        raise ValueError(("task.chat_template is on" if chat_template else "the dataset's prompts are chat messages")
+                         + " but the tokenizer has no chat template (tokenizer_config.json 'chat_template')"
+                         + ("; turn it off for this model" if chat_template else "; give prompts as strings"))
     out = []
     bos = getattr(tokenizer, "bos_token_id", None)
     for p in prompts:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                             add_generation_prompt=True)
+        messages = p if isinstance(p, list) else [{"role": "user", "content": p}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = tokenizer.encode(text, add_special_tokens=False)
         while bos is not None and len(ids) > 1 and ids[0] == ids[1] == bos:
             ids = ids[1:]

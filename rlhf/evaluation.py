@@ -16,5 +16,6 @@ def evaluate(
     prompt_ids = encode_prompts(tokenizer, [e.prompt for e in examples], chat_template)
     results = generate(prompt_ids, {"max_new_tokens": max_new_tokens, "temperature": 0.0}, False)
     completions = [completion_text(tokenizer, r) for r in results]
-    rewards = reward(completions, [e.answer for e in examples], [e.prompt for e in examples])
+    fields = {k: [e.fields.get(k) for e in examples] for k in sorted({k for e in examples for k in e.fields})}
+    rewards = reward(completions, [e.answer for e in examples], [e.prompt for e in examples], fields)
     return {"accuracy": sum(rewards) / len(rewards), "n": len(rewards)}

@@ -43,6 +43,9 @@ def _field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+LIST_STRINGS = ("task.reward", "task.reward_weights")  # comma-separated strings that YAML may give as lists
+
+
 def _is_section(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
@@ -102,6 +105,8 @@ def _merge(cls: type, base: Any, updates: dict[str, Any], prefix: str = "") -> A
             extra = f" (did you mean '{prefix}{hint[0]}'?)" if hint else ""
             raise ConfigError(f"unknown config key {full!r}{extra}; valid keys here: {', '.join(valid)}")
         tp = types[key]
+        if full in LIST_STRINGS and isinstance(value, list):  # the YAML list form of a comma-separated value
+            value = ",".join(str(v) for v in value)
         if _is_section(tp):
             kwargs[key] = _merge(tp, kwargs[key], value, prefix=full + ".")
         else:

@@ -15,7 +15,8 @@ from rlhf.algorithms import AGGREGATIONS, LOSSES
 from rlhf.config.checks import ConfigError, _choice, _in_range, _positive
 from rlhf.config.resilience import Policy
 from rlhf.models import MODEL_PRESETS
-from rlhf.tasks import REWARDS, TASKS
+from rlhf.tasks import TASKS
+from rlhf.tasks.scoring import reward_problem
 
 PARALLEL_LAYOUTS = ("dp", "fsdp")  # train.parallel (rlhf.train.parallel lays them out)
 SGLANG_SERVER_MODULES = ("sglang", "sgl_kernel", "fastapi", "uvicorn", "zmq")  # what sglang.launch_server imports
@@ -43,9 +44,21 @@ class ModelConfig:
 @dataclass
 class TaskConfig:
     name: str = "arithmetic"
-    """Task from the registry (rlhf.tasks.TASKS): arithmetic or jsonl."""
+    """Task from the registry (rlhf.tasks.TASKS): arithmetic, or dataset (jsonl is its old name): rows from task.path; a task.path with the default name means dataset."""
     reward: str = "exact_match"
-    """Reward function from the registry (rlhf.tasks.REWARDS)."""
+    """Reward(s), comma-separated (or a YAML list): a built-in name (exact_match, last_number, contains_answer, math_equal, format_regex), a function in a package (package.module:function) or in a file (path/to/rewards.py:function), called with completions, answers, prompts and each row's other columns as keyword arguments."""
+    reward_weights: str = ""
+    """One weight per task.reward, comma-separated (or a YAML list); empty: 1.0 each. The reward is their weighted sum."""
+    reward_timeout_s: float = 60.0
+    """How long an async def reward function may take for one step's completions, seconds."""
+    format_regex: str = ""
+    """The format_regex reward's pattern (re.search, DOTALL), e.g. '^<think>.*</think>'."""
+    prompt_key: str = "prompt"
+    """dataset: the column holding each row's prompt (a string, or a list of chat messages {role, content})."""
+    answer_key: str = "answer"
+    """dataset: the column holding each row's reference answer."""
+    split: str = "train"
+    """dataset: which split of a Hugging Face datasets directory (save_to_disk of a DatasetDict) to read."""
     seed: int = 0
     """Seed of the data split (independent of the run seed, so every run sees the same eval set)."""
     max_operand: int = 99
@@ -57,21 +70,27 @@ class TaskConfig:
     val_size: int = 128
     """Held-out problems for the SFT warm-start stopping rule, disjoint from eval and train."""
     path: str = ""
-    """jsonl: path to a file with one {"prompt": ..., "answer": ...} object per line."""
+    """dataset: a JSONL (.jsonl/.json), Parquet or CSV file, or a Hugging Face datasets directory (save_to_disk)."""
     chat_template: bool = False
     """Render each prompt as one user turn through the tokenizer's chat template (instruct models); the template's BOS only."""
 
     def __post_init__(self) -> None:
+        if self.path and self.name == "arithmetic":
+            self.name = "dataset"  # --task.path data.parquet is enough
         _choice("task.name", self.name, TASKS)
-        _choice("task.reward", self.reward, REWARDS)
+        problem = reward_problem(self.reward, self.reward_weights, self.format_regex)
+        if problem:
+            raise ConfigError(problem)
+        _positive("task.reward_timeout_s", self.reward_timeout_s)
         _positive("task.max_operand", self.max_operand)
         bad = set(self.operations) - set("+-*")
         if not self.operations or bad:
             raise ConfigError(f"task.operations: {self.operations!r} is not valid; use characters from '+-*'")
         _positive("task.eval_size", self.eval_size)
         _positive("task.val_size", self.val_size)
-        if self.name == "jsonl" and not self.path:
-            raise ConfigError("task.path: required when task.name is 'jsonl' (a JSONL file of prompt/answer)")
+        if self.name in ("jsonl", "dataset") and not self.path:
+            raise ConfigError(f"task.path: required when task.name is {self.name!r} (a JSONL, Parquet or CSV file, or "
+                              "a Hugging Face datasets directory)")
 
 
 @dataclass

@@ -37,6 +37,7 @@ _EXC_LINE = re.compile(r"^(?:[\w.]+\.)?(?P<cls>[A-Z]\w*(?:Error|Exception|Mismat
 _STAGES = ("weights_update", "events", "rollout", "reward", "reference", "train", "latest_recover_save",
            "periodic_recover_save", "evaluate", "startup", "resume", "cleanup")
 _ROUTE_STAGE = [("/generate", "rollout"), ("/update_weights", "weights_update"), ("/upload_weights", "weights_update"),
+                ("/broadcast_weights", "weights_update"), ("_weights_update_group", "weights_update"),
                 ("/weights", "weights_update"), ("/compute_logprobs", "reference"), ("/train_step", "train"),
                 ("/save", "latest_recover_save"), ("/load", "resume"), ("/events", "events"),
                 ("_memory_occupation", "events"), ("/jobs", "cleanup"), ("/evaluate", "evaluate")]

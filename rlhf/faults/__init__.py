@@ -267,7 +267,8 @@ def disarm() -> None:
     _ALL.clear()
 
 
-RL_ONLY = ("weights_update.", "rollout.", "events.", "metaserver.", "scheduler.", "data.split", "reference.")
+RL_ONLY = ("weights_update.", "rollout.", "events.", "metaserver.", "scheduler.", "data.split", "reference.",
+           "reward.")
 
 
 def never_fired(run_dir: str, faults: list[dict[str, Any]], last_step: int, rl: bool = True, colocate: bool = False,

@@ -12,6 +12,7 @@ POINTS: dict[str, str] = {
     "weights_update.broadcast": "train rank 0 before it broadcasts a bucket of the weights, and a rollout server "
                                 "before it receives one (weights.mode distributed; peer: the group's name)",
     "rollout.generate": "rollout server, before a /generate batch runs",
+    "reward.compute": "controller, before the step's completions are scored by the reward functions",
     "reference.compute": "train rank, before reference (or old-policy) logprobs",
     "train.step": "train rank, before the GRPO loss/backward/optimizer step",
     "sft.step": "train rank, before an SFT step (warm start and the SFT baseline)",
@@ -48,6 +49,7 @@ POINT_ROLES: dict[str, tuple[str, ...]] = {
     "metaserver.get": ("metaserver",), "events.notify": _CONTROLLER, "events.handle": ("train", "rollout"),
     "checkpoint.write": _TRAIN, "checkpoint.fsync": _TRAIN, "checkpoint.load": _TRAIN,
     "scheduler.stop_job": _CONTROLLER, "data.split": _CONTROLLER, "step.begin": _CONTROLLER,
+    "reward.compute": _CONTROLLER,
     "preflight.check": _TRAIN,
 }
 

@@ -45,7 +45,8 @@ from rlhf.runtime.control.rollout_fanout import RolloutFanout, to_batch
 from rlhf.runtime.control.services import RolloutServices
 from rlhf.runtime.control.weights_sync import WeightSync
 from rlhf.runtime.control.workers import merge_train_metrics
-from rlhf.tasks import build_task, reward_fn
+from rlhf.tasks import build_task
+from rlhf.tasks.scoring import row_fields, scorer_of
 from rlhf.train.parallel import make_layout
 
 log = logging.getLogger("rlhf.controller")
@@ -69,7 +70,8 @@ class Controller(RunLifecycle):
         under that node's scheduler."""
         super().__init__(cfg, run_dir, worker_urls, token)
         self.task = build_task(cfg.task)
-        self.reward = reward_fn(cfg.task.reward)
+        self.reward = scorer_of(cfg.task)  # the run's rewards, weighted (rlhf.tasks.scoring)
+        self.columns = [*STEP_COLUMNS, *self.reward.labels]
         # the controller needs only the tokenizer (prompts in, completions out), never the weights
         self.tokenizer = load_tokenizer(cfg.model.path) if cfg.model.path else CharTokenizer()
         self.sampler = PromptSampler(self.task.split("train"), seed=cfg.seed)
@@ -136,7 +138,13 @@ class Controller(RunLifecycle):
         with clock.stage("events"):
             row["rollout_release_mb"] = freed_mb(self.events.notify("rollout_end", step), "rollout")
         with clock.stage("reward"):
-            memory["rewards"] = torch.tensor(self.reward(memory["completions"], memory["answers"], memory["prompts"]))
+            fault_point("reward.compute", step=step)
+            memory["rewards"] = torch.tensor(self.reward(memory["completions"], memory["answers"], memory["prompts"],
+                                                         row_fields(memory["fields"])))
+            row.update(self.reward.means)  # each reward function's mean (steps.csv reward_<name>, the stage's span)
+            span = tracing.trace.get_current_span()
+            for key, value in self.reward.means.items():
+                span.set_attribute(f"rlhf.{key}", value)
             fault_point("data.split", step=step)
             shards, split = memory.split(self.layout.dp, tokens_key="num_tokens")
         with clock.stage("reference"):
@@ -253,7 +261,8 @@ class Controller(RunLifecycle):
                 completions = self.fanout.greedy(examples)
             finally:
                 self.events.notify("rollout_end", -1)
-            rewards = self.reward(completions, [e.answer for e in examples], [e.prompt for e in examples])
+            rewards = self.reward(completions, [e.answer for e in examples], [e.prompt for e in examples],
+                                  row_fields([e.fields for e in examples]))
             accuracy = sum(rewards) / len(rewards)
             sp.set_attribute("rlhf.eval_accuracy", accuracy)
             return accuracy

@@ -4,18 +4,19 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from rlhf.registry import Registry
 
-RewardFn = Callable[[list[str], list[str], list[str]], list[float]]
+RewardFn = Callable[..., list[float]]  # fn(completions=, answers=, prompts=, **fields) (rlhf.tasks.scoring)
 
 
 @dataclass(frozen=True)
 class Example:
-    prompt: str
+    prompt: Any  # a string, or a list of chat messages {role, content} (rendered by the tokenizer's chat template)
     answer: str
+    fields: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)  # the row's other columns
 
 
 class Task:
@@ -54,4 +55,5 @@ def build_task(task_cfg: Any) -> Task:
 
 
 def reward_fn(name: str) -> RewardFn:
+    """A built-in reward by name (a run's rewards: rlhf.tasks.scoring.scorer_of)."""
     return REWARDS[name]

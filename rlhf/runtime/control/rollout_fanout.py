@@ -167,6 +167,7 @@ class RolloutFanout:
             "num_tokens": [len(prompt_ids[i]) + len(r["output_ids"]) for i, r in zip(rep, results)],
             "prompts": [examples[i].prompt for i in rep],
             "answers": [examples[i].answer for i in rep],
+            "fields": [examples[i].fields for i in rep],  # each row's other columns, for the reward functions
             "completions": [completion_text(self.tokenizer, r) for r in results],
             "weight_version": [r["meta_info"]["weight_version"] for r in results],
         }, g, strict=False)

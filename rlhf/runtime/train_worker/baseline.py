@@ -13,7 +13,8 @@ from rlhf.data import PromptSampler, build_sft_batch
 from rlhf.evaluation import evaluate
 from rlhf.faults import fault_point
 from rlhf.rollout.engine import RolloutEngine
-from rlhf.tasks import build_task, reward_fn
+from rlhf.tasks import build_task
+from rlhf.tasks.scoring import scorer_of
 from rlhf.tracing.metrics import ACTIVITY
 from rlhf.train.engine import TrainEngine
 from rlhf.trainers.sft import run_sft
@@ -26,7 +27,7 @@ class SftAndPreflight:
         self._require_device("sft")
         cfg = self.cfg
         per_rank = slice(self.dp_rank, None, self.layout.dp)  # a TP group's ranks take the same examples
-        result = run_sft(cfg, self.model, self.tokenizer, build_task(cfg.task), reward_fn(cfg.task.reward),
+        result = run_sft(cfg, self.model, self.tokenizer, build_task(cfg.task), scorer_of(cfg.task),
                          dp=self.dp, examples_per_rank=per_rank, show_progress=self.rank == 0)
         return result
 
@@ -35,7 +36,7 @@ class SftAndPreflight:
         cfg = self.cfg
         self.engine = TrainEngine(self.model, cfg.train, keep_reference=False, lr=cfg.sft.lr, dp=self.dp,
                                   compute_dtype=self.wire_dtype)
-        self.task, self.reward = build_task(cfg.task), reward_fn(cfg.task.reward)
+        self.task, self.reward = build_task(cfg.task), scorer_of(cfg.task)
         self.sft_sampler = PromptSampler(self.task.split("train"), seed=cfg.seed)
         return {"rank": self.rank}
 
