@@ -27,7 +27,7 @@ from rlhf.models import build_model_and_tokenizer  # noqa: E402
 from rlhf.pieces import assemble, own_pieces  # noqa: E402
 from rlhf.runtime.dist import GlooDataParallel  # noqa: E402
 from rlhf.train.engine import TrainEngine  # noqa: E402
-from rlhf.train.parallel import build_mesh, is_dtensor, make_layout  # noqa: E402
+from rlhf.train.parallel import build_mesh, is_dtensor, laid_out_model, make_layout  # noqa: E402
 from rlhf.weights import decode_pieces, encode_shard  # noqa: E402
 
 
@@ -86,7 +86,22 @@ def run(layout_name: str, model_name: str, steps: int, batch: dict[str, torch.Te
     dist.all_reduce(whole)
     local_bytes = sum(p.to_local().numel() if is_dtensor(p) else p.numel() for p in model.parameters()) * 4
     return {"records": records, "weights": weights, "logprobs": whole, "layout": layout.describe(),
-            "param_bytes_rank": local_bytes, **pieces_check(model, weights)}
+            "param_bytes_rank": local_bytes, **pieces_check(model, weights), **built_check(model_name, layout, mesh)}
+
+
+def built_check(model_name: str, layout, mesh) -> dict:
+    """A model built straight into the layout (laid_out_model: a meta skeleton, each rank filling its pieces one
+    whole parameter at a time) holds the very weights of the model built whole with the same seed."""
+    if not layout.sharded:
+        return {"built_exact": True}
+    whole, _ = build_model_and_tokenizer(ModelConfig(name=model_name, dtype="float32"), seed=11, device="cpu")
+    built, _ = laid_out_model(ModelConfig(name=model_name, dtype="float32"), 11, layout, mesh)
+    params = dict(built.named_parameters())
+    exact = sorted(params) == sorted(n for n, _ in whole.named_parameters()) and all(
+        torch.equal(params[n].full_tensor() if is_dtensor(params[n]) else params[n].detach(), p)
+        for n, p in whole.named_parameters()) and any(is_dtensor(p) for p in params.values())
+    buffers = all(torch.equal(a, b) for (_, a), (_, b) in zip(built.named_buffers(), whole.named_buffers()))
+    return {"built_exact": bool(exact and buffers)}
 
 
 def pieces_check(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict:
@@ -124,7 +139,7 @@ def main() -> None:
     model, tok = build_model_and_tokenizer(ModelConfig(name=args.model), seed=11)
     batch = global_batch(model.config.vocab_size)
     base = run("dp", args.model, args.steps, batch)
-    pieces = ("pieces_exact", "piece_bytes", "model_bytes")
+    pieces = ("pieces_exact", "piece_bytes", "model_bytes", "built_exact")
     out = {"dp": {"records": base["records"], "layout": base["layout"], "param_bytes_rank": base["param_bytes_rank"],
                   **{k: base[k] for k in pieces}}}
     for name in args.layouts.split(","):

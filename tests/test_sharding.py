@@ -36,6 +36,7 @@ def assert_same_steps(result, layouts):
     for name in ["dp", *layouts]:  # the weight upload: every rank sends only its pieces, which tile the model
         got, world = result[name], len(result[name]["piece_bytes"])
         assert got["pieces_exact"], name
+        assert got["built_exact"], name  # built in the layout, pieces only: the same weights and buffers
         assert sum(got["piece_bytes"]) == got["model_bytes"], name  # every element sent once, by one rank
         assert max(got["piece_bytes"]) < 1.2 * got["model_bytes"] / world, (name, got["piece_bytes"])  # balanced
     for name in layouts:
@@ -125,17 +126,20 @@ def test_checkpoints_are_written_by_shard_and_resume_into_another_layout_and_wor
 
 
 def test_a_grpo_run_trains_sharded_verifies_its_weights_and_resumes_into_another_layout(tmp_path):
-    """The runtime end to end: 2 train ranks under --train.parallel fsdp (checkpoints by shard every step, the
-    weights gathered for the rollout servers and verified every step), then the same run directory resumed into
-    tensor parallel (--train.tp_size 2) for two more steps."""
+    """The runtime end to end: 2 train ranks under --train.parallel fsdp, no warm start (each rank builds only its
+    pieces; checkpoints by shard every step, the weights sent by piece and verified every step), then the same run
+    directory resumed into tensor parallel (--train.tp_size 2) for two more steps."""
     from tests.test_runtime import assert_none_left, steps, torchrun
 
     run_dir = tmp_path / "run"
-    first = subprocess.run(torchrun(run_dir, "--steps", "2", "--train.parallel", "fsdp"), capture_output=True,
-                           text=True, timeout=300, cwd=ROOT)
+    first = subprocess.run(torchrun(run_dir, "--steps", "2", "--train.parallel", "fsdp", "--sft.max_steps", "0"),
+                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert first.returncode == 0, first.stderr[-3000:]
     summary = json.loads(first.stdout.strip().splitlines()[-1])
     assert summary["train_layout"] == "fsdp x2" and summary["steps"] == 2
+    for rank in (0, 1):  # no warm start: each rank built only its pieces, straight into the layout
+        assert "model built in its layout (fsdp x2), this rank's pieces only" in \
+            (run_dir / "logs" / f"train-{rank}.log").read_text()
     assert [int(r["weights_verified"]) for r in steps(run_dir)] == [1, 1]
     slot = run_dir / "checkpoints" / "latest_even"
     assert sorted(p.name for p in (slot / "shards").iterdir()) == ["rank00000.safetensors", "rank00001.safetensors"]
@@ -152,8 +156,8 @@ def test_a_grpo_run_trains_sharded_verifies_its_weights_and_resumes_into_another
     missing = subprocess.run([sys.executable, "-m", "rlhf.cli", "export", str(run_dir), str(tmp_path / "x"), "--step",
                               "7"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert missing.returncode != 0 and "no valid checkpoint of step 7" in missing.stderr and "[1, 2]" in missing.stderr
-    second = subprocess.run(torchrun(run_dir, "--steps", "4", "--train.tp_size", "2"), capture_output=True, text=True,
-                            timeout=300, cwd=ROOT)
+    second = subprocess.run(torchrun(run_dir, "--steps", "4", "--train.tp_size", "2", "--sft.max_steps", "0"),
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert second.returncode == 0, second.stderr[-3000:]
     summary = json.loads(second.stdout.strip().splitlines()[-1])
     assert summary["train_layout"] == "dp x1 x tp 2" and summary["resumed_from_step"] == 2

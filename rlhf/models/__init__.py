@@ -9,6 +9,7 @@ tokenizer if it was saved by this framework).
 from __future__ import annotations
 
 import functools
+import glob
 import os
 import threading
 from typing import TYPE_CHECKING, Any, Callable
@@ -134,24 +135,78 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
     transformers' own init has changed between releases (the order and the generator calls), which moved
     the default run's accuracy with every upgrade. Here, in parameter-name order from one generator:
     matrices and embeddings ~ N(0, config.initializer_range), norm weights 1, biases 0, the pad token's
-    embedding row 0. Tied weights are one parameter and drawn once.
+    embedding row 0. Tied weights are one parameter and drawn once. A parameter laid out in pieces (a DTensor: a
+    model built straight into its train layout) gets the same values: each whole parameter is drawn, one at a time,
+    and the rank keeps its piece of it.
     """
     import torch
 
+    from rlhf.weights import copy_whole_
+
     generator = torch.Generator().manual_seed(seed)
     std = float(getattr(model.config, "initializer_range", 0.02))
+    pad = getattr(model.config, "pad_token_id", None)
+    embeddings = model.get_input_embeddings().weight
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
             if param.dim() >= 2:
-                param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float32) * std)
-            elif "norm" in name:
-                param.fill_(1.0)
+                whole = torch.randn(param.shape, generator=generator, dtype=torch.float32) * std
             else:
-                param.zero_()
-        pad = getattr(model.config, "pad_token_id", None)
-        embeddings = model.get_input_embeddings()
-        if isinstance(pad, int) and 0 <= pad < embeddings.weight.shape[0]:
-            embeddings.weight[pad].zero_()
+                whole = torch.full(param.shape, 1.0 if "norm" in name else 0.0)
+            if param is embeddings and isinstance(pad, int) and 0 <= pad < whole.shape[0]:
+                whole[pad].zero_()
+            copy_whole_(param, whole)
+
+
+def model_skeleton(model_cfg: Any) -> tuple[torch.nn.Module, Any]:
+    """(the model on the meta device, no memory behind it, fp32; its tokenizer): to be laid out, then filled by
+    fill_weights. The generation config of a model directory comes along (its stop tokens)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    if model_cfg.path:
+        tokenizer = load_tokenizer(model_cfg.path)
+        config = AutoConfig.from_pretrained(model_cfg.path, local_files_only=True)
+    else:
+        tokenizer = CharTokenizer()
+        config = MODEL_PRESETS[model_cfg.name](tokenizer.vocab_size)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    if model_cfg.path and os.path.exists(os.path.join(model_cfg.path, "generation_config.json")):
+        model.generation_config = GenerationConfig.from_pretrained(model_cfg.path, local_files_only=True)
+    return model, tokenizer
+
+
+def fill_weights(model: torch.nn.Module, model_cfg: Any, seed: int) -> None:
+    """The weights of a skeleton already given memory (to_empty): the seeded init of a built-in model, or a model
+    directory's safetensors read one parameter at a time; buffers (the rotary tables) computed afresh. A parameter
+    laid out in pieces keeps this rank's piece: no rank holds the whole model."""
+    import torch
+    from safetensors import safe_open
+
+    from rlhf.weights import copy_whole_
+
+    for module in model.modules():  # to_empty left the buffers unset: a fresh module of the same kind computes them
+        if any(True for _ in module.buffers(recurse=False)):
+            fresh = type(module)(config=model.config)
+            for name, buf in fresh.named_buffers(recurse=False):
+                getattr(module, name).copy_(buf)
+    if not model_cfg.path:
+        init_weights(model, seed)
+        return
+    files = sorted(glob.glob(os.path.join(model_cfg.path, "*.safetensors")))
+    where: dict[str, str] = {}
+    for f in files:
+        with safe_open(f, framework="pt") as fh:
+            where.update({k: f for k in fh.keys()})
+    params = dict(model.named_parameters())
+    missing = sorted(n for n in params if n not in where)
+    if missing:
+        raise ValueError(f"{model_cfg.path}: no weights for {missing[:5]} in {', '.join(map(os.path.basename, files))}")
+    with torch.no_grad():
+        for name, param in params.items():
+            with safe_open(where[name], framework="pt") as fh:
+                copy_whole_(param, fh.get_tensor(name).to(torch.float32))
 
 
 @_serialised

@@ -111,7 +111,7 @@ def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
     exits.record_start(run_dir, f"train-{rank}")
     log.info("train-%d on %s, %s collectives (%s)", rank, info.device, info.backend, info.why)
     worker = TrainWorker(cfg, run_dir, rank, world, token, device=info.device,
-                         threads=max(1, (os.cpu_count() or 2) // world))
+                         threads=max(1, (os.cpu_count() or 2) // world), grpo=mode != "sft")
     server = ServiceThread(worker.service)
     server.start()
     freeze_gc()  # the model, the worker and the imports are never garbage

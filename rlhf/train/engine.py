@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from rlhf import tracing
 from rlhf.algorithms import LOSSES
 from rlhf.algorithms.sft import nll_loss
-from rlhf.train.parallel import Layout, clip_grad_norm, frozen_copy, parallelize
+from rlhf.train.parallel import Layout, clip_grad_norm, frozen_copy, is_laid_out, parallelize
 
 
 class DataParallel(Protocol):
@@ -128,7 +128,7 @@ class TrainEngine:
         self.dp = dp
         self.device = next(model.parameters()).device
         self.reference: torch.nn.Module | None = None
-        if self.layout is not None:
+        if self.layout is not None and not is_laid_out(model):  # laid_out_model built it in its layout already
             parallelize(model, self.layout, mesh, self._fsdp_dtype(), tracker=dp)
         if keep_reference:
             self.reset_reference()

@@ -121,6 +121,27 @@ def parallelize(model: torch.nn.Module, layout: Layout, mesh: Any, param_dtype: 
     return model
 
 
+def laid_out_model(model_cfg: Any, seed: int, layout: Layout, mesh: Any, param_dtype: torch.dtype | None = None,
+                   tracker: Any = None, device: str = "cpu") -> tuple[torch.nn.Module, Any]:
+    """(the policy built straight into its layout, its tokenizer): a meta-device skeleton is laid out, given memory
+    for this rank's pieces only, and filled one whole parameter at a time (the seeded init, or a model directory's
+    safetensors), so no rank ever holds the whole model. The same weights as building it whole and laying it out."""
+    from rlhf.models import fill_weights, model_skeleton
+
+    model, tokenizer = model_skeleton(model_cfg)
+    parallelize(model, layout, mesh, param_dtype, tracker=tracker)
+    model.to_empty(device=device)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()  # to_empty gives the tied LM head a tensor of its own: one parameter again
+    fill_weights(model, model_cfg, seed)
+    return model.eval(), tokenizer
+
+
+def is_laid_out(model: torch.nn.Module) -> bool:
+    """Whether the model's parameters are already DTensors (built by laid_out_model)."""
+    return any(is_dtensor(p) for p in model.parameters())
+
+
 @torch.no_grad()
 def frozen_copy(model: torch.nn.Module, layout: Layout, mesh: Any, param_dtype: torch.dtype | None = None,
                 tracker: Any = None) -> torch.nn.Module:

@@ -35,6 +35,11 @@ class BroadcastUpdate:
 
     group: dict | None = None  # the weights update group's members and buckets
 
+    def _stale(self) -> None:
+        """Form the group again at the next update, leaving this one first (its members that are still up)."""
+        if self.group is not None:
+            self.group["members"] = None
+
     def _backend(self) -> str:
         """nccl only when every member has a GPU of its own; gloo otherwise (a CPU run, ranks sharing a GPU)."""
         cfg = self.cfg
@@ -88,7 +93,7 @@ class BroadcastUpdate:
         try:
             buckets = await self._group(step)
         except Exception as exc:  # noqa: BLE001 — re-raised unless the policy falls back to disk
-            self.group = None
+            self._stale()
             if not cfg.resilience.weights_fallback:
                 raise
             return await self._fallback(version, step, [], exc)
@@ -119,7 +124,7 @@ class BroadcastUpdate:
         if all(t.done() for t in tasks) and not any(t.exception() for t in tasks):
             watch.cancel()
             return {"upload_s_max": max(t.result() for t in sends), "update_s_max": max(t.result() for t in receives)}
-        self.group = None  # formed again next time: a member may be gone or mid-receive
+        self._stale()  # formed again next time: a member may be gone or mid-receive
         if not watch.done():  # a member that died fails every other member's broadcast within about a second:
             await asyncio.wait(receives, timeout=5.0)  # let them end, so that the lost server is the error we raise
         errors = [t.exception() for t in [watch, *receives, *sends] if t.done() and not t.cancelled() and t.exception()]

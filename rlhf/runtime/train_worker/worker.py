@@ -34,21 +34,22 @@ from rlhf.runtime.train_worker.baseline import SftAndPreflight
 from rlhf.runtime.train_worker.state import WeightsAndCheckpoints, load_reference, save_reference
 from rlhf.tracing.metrics import disk_wait_threads
 from rlhf.train.engine import TrainEngine
-from rlhf.train.parallel import build_mesh, make_layout
+from rlhf.train.parallel import build_mesh, laid_out_model, make_layout
 
 log = logging.getLogger("rlhf.train_worker")
 
 
 class TrainWorker(SftAndPreflight, WeightsAndCheckpoints):
     def __init__(self, cfg: Config, run_dir: str, rank: int, world_size: int, token: str,
-                 device: str = "cpu", threads: int = 1) -> None:
+                 device: str = "cpu", threads: int = 1, grpo: bool = True) -> None:
         """threads: torch's intra-op threads on the service's thread, which builds the model and runs every
         handler (the rest of the process stays serial: rlhf.procs.own_threads).
 
         The model is built on that thread as its first job, while this returns: the rank serves at once, the
         controller starts the rollout side meanwhile (on a 2-core machine a tiny run's startup was 2.3 s of
         imports and init here, then 5 s of scheduler and rollout server start), and requests queue behind the
-        build. A build that failed fails every request with its error (`built`)."""
+        build. A build that failed fails every request with its error (`built`). grpo false: the SFT baseline's
+        ranks (replicated; the whole model is built)."""
         self.cfg, self.run_dir, self.rank, self.world_size, self.token = cfg, run_dir, rank, world_size, token
         self.service = Service("train", rank, token, cfg.resilience, threads=threads)
         # the layout (rlhf.train.parallel; checked against the model at the CLI): GRPO steps run in it; the dp group
@@ -66,6 +67,8 @@ class TrainWorker(SftAndPreflight, WeightsAndCheckpoints):
         self.model: torch.nn.Module
         self.tokenizer: Any
         self.stop_id = -1  # what SFT appends to an answer: the first stop token, once the model is built
+        # a sharded GRPO run that starts without the (replicated) SFT warm start builds only its pieces
+        self.pieces_only = grpo and self.layout.sharded and cfg.sft.max_steps == 0
         self.built = self.service.executor.submit(self._build, device)
         for name in ("sft_warm_start", "begin_grpo", "compute_logprobs", "train_step", "upload_weights",
                      "save_weights_dir", "save", "load", "events", "sft_begin", "sft_step", "sft_eval",
@@ -91,8 +94,15 @@ class TrainWorker(SftAndPreflight, WeightsAndCheckpoints):
     def _build(self, device: str) -> None:
         # bf16/fp16 runs keep fp32 master weights and optimizer state here and compute in the low dtype
         # (autocast); what leaves for the rollout servers is cast to model.dtype
-        self.model, self.tokenizer = build_model_and_tokenizer(self.cfg.model, seed=self.cfg.seed, device=device,
-                                                               dtype="float32")
+        if self.pieces_only:  # a sharded GRPO run without a warm start: straight into its layout, pieces only
+            fsdp_dtype = self.wire_dtype if self.layout.fsdp and self.wire_dtype != torch.float32 else None
+            self.model, self.tokenizer = laid_out_model(self.cfg.model, self.cfg.seed, self.layout, self.mesh,
+                                                        fsdp_dtype, tracker=self.dp, device=device)
+            log.info("train-%d: model built in its layout (%s), this rank's pieces only", self.rank,
+                     self.layout.describe())
+        else:
+            self.model, self.tokenizer = build_model_and_tokenizer(self.cfg.model, seed=self.cfg.seed, device=device,
+                                                                   dtype="float32")
         self.stop_id = stop_token_ids(self.model, self.tokenizer)[0]
         if self.lease is not None:
             self.lease.acquire(self.cfg.runtime.lease_timeout_s)
