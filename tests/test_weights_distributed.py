@@ -142,3 +142,21 @@ def test_a_two_rank_run_broadcasts_survives_a_server_killed_mid_broadcast_and_na
                               text=True, timeout=120, cwd=ROOT)
     assert "rollout-0" in diagnose.stdout.split("\n\n")[0], diagnose.stdout[-2000:]
     assert_none_left(run_dir)
+
+
+def test_faithful_a_server_killed_mid_broadcast_fails_the_step_and_is_named_the_root_cause(tmp_path):
+    """faithful (no restart): the kill at step 2 fails the weights update; `rlhf diagnose` names rollout-1, killed by
+    SIGKILL, in the weights_update stage (not the rollout stage its role suggests)."""
+    faults = tmp_path / "kill.yaml"
+    faults.write_text("faults:\n  - name: kill-mid-broadcast\n    point: weights_update.broadcast\n"
+                      "    kind: process_kill\n    target: {role: rollout, rank: 1}\n"
+                      "    when: {step: 2, max_hits: 1}\n    params: {signal: KILL}\n")
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(torchrun(run_dir, "--steps", "3", "--weights.mode", "distributed", "--resilience", "faithful",
+                                   "--faults", str(faults)), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode != 0 and "step 2, stage weights_update" in proc.stderr, proc.stderr[-3000:]
+    diagnose = subprocess.run([sys.executable, "-m", "rlhf.cli", "diagnose", str(run_dir)], capture_output=True,
+                              text=True, timeout=120, cwd=ROOT)
+    headline = next(line for line in diagnose.stdout.splitlines() if line.startswith("root cause:"))
+    assert "rollout-1" in headline and "SIGKILL" in headline and "stage weights_update" in headline, headline
+    assert_none_left(run_dir)

@@ -87,7 +87,11 @@ def _life_evidence(lives: list[dict[str, Any]], metrics: dict[str, list[dict[str
         what = f"{name} (pid {pid}) {exits.describe(code)}" + (f" ({reason})" if reason else "") + f", seen by {life['by']}"
         category = "process_death"
         onset = min(life["end"], last_row["_time"] + _NOTICE_LAG_S) if last_row else life["end"]  # last seen alive
-        out.append(Evidence(life["end"], onset, life["by"], name, category, _activity_stage(last_row),
+        stage = _activity_stage(last_row)
+        span = _last_span(spans, pid)
+        if last_row is not None and span is not None and span.end_ns / 1e9 > last_row["_time"]:
+            stage = ""  # its heartbeat's request had ended: it died in a later one, named by its peers' reports
+        out.append(Evidence(life["end"], onset, life["by"], name, category, stage,
                             _activity_step(last_row), what, f"exits.jsonl ({name} pid {pid})", "exit", True, pid,
                             step_at_least=bool(last_row) and last_row.get("activity") == "idle"))
     return out

@@ -70,6 +70,7 @@ def _stage_in(text: str) -> str:
     for m in re.finditer(r"(?:POST|GET|DELETE) (/\S+)|https?://[^/\s]+(/[\w/]+)", text):
         if stage_of_route(m.group(1) or m.group(2)):
             return stage_of_route(m.group(1) or m.group(2))
+    text = re.sub(r"\brole [a-z_]+", "", text)  # "job rollout-1 (role rollout, …)" names a role, not a stage
     for stage in _STAGES:
         if re.search(rf"\b{stage}\b(?!-\d)", text):
             return stage
