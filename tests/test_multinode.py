@@ -13,7 +13,7 @@ from tests.conftest import ROOT
 from tests.test_runtime import assert_none_left, free_port, steps, wait_for_rows
 
 
-@pytest.mark.parametrize("mode, n_steps", [("distributed", 12)])
+@pytest.mark.parametrize("mode, n_steps", [("distributed", 6)])
 def test_two_nodes_form_one_run_each_with_its_scheduler_and_rollout_server(tmp_path, mode, n_steps):
     """The weights across hosts: train rank 0 (node 0) broadcasts them to a gloo group of both nodes' rollout servers,
     across the two addresses (the MetaServer's path is the one every single-node test takes)."""
