@@ -115,8 +115,8 @@ class RolloutConfig:
     """Generate max_new_tokens for every sample, past EOS (benchmarks: fixed work per step)."""
     backend: str = "native"
     """Rollout servers: 'native' (our engine, with our extensions: MetaServer pulls, /events, checksums) or
-    'sglang' (a real sglang server per job, driven through sglang's own routes only; needs weights.mode disk
-    and model.path)."""
+    'sglang' (a real sglang server per job, driven through sglang's own routes only; needs weights.mode
+    distributed or disk, and model.path)."""
     sglang_launcher: str = "sglang.launch_server"
     """With backend sglang: the module the scheduler runs as `python -m MODULE --config FILE` (sglang's launch
     flags in a YAML file, the API key among them). rlhf.runtime.sglang_launch is our engine behind exactly
