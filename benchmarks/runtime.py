@@ -171,15 +171,21 @@ def _disk_reader(rank: int, model_name: str, path: str, repeats: int, barrier, r
         results.put(("read", rank, time.perf_counter() - t0, 0))
 
 
+def _member(model_name: str, seed: int, port: int, rank: int, world: int, bucket_mb: float) -> tuple:
+    """A process of the weights update group: (group, its model's parameters by name, the bucket plan)."""
+    from rlhf.runtime import weights_group as wg
+
+    model, _ = _build(model_name, seed=seed)
+    group = wg.join("127.0.0.1", port, rank, world, "gloo", 300)
+    params = dict(sorted(model.named_parameters()))
+    return group, params, wg.plan_buckets(wg.describe(params.items()), int(bucket_mb * 2**20))
+
+
 def _broadcaster(model_name: str, port: int, world: int, bucket_mb: float, repeats: int, barrier, results) -> None:
     """Train rank 0 in distributed mode: every bucket packed flat and broadcast to the group."""
     from rlhf.runtime import weights_group as wg
 
-    model, _ = _build(model_name, seed=0)
-    group = wg.join("127.0.0.1", port, 0, world, "gloo", 300)
-    params = dict(sorted(model.named_parameters()))
-    plan = wg.plan_buckets([{"name": n, "dtype": wg.dtype_name(p.dtype), "shape": list(p.shape)}
-                            for n, p in params.items()], int(bucket_mb * 2**20))
+    group, params, plan = _member(model_name, 0, port, 0, world, bucket_mb)
     buffers = wg.Buffers()
     for _ in range(repeats):
         barrier.wait()
@@ -197,11 +203,7 @@ def _receiver(rank: int, model_name: str, port: int, world: int, bucket_mb: floa
 
     from rlhf.runtime import weights_group as wg
 
-    model, _ = _build(model_name, seed=100 + rank)
-    group = wg.join("127.0.0.1", port, 1 + rank, world, "gloo", 300)
-    params = dict(sorted(model.named_parameters()))
-    plan = wg.plan_buckets([{"name": n, "dtype": wg.dtype_name(p.dtype), "shape": list(p.shape)}
-                            for n, p in params.items()], int(bucket_mb * 2**20))
+    group, params, plan = _member(model_name, 100 + rank, port, 1 + rank, world, bucket_mb)
     buffers = wg.Buffers()
     for _ in range(repeats):
         barrier.wait()

@@ -66,9 +66,7 @@ def test_the_weights_group_routes_take_sglangs_requests_and_give_its_replies(rol
     assert replies == [(200, {"success": True, "message": "Succeeded to initialize custom process group."})] * 2
     assert all(set(body) == set(types["InitWeightsUpdateGroupReqOutput"]) for _, body in replies)
 
-    tensors = [{"name": n, "dtype": wg.dtype_name(p.dtype), "shape": list(p.shape)}
-               for n, p in sorted(model.named_parameters())]
-    buckets = wg.plan_buckets(tensors, sum(p.numel() * 4 for p in model.parameters()) // 2)
+    buckets = wg.plan_buckets(wg.describe(model.named_parameters()), sum(p.numel() * 4 for p in model.parameters()) // 2)
     assert len(buckets) >= 2
     fields = types["UpdateWeightsFromDistributedReqInput"]
     params = dict(model.named_parameters())

@@ -120,6 +120,12 @@ def unpack(buffer: torch.Tensor, names: list[str], dtypes: list[str], shapes: li
     return out
 
 
+def describe(named: Any, dtype: torch.dtype | None = None) -> list[dict]:
+    """{name, dtype, shape} of each (name, tensor), in name order (as sent: in `dtype` when given): plan_buckets'
+    input."""
+    return [{"name": n, "dtype": dtype_name(dtype or t.dtype), "shape": list(t.shape)} for n, t in sorted(named)]
+
+
 def plan_buckets(tensors: list[dict], max_bytes: int) -> list[dict]:
     """Cut the model's tensors ({name, dtype, shape}, in order) into buckets of at most max_bytes (a tensor larger
     than that is a bucket of its own): each {names, dtypes, shapes, bytes}."""

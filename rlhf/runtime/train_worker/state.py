@@ -132,10 +132,8 @@ class WeightsAndCheckpoints:
         if action == "open":
             self._weights_group = None
             self._weights_store = wg.open_store(DEFAULT_HOST, float(args.get("timeout_s", 300)))
-            dtype = wg.dtype_name(self.wire_dtype)
             return {"master_address": DEFAULT_HOST, "master_port": self._weights_store.port,
-                    "tensors": [{"name": n, "dtype": dtype, "shape": list(p.shape)}
-                                for n, p in sorted(self.model.named_parameters())]}
+                    "tensors": wg.describe(self.model.named_parameters(), self.wire_dtype)}
         if action == "join":
             self._weights_backend, self._weights_buffers = str(args.get("backend", "gloo")), wg.Buffers()
             with tracing.span("weights.group_join", world_size=int(args["world_size"])):
