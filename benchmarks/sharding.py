@@ -17,8 +17,10 @@ from the go to the last tensor loaded, and the weights' GB/s over them.
 
 Part `run` is the real runtime: `examples/grpo_trainer.py` under torchrun with --run-world train ranks and
 --train.parallel fsdp on --model for 2 GRPO steps (no warm start; --run-dtype bfloat16: bf16 compute and a bf16
-rollout server, fp32 master weights and AdamW state), sampling the RSS of every process of the run (train ranks,
-rollout server, scheduler) 5 times a second; it prints the whole run's peak.
+rollout server, fp32 master weights and AdamW state), sampling every process of the run (train ranks, rollout
+server, scheduler) a few times a second; it prints the whole run's peak three ways: the machine's used memory over
+its level before the run, the processes' PSS summed, and their RSS summed (which counts shared pages once per
+process).
 
     python benchmarks/sharding.py                                   # both parts
     python benchmarks/sharding.py --part layouts --worlds 2 --layouts dp,fsdp --model llama-25m
@@ -42,7 +44,8 @@ from typing import Any
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-LAYOUTS = {"dp": ("dp", 1), "fsdp": ("fsdp", 1), "tp": ("dp", 2), "fsdp+tp": ("fsdp", 2)}
+# name -> (train.parallel, train.tp_size); fsdp-keep: fsdp with train.fsdp_reshard_after_forward false
+LAYOUTS = {"dp": ("dp", 1), "fsdp": ("fsdp", 1), "fsdp-keep": ("fsdp", 1), "tp": ("dp", 2), "fsdp+tp": ("fsdp", 2)}
 
 
 def launch(cmd: list[str], log_path: str, on_poll: Any = None) -> tuple[int, str]:
@@ -88,7 +91,8 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     parallel, tp = LAYOUTS[args.layout]
     model, _ = build_model_and_tokenizer(ModelConfig(name=args.model, dtype="float32"), seed=1, device="cpu")
-    layout = make_layout(parallel, tp, dist.get_world_size(), model.config)
+    layout = make_layout(parallel, tp, dist.get_world_size(), model.config,
+                         reshard_after_forward=args.layout != "fsdp-keep")
     mesh = build_mesh(layout, "cpu")
     dp = GlooDataParallel("cpu", mesh["dp"].get_group() if mesh is not None else None)
     optim = OptimConfig(micro_batch_size=args.rows, mini_batches=1, warmup_steps=0)
@@ -368,38 +372,65 @@ def run_part(args: argparse.Namespace) -> None:
                "--runtime.rpc_timeout_s", "1800", "--weights.upload_timeout_s", "1800",
                "--weights.update_timeout_s", "1800", "--weights.max_versions", "1"]
         t0 = time.perf_counter()
-        peak = [0, {}]
+        # three views of the run's memory, each at its own peak: the RSS of every process summed (counts each page
+        # that several processes map, torch's libraries and the shared-memory weights, once per process), their PSS
+        # summed (a shared page split between its mappers: what the processes cost together), and how much the
+        # machine's used memory (total - available, tmpfs files included) rose over its level before the run
+        baseline = used_bytes()
+        peak: dict[str, Any] = {"rss": 0, "pss": 0, "machine": 0, "parts": {}}
 
         def sample(proc: Any) -> None:
-            total, parts = 0, {}
             try:
                 family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
             except psutil.NoSuchProcess:
                 return
+            rss = {}
             for p in family:
                 try:
-                    rss = p.memory_info().rss
+                    rss[p] = p.memory_info().rss
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    continue
+            total = sum(rss.values())
+            peak["rss"] = max(peak["rss"], total)
+            peak["machine"] = max(peak["machine"], used_bytes() - baseline)
+            if total < 0.97 * peak["rss"]:
+                return  # PSS walks every page of every process: read only near the peak, not to slow the run
+            pss_total, parts = 0, {}
+            for p, r in rss.items():
+                try:
+                    pss = p.memory_full_info().pss
                     name = " ".join(p.cmdline()[1:3])[-40:]
                 except (psutil.NoSuchProcess, psutil.AccessDenied):
                     continue
-                total += rss
-                parts[f"{p.pid} {name}"] = rss
-            if total > peak[0]:
-                peak[0], peak[1] = total, parts
+                pss_total += pss
+                parts[f"{p.pid} {name}"] = (r, pss)
+            if pss_total > peak["pss"]:
+                peak["pss"], peak["parts"] = pss_total, parts
 
         code, text = launch(cmd, os.path.join(tmp, "run.log"), sample)
         wall = time.perf_counter() - t0
     if code != 0:
         print(text[-3000:])
         raise SystemExit(f"the run failed (exit {code})")
-    peak, peak_parts = peak
     summary = json.loads(next(line for line in reversed(text.splitlines()) if line.startswith("{")))
     print(f"GRPO run: {args.model} ({args.run_dtype}) on {args.run_world} train ranks, train.parallel fsdp "
-          f"({summary['train_layout']}), 2 steps, 1 rollout server: finished in {wall:.0f} s, step median {summary['step_time_median_s']:.1f} s")
-    print(f"whole run's peak RSS, every process summed: {peak / 2**30:.2f} GiB (machine {machine_bytes() / 2**30:.0f} "
-          "GiB)")
-    for name, rss in sorted(peak_parts.items(), key=lambda kv: -kv[1])[:8]:
-        print(f"  {rss / 2**30:6.2f} GiB  {name}")
+          f"({summary['train_layout']}), 2 steps, 1 rollout server: finished in {wall:.0f} s, step median "
+          f"{summary['step_time_median_s']:.1f} s")
+    gib = 2**30
+    print(f"whole run's peak memory (machine {machine_bytes() / gib:.0f} GiB): the machine's used memory rose by "
+          f"{peak['machine'] / gib:.2f} GiB; every process's PSS summed {peak['pss'] / gib:.2f} GiB; their RSS summed "
+          f"{peak['rss'] / gib:.2f} GiB (shared pages counted once per process)")
+    print("  at the PSS peak:     RSS       PSS")
+    for name, (rss, pss) in sorted(peak["parts"].items(), key=lambda kv: -kv[1][1])[:8]:
+        print(f"  {rss / gib:16.2f} GiB {pss / gib:5.2f} GiB  {name}")
+
+
+def used_bytes() -> int:
+    """The machine's used memory: total - available (page cache that can be dropped does not count; tmpfs does)."""
+    import psutil
+
+    vm = psutil.virtual_memory()
+    return vm.total - vm.available
 
 
 def main() -> None:

@@ -14,9 +14,8 @@ import math
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from rlhf.weights import _raw, copy_whole_, digest
+from rlhf.weights import _raw, copy_whole_, digest, is_dtensor
 
 
 class PiecesMismatch(ValueError):
@@ -30,7 +29,7 @@ def replica_of(t: torch.Tensor, rank: int, world: int) -> tuple[int, int]:
     A plain tensor is held whole by every rank of the world. A DTensor's piece is held by every rank whose mesh
     coordinates differ only on the dimensions it is replicated over: its Replicate placements, and the dimensions
     of the world's mesh its own (sub-)mesh leaves out (FSDP x TP keeps the embedding on the `dp` mesh alone)."""
-    if not isinstance(t, DTensor):
+    if not is_dtensor(t):
         return rank, world
     mesh = t.device_mesh
     root = _root_mesh(mesh) if mesh.mesh_dim_names else mesh  # the world's mesh this one was cut from
@@ -71,7 +70,7 @@ def own_pieces(model: torch.nn.Module, rank: int, world: int, dtype: torch.dtype
     tensors: dict[str, torch.Tensor] = {}
     where: dict[str, dict] = {}
     for name, p in sorted(model.named_parameters()):
-        if isinstance(p, DTensor):
+        if is_dtensor(p):
             held, offset = p.to_local(), list(p.__create_chunk_list__()[0].offsets)
         else:
             held, offset = p.detach(), [0] * p.dim()
@@ -188,7 +187,7 @@ def import_pieces(model: torch.nn.Module, shards: dict[str, tuple[dict[str, torc
         raise ValueError(f"weights: shapes differ from the model's: {wrong[:5]}")
     for name, (whole, got) in plan.items():
         p = params[name]
-        if isinstance(p, DTensor):  # a laid-out target: put it together, then keep this rank's piece
+        if is_dtensor(p):  # a laid-out target: put it together, then keep this rank's piece
             copy_whole_(p, _put_together(whole, got))
             continue
         for offset, t in got:

@@ -43,6 +43,23 @@ def release_freed_memory() -> None:
         pass
 
 
+def bound_heap(mmap_threshold_mb: float) -> bool:
+    """glibc: allocations of at least mmap_threshold_mb get pages of their own (mmap), handed back to the system
+    when freed, and the threshold stops growing (glibc raises it each time a large mmapped block is freed, after
+    which large tensors live in the heap and their pages stay resident after they are freed). 0 or no glibc: nothing
+    is changed (False)."""
+    if mmap_threshold_mb <= 0:
+        return False
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(-3, int(mmap_threshold_mb * (1 << 20))))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
 def own_threads(n: int) -> None:
     """Set the intra-op thread count (OpenMP and MKL) of the calling thread to n; threads that have not run a
     torch op yet start from n too.

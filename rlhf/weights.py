@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import struct
+import sys
 import warnings
 import zlib
 from typing import Any
@@ -20,7 +21,6 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import load_file, save_file
 from safetensors.torch import save as st_save
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 
 def export_state(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -45,11 +45,20 @@ def import_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> No
         copy_whole_(p, src)
 
 
+def is_dtensor(t: Any) -> bool:
+    """Whether `t` is a DTensor (a parameter laid out in pieces), without importing torch.distributed.tensor (half
+    a second of every process's start): until something imported it, no DTensor exists."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
 @torch.no_grad()
 def copy_whole_(target: torch.Tensor, src: torch.Tensor) -> None:
     """target <- src, a whole tensor: a target laid out in pieces (a DTensor: FSDP, tensor parallel) takes this
     rank's piece of it, cut here (no communication)."""
-    if isinstance(target, DTensor):
+    if is_dtensor(target):
+        from torch.distributed.tensor import distribute_tensor
+
         piece = target.to_local()
         piece.copy_(distribute_tensor(src.to(device=piece.device, dtype=target.dtype), target.device_mesh,
                                       target.placements, src_data_rank=None).to_local())

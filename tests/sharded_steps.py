@@ -86,7 +86,25 @@ def run(layout_name: str, model_name: str, steps: int, batch: dict[str, torch.Te
     dist.all_reduce(whole)
     local_bytes = sum(p.to_local().numel() if is_dtensor(p) else p.numel() for p in model.parameters()) * 4
     return {"records": records, "weights": weights, "logprobs": whole, "layout": layout.describe(),
-            "param_bytes_rank": local_bytes, **pieces_check(model, weights), **built_check(model_name, layout, mesh)}
+            "param_bytes_rank": local_bytes, **pieces_check(model, weights), **built_check(model_name, layout, mesh),
+            **bf16_reference_check(model_name, layout, mesh, batch, share, optim)}
+
+
+def bf16_reference_check(model_name: str, layout, mesh, batch: dict, share: int, optim) -> dict:
+    """Under fsdp with bf16 compute the frozen reference is kept in bf16 (FSDP computes it in bf16 anyway): its
+    logprobs equal the fp32-master policy's bit for bit before any step; and after a no-grad forward the root unit
+    (embedding, LM head) is sharded again, not left gathered."""
+    if not layout.fsdp:
+        return {}
+    model, _ = build_model_and_tokenizer(ModelConfig(name=model_name, dtype="float32"), seed=11, device="cpu")
+    engine = TrainEngine(model, optim, AlgorithmConfig(kl_coef=0.05), keep_reference=True, layout=layout, mesh=mesh,
+                         compute_dtype=torch.bfloat16)
+    mine, _ = shard_of(batch, share, layout.dp, dist.get_world_size(), optim.mini_batches)
+    policy, reference = engine.compute_logprobs(mine, "policy"), engine.compute_logprobs(mine, "reference")
+    return {"reference_dtypes": sorted({str(p.dtype) for p in engine.reference.parameters()}),
+            "policy_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+            "bf16_reference_exact": bool(torch.equal(policy, reference)) and bool(policy.abs().sum() > 0),
+            "root_sharded": all(is_dtensor(p) for m in (model, engine.reference) for p in m.parameters())}
 
 
 def built_check(model_name: str, layout, mesh) -> dict:
@@ -147,7 +165,9 @@ def main() -> None:
         diff = max(float((got["weights"][n] - w).abs().max()) for n, w in base["weights"].items())
         out[name] = {"records": got["records"], "layout": got["layout"], "max_weight_diff": diff,
                      "max_logprob_diff": float((got["logprobs"] - base["logprobs"]).abs().max()),
-                     "param_bytes_rank": got["param_bytes_rank"], **{k: got[k] for k in pieces}}
+                     "param_bytes_rank": got["param_bytes_rank"], **{k: got[k] for k in pieces},
+                     **{k: got[k] for k in ("reference_dtypes", "policy_dtypes", "bf16_reference_exact",
+                                            "root_sharded") if k in got}}
     start, _ = build_model_and_tokenizer(ModelConfig(name=args.model, dtype="float32"), seed=11)
     out["dp"]["max_update"] = max(float((base["weights"][n] - p.detach()).abs().max())
                                   for n, p in start.named_parameters())

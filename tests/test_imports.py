@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("transport", ("rlhf.runtime", "rlhf.runtime.http", "rlhf.runtime.client", "rlhf.runtime.wire",
                    "rlhf.runtime.shm", "rlhf.runtime.weights_group")),
     ("services", ("rlhf.runtime.metaserver", "rlhf.runtime.scheduler", "rlhf.runtime.rollout_server",
+                  "rlhf.runtime.reward_server",
                   "rlhf.runtime.train_worker", "rlhf.runtime.checkpoint", "rlhf.runtime.sharded_checkpoint",
                   "rlhf.runtime.dist",
                   "rlhf.runtime.colocation", "rlhf.runtime.batch_memory")),

@@ -54,6 +54,9 @@ def test_fsdp_and_tensor_parallel_on_two_ranks_take_the_steps_of_replicated_dp(t
     result = sharded_steps(tmp_path, 2, model, ["fsdp", "tp2"])
     assert result["fsdp"]["layout"] == "fsdp x2" and result["tp2"]["layout"] == "dp x1 x tp 2"
     assert_same_steps(result, ["fsdp", "tp2"])
+    fsdp = result["fsdp"]  # bf16 compute: the reference kept in bf16 gives the fp32-master policy's logprobs
+    assert fsdp["reference_dtypes"] == ["torch.bfloat16"] and fsdp["policy_dtypes"] == ["torch.float32"]
+    assert fsdp["bf16_reference_exact"] and fsdp["root_sharded"]  # and no root left gathered after a forward
 
 
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2-gqa"])

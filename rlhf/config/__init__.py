@@ -38,6 +38,7 @@ from rlhf.config.sections import (
     ModelConfig,
     OptimConfig,
     PreflightConfig,
+    RewardModelConfig,
     RolloutConfig,
     RuntimeConfig,
     SFTConfig,
@@ -48,6 +49,6 @@ from rlhf.config.sections import (
 
 __all__ = ["FAITHFUL", "HARDENED", "MOVED_KEYS", "PRESETS", "SGLANG_SERVER_MODULES", "AlgorithmConfig",
            "CheckpointConfig", "Config", "ConfigError", "ModelConfig", "OptimConfig", "Policy", "PreflightConfig",
-           "RolloutConfig", "RuntimeConfig", "SFTConfig", "TaskConfig", "TracingConfig", "WeightsConfig",
+           "RewardModelConfig", "RolloutConfig", "RuntimeConfig", "SFTConfig", "TaskConfig", "TracingConfig", "WeightsConfig",
            "apply_overrides", "build_config", "dotted_to_nested", "format_help", "iter_fields", "load_yaml",
            "parse_overrides", "preset_default", "preset_real_model", "preset_smoke"]

@@ -1,4 +1,4 @@
-"""The config tree: one dataclass per component (model, task, rollout, train, algorithm, sft, weights, runtime,
+"""The config tree: one dataclass per component (model, task, reward, rollout, train, algorithm, sft, weights, runtime,
 checkpoint, preflight, tracing) and the root `Config`. Each field's docstring (the string after it) is what
 `--help` prints, with units; each section validates itself in __post_init__."""
 
@@ -94,6 +94,38 @@ class TaskConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    model_path: str = ""
+    """A reward model: a local Hugging Face sequence-classification directory (Llama, Mistral or Qwen2 ...ForSequenceClassification, one label), served by its own process (job reward-0) and called in the reward stage; its score times reward.weight is added to the task's rewards. Empty: none."""
+    weight: float = 1.0
+    """The reward model's score is multiplied by this before it is added to the weighted sum of task.reward."""
+    chat_template: bool = False
+    """Score the prompt and the completion as a user and an assistant turn through the reward model's chat template (else their plain concatenation)."""
+    batch_size: int = 16
+    """Sequences per reward model forward."""
+    dtype: str = "float32"
+    """The reward model's dtype: float32, bfloat16 or float16."""
+    device: str = ""
+    """Its torch device; empty: model.device."""
+    timeout_s: float = 300.0
+    """How long one step's /score call may take, seconds (then the step fails naming reward-0)."""
+
+    def __post_init__(self) -> None:
+        _choice("reward.dtype", self.dtype, ["float32", "bfloat16", "float16"])
+        _positive("reward.batch_size", self.batch_size)
+        _positive("reward.timeout_s", self.timeout_s)
+        if self.device and not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ConfigError(f"reward.device: {self.device!r} is not valid; choose cpu, cuda or cuda:N (or leave it "
+                              "empty for model.device)")
+        if self.model_path:
+            from rlhf.models.reward_model import check_reward_model_dir
+
+            problem = check_reward_model_dir(self.model_path)
+            if problem:
+                raise ConfigError(problem)
+
+
+@dataclass
 class RolloutConfig:
     group_size: int = 8
     """GRPO group size: samples generated per prompt (sglang's `n`)."""
@@ -176,6 +208,8 @@ class OptimConfig:
     """GRPO train layout: dp (every rank holds the whole model and AdamW state, gradients all-reduced) or fsdp (FSDP2: parameters, gradients and AdamW state sharded over the data-parallel ranks). The SFT warm start runs replicated before it."""
     tp_size: int = 1
     """Tensor-parallel ranks per model replica: attention heads and MLP columns split among them (DTensor); train ranks = data-parallel ranks x tp_size, and tp_size must divide the heads, KV heads and MLP width."""
+    fsdp_reshard_after_forward: bool = True
+    """fsdp: free each layer's gathered parameters after its forward and gather them again for its backward (the least memory); false: keep them from the forward to the backward (one all-gather a layer fewer a micro-batch; the whole model's compute-dtype parameters held meanwhile)."""
 
     def __post_init__(self) -> None:
         _positive("train.lr", self.lr)
@@ -306,6 +340,8 @@ class RuntimeConfig:
     """The scheduler stops every job it started when the controller has not renewed its lease for this long, seconds."""
     startup_timeout_s: float = 120.0
     """How long to wait for a rollout server or the scheduler to come up, seconds."""
+    heap_mmap_threshold_mb: float = 4.0
+    """glibc: every allocation of at least this many MB gets pages of its own that go back to the system when it is freed (a train step's transient tensors then leave the process's resident memory); glibc's own threshold grows as large blocks are freed and keeps them in its heap (about 1 GB a rank in the 0.54 B fsdp run). 0: glibc's default. Train ranks and the rollout and reward servers."""
     watchdog_stall_s: float = 5.0
     """Stall watchdog: a train rank inside one collective this long while another rank is blocked elsewhere (no CPU use, no disk wait), or a rank blocked in a call 2x this long after the others answered, is named in seconds (resilience.stall_stops_run: and the run stopped); 0 disables."""
 
@@ -346,7 +382,7 @@ class PreflightConfig:
     exclude: bool = False
     """A straggler stops the run before step 1 (PreflightStraggler naming it), like DLRover's --exclude-straggler."""
     threshold: float = 2.0
-    """A rank whose matmul takes this many times the median of the other ranks' is a straggler."""
+    """A rank whose matmul takes this many times the median of the other ranks', in two rounds in a row, is a straggler."""
     matmul_size: int = 256
     """Side of the square fp32 matmul each rank times on its device."""
     duration_s: float = 2.0
@@ -380,7 +416,7 @@ class TracingConfig:
 
 @dataclass
 class Config:
-    """The whole run. Sections: model, task, rollout, train, algorithm, sft."""
+    """The whole run. Sections: model, task, reward, rollout, train, algorithm, sft, ..."""
 
     seed: int = 1
     """Run seed: model init, data order, sampling."""
@@ -392,6 +428,7 @@ class Config:
     """Also evaluate on the eval split every this many GRPO steps; 0 = only before and after."""
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    reward: RewardModelConfig = field(default_factory=RewardModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: OptimConfig = field(default_factory=OptimConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)

@@ -28,7 +28,7 @@ _RULES = [  # first match wins; applied to the message and its traceback's last 
 LOG_LINE = re.compile(  # one line of logs/<role>-<rank>.log
     r"^(?P<ts>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}) (?P<proc>[a-z]+-\d+) (?P<level>[A-Z]+) "
     r"(?P<logger>[\w.]+): (?P<msg>.*)$")
-_PROC = re.compile(r"\b(train|rollout|scheduler|metaserver|controller)-(\d+)\b")
+_PROC = re.compile(r"\b(train|rollout|reward|scheduler|metaserver|controller)-(\d+)\b")
 _FAILURE_WARNING = re.compile(r"failed|timed out|not delivered|\bdied\b|lapsed|cannot reach|unreachable|[Ee]rror|^retrying |: migrating |falling back to disk")
 _NOT_EVIDENCE = re.compile(r"^first failure of this run|^diagnosis failed|^fault \S+ never fired|^fault audit:|^stopping job|still running|^removed shared-memory|"
                            r"^interrupted ")
@@ -40,10 +40,11 @@ _ROUTE_STAGE = [("/generate", "rollout"), ("/update_weights", "weights_update"),
                 ("/broadcast_weights", "weights_update"), ("_weights_update_group", "weights_update"),
                 ("/weights", "weights_update"), ("/compute_logprobs", "reference"), ("/train_step", "train"),
                 ("/save", "latest_recover_save"), ("/load", "resume"), ("/events", "events"),
-                ("_memory_occupation", "events"), ("/jobs", "cleanup"), ("/evaluate", "evaluate")]
+                ("_memory_occupation", "events"), ("/jobs", "cleanup"), ("/evaluate", "evaluate"),
+                ("/score", "reward")]
 _STEP = re.compile(r"\b(?:at (?:its )?)?step (\d+)")
 _WITHIN = re.compile(r"within ([\d.]+) ?s\b")
-PARENT = {"rollout": "scheduler-0", "scheduler": "train-0"}  # a job dies with the scheduler, the scheduler with rank 0
+PARENT = {"rollout": "scheduler-0", "reward": "scheduler-0", "scheduler": "train-0"}  # a job dies with the scheduler, the scheduler with rank 0
 _BUSY_MIN_S = 3.0
 _STALE_ROW_S = 1.6  # a heartbeat row older than this (1 Hz sampler) no longer says what a process is doing  # a request or collective entered this long before the failure and never left
 _NOTICE_LAG_S = 1.0  # how much later than a report a hard cause may be noticed and still be the cause

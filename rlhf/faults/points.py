@@ -13,6 +13,7 @@ POINTS: dict[str, str] = {
                                 "before it receives one (weights.mode distributed; peer: the group's name)",
     "rollout.generate": "rollout server, before a /generate batch runs",
     "reward.compute": "controller, before the step's completions are scored by the reward functions",
+    "reward_model.score": "reward server (reward.model_path), before it scores a step's completions",
     "reference.compute": "train rank, before reference (or old-policy) logprobs",
     "train.step": "train rank, before the GRPO loss/backward/optimizer step",
     "sft.step": "train rank, before an SFT step (warm start and the SFT baseline)",
@@ -45,11 +46,11 @@ POINT_ROLES: dict[str, tuple[str, ...]] = {
     "rollout.generate": _ROLLOUT, "reference.compute": _TRAIN, "train.step": _TRAIN, "sft.step": _TRAIN,
     "collective.all_reduce": _TRAIN, "collective.all_gather": _TRAIN, "collective.reduce_scatter": _TRAIN,
     "rpc.client.send": ("controller", "train", "rollout"),
-    "rpc.server.handle": ("train", "rollout", "metaserver", "scheduler"), "metaserver.put": ("metaserver",),
+    "rpc.server.handle": ("train", "rollout", "metaserver", "scheduler", "reward"), "metaserver.put": ("metaserver",),
     "metaserver.get": ("metaserver",), "events.notify": _CONTROLLER, "events.handle": ("train", "rollout"),
     "checkpoint.write": _TRAIN, "checkpoint.fsync": _TRAIN, "checkpoint.load": _TRAIN,
     "scheduler.stop_job": _CONTROLLER, "data.split": _CONTROLLER, "step.begin": _CONTROLLER,
-    "reward.compute": _CONTROLLER,
+    "reward.compute": _CONTROLLER, "reward_model.score": ("reward",),
     "preflight.check": _TRAIN,
 }
 
@@ -70,6 +71,7 @@ ROUTES: dict[str, tuple[str, ...]] = {
     "metaserver": ("/versions", "/weights/{version}/{shard}", "/weights/{version}/manifest", "/weights/{version}",
                    "/health"),
     "scheduler": ("/jobs", "/jobs/{name}", "/lease", "/health"),
+    "reward": ("/score", "/health"),
 }
 
 # Which requests may be repeated with the same effect (idempotent): the client retries only these (the policy's
@@ -79,10 +81,11 @@ ROUTES: dict[str, tuple[str, ...]] = {
 #   /compute_logprobs   a pure function of the weights and the batch it carries
 #   /rng_state          sets the sampling generator to the state it carries
 #   /start_scheduler    starts this node's scheduler once; again, it answers with the one running
+#   /score              the reward server's scores: a pure function of the reward model and the texts
 # Never retried blindly: /train_step, /sft_step (an optimizer step each), /generate (new samples; migration is
 # its own behaviour), /upload_weights, /save, /load, /update_weights_* (they move state), /events (the policy's
 # acked_events delivers them, versioned, with its own attempts), /jobs (starts a process), /lease (its own loop).
-IDEMPOTENT_POSTS = frozenset({"/compute_logprobs", "/rng_state", "/start_scheduler"})
+IDEMPOTENT_POSTS = frozenset({"/compute_logprobs", "/rng_state", "/start_scheduler", "/score"})
 
 
 def idempotent(method: str, path: str) -> bool:
@@ -94,7 +97,7 @@ def idempotent(method: str, path: str) -> bool:
 
 # What `target.peer` names at each point ({r}: any rank of the run); points not listed have no peer.
 POINT_PEERS: dict[str, tuple[str, ...]] = {
-    "rpc.client.send": ("train-{r}", "rollout-{r}", "metaserver-0", "scheduler-0"),
+    "rpc.client.send": ("train-{r}", "rollout-{r}", "metaserver-0", "scheduler-0", "reward-0"),
     "events.notify": ("train-{r}", "rollout-{r}"),
     "events.handle": ("rollout_start", "rollout_end"),
     "scheduler.stop_job": ("scheduler-0",),

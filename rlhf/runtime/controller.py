@@ -71,7 +71,7 @@ class Controller(RunLifecycle):
         super().__init__(cfg, run_dir, worker_urls, token)
         self.task = build_task(cfg.task)
         self.reward = scorer_of(cfg.task)  # the run's rewards, weighted (rlhf.tasks.scoring)
-        self.columns = [*STEP_COLUMNS, *self.reward.labels]
+        self.columns = [*STEP_COLUMNS, *self.reward.labels, *(["reward_model"] if cfg.reward.model_path else [])]
         # the controller needs only the tokenizer (prompts in, completions out), never the weights
         self.tokenizer = load_tokenizer(cfg.model.path) if cfg.model.path else CharTokenizer()
         self.sampler = PromptSampler(self.task.split("train"), seed=cfg.seed)
@@ -139,11 +139,17 @@ class Controller(RunLifecycle):
             row["rollout_release_mb"] = freed_mb(self.events.notify("rollout_end", step), "rollout")
         with clock.stage("reward"):
             fault_point("reward.compute", step=step)
-            memory["rewards"] = torch.tensor(self.reward(memory["completions"], memory["answers"], memory["prompts"],
-                                                         row_fields(memory["fields"])))
-            row.update(self.reward.means)  # each reward function's mean (steps.csv reward_<name>, the stage's span)
+            rewards = torch.tensor(self.reward(memory["completions"], memory["answers"], memory["prompts"],
+                                               row_fields(memory["fields"])))
+            means = dict(self.reward.means)  # each reward function's mean (steps.csv reward_<name>, the stage's span)
+            if self.services.reward is not None:
+                scores = self._reward_model_scores(step, memory["prompts"], memory["completions"])
+                rewards = rewards + cfg.reward.weight * scores
+                means["reward_model"] = float(scores.mean())
+            memory["rewards"] = rewards
+            row.update(means)
             span = tracing.trace.get_current_span()
-            for key, value in self.reward.means.items():
+            for key, value in means.items():
                 span.set_attribute(f"rlhf.{key}", value)
             fault_point("data.split", step=step)
             shards, split = memory.split(self.layout.dp, tokens_key="num_tokens")
@@ -176,6 +182,18 @@ class Controller(RunLifecycle):
                 for batch, (_, out) in zip(batches, replies[::self.layout.tp]):
                     batch[key] = out["logprobs"]
         return batches
+
+    def _reward_model_scores(self, step: int, prompts: list[str], completions: list[str]) -> torch.Tensor:
+        """reward-0's score of each completion (reward.model_path): one /score call for the step's batch."""
+        assert self.services.reward is not None
+        reply = self.loop.run(self.services.reward.call("/score", {"prompts": list(prompts),
+                                                                   "completions": list(completions)},
+                                                        stage="reward", step=step))[0]
+        scores = reply.get("scores")
+        if not isinstance(scores, list) or len(scores) != len(completions):
+            raise RuntimeError(f"reward-0 answered /score with {len(scores) if isinstance(scores, list) else scores!r} "
+                               f"scores for {len(completions)} completions")
+        return torch.tensor(scores, dtype=torch.float32)
 
     def _per_rank(self, batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Each train rank's batch: its data-parallel share's (the ranks of a TP group compute on the same one)."""

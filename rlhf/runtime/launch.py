@@ -22,7 +22,7 @@ import psutil
 
 from rlhf import exits, faults, tracing
 from rlhf.config import Config
-from rlhf.procs import freeze_gc, own_threads, second_sigterm_stops, set_pdeathsig
+from rlhf.procs import bound_heap, freeze_gc, own_threads, second_sigterm_stops, set_pdeathsig
 from rlhf.run_dir import default_run_dir, make_run_dir, setup_logging
 from rlhf.runtime.controller import Controller
 from rlhf.runtime.dist import fetch, init_distributed, publish, restart_count, shutdown_distributed
@@ -95,6 +95,7 @@ def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
         token, run_dir = fetch("token"), fetch("run_dir")
     make_run_dir(run_dir)
     own_threads(1)  # the controller (rank 0) and every thread but the train worker's: serial (procs.own_threads)
+    bound_heap(cfg.runtime.heap_mmap_threshold_mb)
     if rank == 0:
         with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as fh:
             fh.write(cfg.to_yaml())

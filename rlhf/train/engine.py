@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from rlhf import tracing
 from rlhf.algorithms import LOSSES
 from rlhf.algorithms.sft import nll_loss
-from rlhf.train.parallel import Layout, clip_grad_norm, frozen_copy, is_laid_out, parallelize
+from rlhf.train.parallel import Layout, clip_grad_norm, frozen_copy, is_laid_out, parallelize, reshard_all
 
 
 class DataParallel(Protocol):
@@ -59,19 +59,25 @@ def token_logprobs(
     positions = (attention_mask.long().cumsum(1) - 1).clamp(min=0)  # (B, L)
     targets = input_ids[:, 1:]  # (B, L-1): position t predicts token t+1
     head = model.get_output_embeddings() if loss_mask is not None and not whole else None
-    if head is None:  # all positions (or a model without a separate output head)
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits  # (B, L, V)
-        logits = logits[:, :-1].float()  # (B, L-1, V)
+    if head is None:  # the model's own forward (or a model without a separate output head)
+        # whole with a loss mask: the head runs from the first column any row's loss reads on (HF's logits_to_keep:
+        # the last `keep` positions), the prompt columns before it are skipped as in the head-only path
+        first = 0
+        if loss_mask is not None and bool((loss_mask[:, 1:] > 0).any()):
+            first = int((loss_mask[:, 1:] > 0).any(0).nonzero()[0])
+        keep = {"logits_to_keep": input_ids.shape[1] - first} if first else {}
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, **keep).logits
+        logits = logits[:, :-1].float()  # (B, L-1-first, V)
         if temperature and temperature != 1.0:
             logits = logits / temperature
-        logp_all = torch.log_softmax(logits, dim=-1)  # (B, L-1, V)
-        logprobs = logp_all.gather(-1, targets[..., None]).squeeze(-1)  # (B, L-1)
+        logp_all = torch.log_softmax(logits, dim=-1)  # (B, L-1-first, V)
+        logprobs = F.pad(logp_all.gather(-1, targets[:, first:, None]).squeeze(-1), (first, 0))  # (B, L-1)
         if loss_mask is not None:  # the same zeros as the head-only path off the loss positions
             logprobs = logprobs.masked_fill(loss_mask[:, 1:] <= 0, 0.0)
         entropy = None
         if with_entropy:
             with torch.no_grad():
-                entropy = F.pad(-(logp_all.exp() * logp_all).sum(-1), (1, 0))  # (B, L)
+                entropy = F.pad(-(logp_all.exp() * logp_all).sum(-1), (1 + first, 0))  # (B, L)
                 if loss_mask is not None:
                     entropy = entropy.masked_fill(F.pad(loss_mask[:, 1:], (1, 0)) <= 0, 0.0)
         return F.pad(logprobs, (1, 0)), entropy  # (B, L)
@@ -194,6 +200,8 @@ class TrainEngine:
                     lp, _ = token_logprobs(model, part["input_ids"], part["attention_mask"], self.temperature,
                                            loss_mask=part.get("response_mask"), whole=self._whole)
                 out[start : start + lp.shape[0], : lp.shape[1]] = lp
+            if self._whole:
+                reshard_all(model)  # no backward follows this forward to free what FSDP kept gathered
             if out.is_cuda:  # the span ends with the work (the reply waits for it anyway)
                 torch.cuda.synchronize(out.device)
         model.train(was_training)

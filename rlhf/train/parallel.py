@@ -26,6 +26,7 @@ import torch
 
 from rlhf.config.sections import PARALLEL_LAYOUTS as PARALLEL
 from rlhf.train.collectives import fsdp_comms, watch_tp
+from rlhf.weights import is_dtensor
 
 TP_PLAN = {  # HF Llama / Mistral / Qwen2 decoder layer
     "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
@@ -41,6 +42,7 @@ class Layout:
     parallel: str = "dp"
     dp: int = 1
     tp: int = 1
+    reshard_after_forward: bool = True  # fsdp: a layer's parameters freed after its forward (False: at its backward)
 
     @property
     def world(self) -> int:
@@ -62,7 +64,8 @@ class Layout:
     def describe(self) -> str:
         if not self.sharded:
             return f"dp x{self.dp} (replicated)"
-        return f"{self.parallel} x{self.dp}" + (f" x tp {self.tp}" if self.tp > 1 else "")
+        return f"{self.parallel} x{self.dp}" + (f" x tp {self.tp}" if self.tp > 1 else "") + \
+            (" (gathered forward to backward)" if self.fsdp and not self.reshard_after_forward else "")
 
 
 def layout_problems(parallel: str, tp: int, world: int, model_config: Any) -> list[str]:
@@ -89,11 +92,12 @@ def layout_problems(parallel: str, tp: int, world: int, model_config: Any) -> li
     return problems
 
 
-def make_layout(parallel: str, tp: int, world: int, model_config: Any = None) -> Layout:
+def make_layout(parallel: str, tp: int, world: int, model_config: Any = None,
+                reshard_after_forward: bool = True) -> Layout:
     problems = layout_problems(parallel, tp, world, model_config)
     if problems:
         raise ValueError("; ".join(problems))
-    return Layout(parallel, world // tp, tp)
+    return Layout(parallel, world // tp, tp, reshard_after_forward)
 
 
 def build_mesh(layout: Layout, device_type: str) -> Any:
@@ -114,8 +118,8 @@ def parallelize(model: torch.nn.Module, layout: Layout, mesh: Any, param_dtype: 
     collectives pass fault points and mark the heartbeat (rlhf.train.collectives; tracker: the rank's dp hooks)."""
     if layout.tp > 1:
         apply_tp(model, mesh["tp"], tracker)
-    if layout.fsdp:
-        apply_fsdp(model, mesh["dp"], param_dtype, tracker)
+    if layout.fsdp:  # a frozen model never runs a backward that would free what a forward kept gathered
+        apply_fsdp(model, mesh["dp"], param_dtype, tracker, layout.reshard_after_forward or not train)
     if not train:
         model.requires_grad_(False)
     return model
@@ -137,6 +141,18 @@ def laid_out_model(model_cfg: Any, seed: int, layout: Layout, mesh: Any, param_d
     return model.eval(), tokenizer
 
 
+def reshard_all(model: torch.nn.Module) -> None:
+    """Free every FSDP unit's gathered parameters. FSDP2 keeps the root unit (the embedding, the final norm, the LM
+    head), and every layer under train.fsdp_reshard_after_forward false, gathered after a forward for the backward
+    that follows; after a no-grad forward (logprobs, the reference) none follows, and they would stay gathered until
+    the next step's backward (the reference's: for the whole run)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def is_laid_out(model: torch.nn.Module) -> bool:
     """Whether the model's parameters are already DTensors (built by laid_out_model)."""
     return any(is_dtensor(p) for p in model.parameters())
@@ -149,6 +165,16 @@ def frozen_copy(model: torch.nn.Module, layout: Layout, mesh: Any, param_dtype: 
     built on the meta device and laid out, then each rank fills in its own pieces (and the buffers) from `model`."""
     with torch.device("meta"):
         twin = type(model)(model.config)
+    if layout.fsdp and param_dtype is not None:
+        # FSDP computes the frozen copy in param_dtype only (its MixedPrecisionPolicy casts every gathered
+        # parameter): kept in that dtype, it gives the same logprobs and holds half the memory of fp32 copies
+        cast: dict[int, torch.nn.Parameter] = {}  # a tied parameter (embedding and LM head) stays one parameter
+        for module in twin.modules():
+            for key, p in module._parameters.items():
+                if p is not None and p.is_floating_point():
+                    if id(p) not in cast:
+                        cast[id(p)] = torch.nn.Parameter(p.to(param_dtype), requires_grad=False)
+                    module._parameters[key] = cast[id(p)]
     parallelize(twin, layout, mesh, param_dtype, train=False, tracker=tracker)
     twin.to_empty(device=local(next(model.parameters())).device)
     if getattr(model.config, "tie_word_embeddings", False):
@@ -159,7 +185,7 @@ def frozen_copy(model: torch.nn.Module, layout: Layout, mesh: Any, param_dtype: 
     for (name, src), (twin_name, dst) in zip(ours, theirs):
         if name != twin_name or tuple(src.shape) != tuple(dst.shape):
             raise RuntimeError(f"frozen_copy: {name} {tuple(src.shape)} has no twin ({twin_name} {tuple(dst.shape)})")
-        local(dst).copy_(local(src))
+        local(dst).copy_(local(src))  # (cast to param_dtype under fsdp: FSDP's own cast of the gathered parameter)
     for (_, src), (_, dst) in zip(model.named_buffers(), twin.named_buffers()):
         dst.copy_(src)
     return twin.eval()
@@ -178,13 +204,14 @@ def apply_tp(model: torch.nn.Module, tp_mesh: Any, tracker: Any = None) -> None:
         watch_tp(layer, rowwise, tracker)
 
 
-def apply_fsdp(model: torch.nn.Module, dp_mesh: Any, param_dtype: torch.dtype | None, tracker: Any = None) -> None:
+def apply_fsdp(model: torch.nn.Module, dp_mesh: Any, param_dtype: torch.dtype | None, tracker: Any = None,
+               reshard_after_forward: bool = True) -> None:
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else \
         MixedPrecisionPolicy()
     for layer in model.model.layers:
-        fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)  # the rest: embedding, final norm, LM head (tied or not)
     for module in model.modules():
         if isinstance(module, FSDPModule):
@@ -195,12 +222,6 @@ def apply_fsdp(model: torch.nn.Module, dp_mesh: Any, param_dtype: torch.dtype | 
             all_gather, reduce_scatter = fsdp_comms(tracker)
             module.set_custom_all_gather(all_gather)
             module.set_custom_reduce_scatter(reduce_scatter)
-
-
-def is_dtensor(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -214,28 +214,43 @@ class RunLifecycle(FailureReports, CheckpointSaves):
                 self.report_root_cause()
 
     def preflight(self) -> dict[str, Any] | None:
-        """preflight.enabled: every rank times a matmul and an all_gather; a much slower rank is named, and with
-        preflight.exclude the run does not start."""
+        """preflight.enabled: every rank times a matmul and an all_gather; a rank much slower than the others in two
+        rounds in a row is named (a rank slow in the first round only, a passing burst of other work on its core, is
+        not), and with preflight.exclude the run does not start."""
         pf = self.cfg.preflight
         if not pf.enabled:
             return None
-        replies = [r for r, _ in self.workers.call("preflight", {"size": pf.matmul_size, "duration_s": pf.duration_s},
-                                                   stage="startup")]
-        times = {r["rank"]: r["matmul_s"] for r in replies}
+
+        def measure() -> tuple[dict[int, float], list[dict[str, Any]]]:
+            replies = [r for r, _ in self.workers.call("preflight", {"size": pf.matmul_size,
+                                                                     "duration_s": pf.duration_s}, stage="startup")]
+            times = {r["rank"]: r["matmul_s"] for r in replies}
+            log.info("preflight: %dx%d matmul %s; all_gather %s", pf.matmul_size, pf.matmul_size,
+                     ", ".join(f"train-{r} {t * 1e3:.2f} ms" for r, t in sorted(times.items())),
+                     ", ".join(f"train-{r['rank']} {r['all_gather_s'] * 1e3:.1f} ms" for r in replies))
+            return times, replies
+
+        times, replies = measure()
         slow = stragglers(times, pf.threshold)
-        log.info("preflight: %dx%d matmul %s; all_gather %s", pf.matmul_size, pf.matmul_size,
-                 ", ".join(f"train-{r} {t * 1e3:.2f} ms" for r, t in sorted(times.items())),
-                 ", ".join(f"train-{r['rank']} {r['all_gather_s'] * 1e3:.1f} ms" for r in replies))
+        rounds = 1
+        if slow:
+            log.info("preflight: %s slow in the first round; measuring again to confirm",
+                     ", ".join(f"train-{rank} ({ratio:.1f}x)" for rank, ratio, _ in slow))
+            first = {rank for rank, _, _ in slow}
+            times, replies = measure()
+            slow = [s for s in stragglers(times, pf.threshold) if s[0] in first]
+            rounds = 2
         named = []
         for rank, ratio, others in slow:
             named.append(f"train-{rank} is a straggler: its matmul took {times[rank] * 1e3:.2f} ms, {ratio:.1f}x the "
-                         f"median of the other ranks ({others * 1e3:.2f} ms; threshold {pf.threshold:g}x)")
+                         f"median of the other ranks ({others * 1e3:.2f} ms; threshold {pf.threshold:g}x"
+                         f"{', in both rounds' if rounds == 2 else ''})")
             log.warning("preflight: %s", named[-1])
         if named and pf.exclude:
             raise PreflightStraggler("; ".join(named) + " — preflight.exclude: the run does not start")
         return {"matmul_ms": {f"train-{r}": round(t * 1e3, 3) for r, t in sorted(times.items())},
                 "all_gather_ms": {f"train-{r['rank']}": round(r["all_gather_s"] * 1e3, 3) for r in replies},
-                "stragglers": [f"train-{rank}" for rank, _, _ in slow]}
+                "rounds": rounds, "stragglers": [f"train-{rank}" for rank, _, _ in slow]}
 
     def _defer_sigterm(self) -> None:
         """torchrun's SIGTERM during cleanup must not cut it short (processes, files and the diagnosis depend on it)."""

@@ -5,6 +5,8 @@
     RolloutServer r  one job each (sglang-compatible HTTP API), colocated with train rank r or not;
                      with rollout.backend sglang, `python -m <rollout.sglang_launcher> --config FILE` instead
                      (sglang's launch flags in a 0600 YAML file: the API key never shows in `ps`)
+    RewardServer     with reward.model_path: job reward-0 on this node (rlhf.runtime.reward_server), scoring each
+                     step's completions with the reward model; not started again when it dies (the step fails)
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class RolloutServices:
         self.scheduler: SchedulerClient | None = None  # node 0's, the controller's own process
         self.remote: dict[int, RemoteScheduler] = {}  # the other nodes', started by their first train rank
         self.rollout: list[Client] = []
+        self.reward: Client | None = None  # the reward server (reward.model_path), else None
         self.jobs: list[tuple[list[str], dict[str, str], str]] = []  # rollout server r's (command, env, ready file)
 
     @property
@@ -57,12 +60,15 @@ class RolloutServices:
         self.metaserver_url = self.metaserver.start()
         self.scheduler = self._start_scheduler()
         threads = str(max(1, (os.cpu_count() or 2) // cfg.rollout.servers))
+        reward_ready = self._submit_reward_server()
         if cfg.rollout.backend == "sglang":
             urls = self._start_sglang(threads)
             self.rollout = [Client(u, self.token, cfg.runtime.rollout_timeout_s, peer=f"rollout-{r}",
                                    retries=cfg.resilience.retry_idempotent) for r, u in enumerate(urls)]
-            log.info("services up: metaserver %s, scheduler %s, %d sglang servers (%s), %d train ranks",
-                     self.metaserver_url, self.scheduler.url, len(urls), cfg.rollout.sglang_launcher, self.train_ranks)
+            self._connect_reward_server(reward_ready)
+            log.info("services up: metaserver %s, scheduler %s, %d sglang servers (%s)%s, %d train ranks",
+                     self.metaserver_url, self.scheduler.url, len(urls), cfg.rollout.sglang_launcher,
+                     ", reward-0" if self.reward else "", self.train_ranks)
             return
         self._start_node_schedulers()
         ready_files = []
@@ -81,9 +87,48 @@ class RolloutServices:
         self.rollout = [Client(u, self.token, cfg.runtime.rollout_timeout_s, peer=f"rollout-{r}",
                                retries=cfg.resilience.retry_idempotent)
                         for r, u in enumerate(urls)]
-        log.info("services up: metaserver %s, scheduler %s%s, %d rollout servers, %d train ranks",
+        self._connect_reward_server(reward_ready)
+        log.info("services up: metaserver %s, scheduler %s%s, %d rollout servers%s, %d train ranks",
                  self.metaserver_url, self.scheduler.url,
-                 "".join(f" (+ {s.name} {s.url})" for s in self.remote.values()), len(urls), self.train_ranks)
+                 "".join(f" (+ {s.name} {s.url})" for s in self.remote.values()), len(urls),
+                 f", reward server {self.reward.base_url}" if self.reward else "", self.train_ranks)
+
+    def _submit_reward_server(self) -> str:
+        """reward.model_path: submit job reward-0 (role reward) to this node's scheduler; returns its ready file
+        ("" without a reward model). It loads while the rollout servers load."""
+        cfg = self.cfg
+        if not cfg.reward.model_path:
+            return ""
+        assert self.scheduler is not None
+        ready = os.path.join(self.run_dir, "reward-0.url")
+        if os.path.exists(ready):
+            os.remove(ready)
+        cmd = [sys.executable, "-m", "rlhf.runtime.reward_server", "--run-dir", self.run_dir,
+               "--config", os.path.join(self.run_dir, "config.yaml"), "--ready-file", ready]
+        env = {"RLHF_TOKEN": self.token, "RLHF_REWARD_THREADS": "1", "PYTHONPATH": _pythonpath()}
+        self.scheduler.submit("reward-0", "reward", cmd, env)
+        return ready
+
+    def _connect_reward_server(self, ready: str) -> None:
+        """Until reward-0's ready file appears; a job that ended first (a model it cannot load) fails at once,
+        with where its error is."""
+        if not ready:
+            return
+        assert self.scheduler is not None
+        deadline = time.monotonic() + self.cfg.runtime.startup_timeout_s
+        while not (os.path.exists(ready) and os.path.getsize(ready) > 0):
+            job = next((j for j in self.scheduler.jobs() if j["name"] == "reward-0"), None)
+            if job is None or job["state"] != "running":
+                raise RuntimeError(f"reward-0 (reward.model_path {self.cfg.reward.model_path}) ended before it "
+                                   f"served: {job['state'] if job else 'no such job'}; its error is in "
+                                   f"{self.run_dir}/logs/reward-0.log")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"reward-0 was not ready within runtime.startup_timeout_s "
+                                   f"({self.cfg.runtime.startup_timeout_s:g} s)")
+            time.sleep(0.1)  # a poll interval: the condition is the ready file (or the job's end)
+        url = wait_for_file(ready, 1.0)
+        self.reward = Client(url, self.token, self.cfg.reward.timeout_s, peer="reward-0",
+                             retries=self.cfg.resilience.retry_idempotent)
 
     def _start_scheduler(self) -> SchedulerClient:
         cfg = self.cfg
@@ -315,7 +360,8 @@ class RolloutServices:
             scheduler.close()  # another node's: its first train rank stops the scheduler itself at shutdown
 
     def clients(self) -> list[Client]:
-        return self.rollout + ([self.scheduler.client] if self.scheduler else []) + \
+        return self.rollout + ([self.reward] if self.reward else []) + \
+            ([self.scheduler.client] if self.scheduler else []) + \
             [s.client for s in self.remote.values()]
 
 

@@ -31,7 +31,7 @@ from rlhf.config.resilience import HARDENED, Policy
 from rlhf.errors import BadRequest
 from rlhf.models import build_model_and_tokenizer
 from rlhf.pieces import slice_digests
-from rlhf.procs import own_threads, release_freed_memory, set_pdeathsig, write_atomic
+from rlhf.procs import bound_heap, own_threads, release_freed_memory, set_pdeathsig, write_atomic
 from rlhf.rollout.engine import RolloutEngine
 from rlhf.rollout.sglang_api import SGLANG_VERSION, GenerateCall, RequestControl
 from rlhf.run_dir import setup_logging
@@ -212,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     exits.record_start(args.run_dir, f"rollout-{args.rank}")  # its end: the scheduler records its exit status
     own_threads(1)  # the engine computes on its service's thread with RLHF_ROLLOUT_THREADS; the rest stays serial
     cfg = build_config(config_file=args.config)
+    bound_heap(cfg.runtime.heap_mmap_threshold_mb)
     start_process_telemetry(args.run_dir, "rollout", args.rank, cfg.tracing)
     if cfg.faults:
         faults.arm(args.run_dir, cfg.faults)

@@ -54,7 +54,8 @@ class TrainWorker(SftAndPreflight, WeightsAndCheckpoints):
         self.service = Service("train", rank, token, cfg.resilience, threads=threads)
         # the layout (rlhf.train.parallel; checked against the model at the CLI): GRPO steps run in it; the dp group
         # is the world, or with tensor parallel the ranks holding the same TP shard
-        self.layout = make_layout(cfg.train.parallel, cfg.train.tp_size, world_size)
+        self.layout = make_layout(cfg.train.parallel, cfg.train.tp_size, world_size,
+                                  reshard_after_forward=cfg.train.fsdp_reshard_after_forward)
         self.mesh = build_mesh(self.layout, torch.device(device).type)
         self.dp = GlooDataParallel(device, self.mesh["dp"].get_group() if self.mesh is not None else None)
         self.dp_rank = self.layout.dp_rank(rank)  # this rank's share of a batch, of layout.dp shares
