@@ -53,9 +53,13 @@ def bound_heap(mmap_threshold_mb: float) -> bool:
     import ctypes
     import ctypes.util
 
+    threshold = int(mmap_threshold_mb * (1 << 20))
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(-3, int(mmap_threshold_mb * (1 << 20))))  # M_MMAP_THRESHOLD
+        # M_MMAP_THRESHOLD; and M_TRIM_THRESHOLD as glibc's own adjustment sets it (twice the mmap threshold): a
+        # fixed threshold would otherwise leave it at 128 KB, and the heap's top would be given back and taken
+        # again around every step's smaller tensors
+        return bool(libc.mallopt(-3, threshold)) and bool(libc.mallopt(-1, 2 * threshold))
     except (OSError, AttributeError):
         return False
 

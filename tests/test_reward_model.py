@@ -21,6 +21,19 @@ from tests.test_runtime import assert_none_left
 RUN = [sys.executable, f"{ROOT}/examples/grpo_trainer.py", "--preset", "smoke", "--sft.max_steps", "0"]
 
 
+def faulted_run(tmp_path, name, kind, when, *args):
+    """A smoke GRPO run with one fault at reward_model.score on reward-0; (run dir, the finished process), nothing
+    of it left running."""
+    faults = tmp_path / "fault.yaml"
+    faults.write_text(f"faults:\n  - name: {name}\n    point: reward_model.score\n    kind: {kind}\n"
+                      f"    target: {{role: reward}}\n    when: {when}\n")
+    run_dir = tmp_path / "run"
+    out = subprocess.run([*RUN, *args, "--faults", str(faults), "--run-dir", str(run_dir)], capture_output=True,
+                         text=True, timeout=300, cwd=ROOT)
+    assert_none_left(run_dir)
+    return run_dir, out
+
+
 @pytest.fixture(scope="module")
 def rm_dir(tmp_path_factory):
     return write_reward_model_dir(str(tmp_path_factory.mktemp("rm") / "rm"))
@@ -58,14 +71,9 @@ def test_grpo_adds_the_reward_models_score_and_a_killed_reward_server_is_named(t
     """Steps 1-3 score with reward-0 (each step's reward = exact match + 0.5 x the model's score, the model's mean
     in steps.csv and in a span of reward-0); at step 4 reward-0 is killed inside /score: the run fails in the
     reward stage and `rlhf diagnose` names reward-0, killed by SIGKILL."""
-    faults = tmp_path / "kill.yaml"
-    faults.write_text("faults:\n  - name: kill-reward-server\n    point: reward_model.score\n    kind: process_kill\n"
-                      "    target: {role: reward}\n    when: {step: 4, max_hits: 1}\n    params: {signal: KILL}\n")
-    run_dir = tmp_path / "run"
-    out = subprocess.run([*RUN, "--steps", "4", "--reward.model_path", rm_dir, "--reward.weight", "0.5",
-                          "--faults", str(faults), "--run-dir", str(run_dir)],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert_none_left(run_dir)
+    run_dir, out = faulted_run(tmp_path, "kill-reward-server", "process_kill",
+                               "{step: 4, max_hits: 1}\n    params: {signal: KILL}", "--steps", "4",
+                               "--reward.model_path", rm_dir, "--reward.weight", "0.5")
     assert out.returncode != 0 and "step 4, stage reward" in out.stderr, out.stderr[-3000:]
     with open(run_dir / "steps.csv") as fh:
         rows = list(csv.DictReader(fh))
@@ -80,15 +88,10 @@ def test_grpo_adds_the_reward_models_score_and_a_killed_reward_server_is_named(t
     assert root.process == "reward-0" and root.stage == "reward" and "SIGKILL" in root.exit, root
 
 
+@pytest.mark.slow  # suite time: the reward server's death is in the default suite
 def test_a_hung_reward_server_fails_the_step_at_reward_timeout_s_and_is_named(tmp_path, rm_dir):
-    faults = tmp_path / "hang.yaml"
-    faults.write_text("faults:\n  - name: hang-reward-server\n    point: reward_model.score\n    kind: hang\n"
-                      "    target: {role: reward}\n    when: {step: 2}\n")
-    run_dir = tmp_path / "run"
-    out = subprocess.run([*RUN, "--steps", "2", "--reward.model_path", rm_dir, "--reward.timeout_s", "2",
-                          "--faults", str(faults), "--run-dir", str(run_dir)],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert_none_left(run_dir)
+    run_dir, out = faulted_run(tmp_path, "hang-reward-server", "hang", "{step: 2}", "--steps", "2",
+                               "--reward.model_path", rm_dir, "--reward.timeout_s", "2")
     assert out.returncode != 0 and "RpcTimeout: no reply from reward-0" in out.stderr, out.stderr[-3000:]
     root = diagnose(str(run_dir)).root
     assert root.process == "reward-0" and root.stage == "reward" and root.step == 2, root

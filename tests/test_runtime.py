@@ -158,6 +158,9 @@ def test_interrupted_or_killed_run_leaves_no_process(tmp_path, how):
             proc.wait()
 
 
+# slow (suite time): a resume after SIGKILL is in test_resilience (torchrun restarts the world, the continuation exact),
+# a run SIGKILLed as a group leaving nothing behind in test_interrupted_or_killed_run_leaves_no_process
+@pytest.mark.slow
 def test_sigkill_at_step_k_then_rerun_resumes_and_finishes(tmp_path):
     run_dir = tmp_path / "run"
     total = 12

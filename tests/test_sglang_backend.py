@@ -43,7 +43,8 @@ def _span_names(path):
     return names
 
 
-@pytest.mark.parametrize("mode", ["disk", "distributed"])
+# disk in the slow set (suite time): the native disk path runs in test_runtime, sglang's routes in the distributed case
+@pytest.mark.parametrize("mode", [pytest.param("disk", marks=pytest.mark.slow), "distributed"])
 def test_grpo_through_sglang_routes_only_colocated(tmp_path, mode):
     """disk: an HF directory each step; distributed: sglang's weights update group, a broadcast each step."""
     run_dir = tmp_path / "run"

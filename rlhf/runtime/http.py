@@ -288,6 +288,29 @@ class ServiceThread:
         self.service.executor.shutdown(wait=False, cancel_futures=True)
 
 
+def run_process_loop(main: Callable[[], Awaitable[None]], on_exit: Callable[[], None]) -> int:
+    """asyncio.run(main()) as a service process's main loop (rollout server, reward server); returns its exit code:
+    a SystemExit's (128 + SIGTERM from a signal handler), 0 after Ctrl-C or a normal end. on_exit runs whatever
+    happened."""
+    code = 0
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        pass
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    finally:
+        on_exit()
+    return code
+
+
+def exit_now(code: int) -> None:
+    """End the process with `code` as the default disposition of a signal would: the logs flushed, a call still on a
+    worker thread not waited for."""
+    logging.shutdown()
+    os._exit(code)
+
+
 async def serve_forever(service: Service, host: str, port: int, on_ready: Callable[[int], None],
                         stop: asyncio.Event | None = None) -> None:
     """Run a Service as the main loop of a process (rollout server, scheduler) until cancelled, or until `stop`

@@ -31,7 +31,7 @@ from rlhf.faults import fault_point
 from rlhf.models.reward_model import RewardModel
 from rlhf.procs import bound_heap, own_threads, release_freed_memory, set_pdeathsig, write_atomic
 from rlhf.run_dir import setup_logging
-from rlhf.runtime.http import DEFAULT_HOST, Service, serve_forever
+from rlhf.runtime.http import DEFAULT_HOST, Service, exit_now, run_process_loop, serve_forever
 from rlhf.tracing.setup import start_process_telemetry, stop_process_telemetry
 
 log = logging.getLogger("rlhf.reward_server")
@@ -108,18 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_term)
         await serve_forever(server.service, args.host, args.port, ready)
 
-    code = 0
-    try:
-        asyncio.run(serve())
-    except KeyboardInterrupt:
-        pass
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    finally:
-        stop_process_telemetry()
-    if code:
-        logging.shutdown()
-        os._exit(code)
+    code = run_process_loop(serve, stop_process_telemetry)
+    if code:  # a score call still on the model's thread is not waited for
+        exit_now(code)
     return 0
 
 

@@ -8,8 +8,11 @@
 FSDP2's collectives are its own: each FSDP module is handed a custom all-gather and reduce-scatter
 (`set_custom_all_gather` / `set_custom_reduce_scatter`, the interfaces of FSDP2's `_fsdp_api`) that ask the fault
 point, mark the rank as inside the collective for its heartbeat (what the stall watchdog reads: a rank that never
-joins an all-gather is named while the others wait in it), run the same torch.distributed call FSDP would, and wait
-for it there. Tensor parallel's all-reduce runs in the row-wise style's output hook: hooks around it do the same.
+joins an all-gather is named while the others wait in it), run the torch.distributed call FSDP would, and wait
+for it there. On gloo (CPU) each is an all_reduce of the same buffer instead: gloo's all_reduce moves it faster than
+its own reduce_scatter_tensor and all_gather_into_tensor (the reduce-scatter sums the whole buffer, then keeps this
+rank's part; the all-gather sums this rank's part in its place with zeros elsewhere: the same values, a -0.0 turned
++0.0). Tensor parallel's all-reduce runs in the row-wise style's output hook: hooks around it do the same.
 """
 
 from __future__ import annotations
@@ -45,7 +48,18 @@ def fsdp_comms(tracker: Any = None) -> tuple[Any, Any]:
                      async_op: bool = False) -> dist.Work | None:
             fault_point("collective.all_gather", numel=input_tensor.numel(), stage=tracing.current_stage())
             with track.inside("all_gather(fsdp parameters)"):
-                dist.all_gather_into_tensor(output_tensor, input_tensor, group=group)
+                if _gloo(group):  # this rank's part in its place, zeros elsewhere, summed: every rank's parts
+                    n = input_tensor.numel()
+                    start = dist.get_rank(group) * n
+                    flat = output_tensor.view(-1)
+                    mine = flat[start:start + n]
+                    if mine.data_ptr() != input_tensor.data_ptr():  # FSDP2 copies its input in place already
+                        mine.copy_(input_tensor.view(-1))
+                    flat[:start].zero_()
+                    flat[start + n:].zero_()
+                    dist.all_reduce(output_tensor, group=group)
+                else:
+                    dist.all_gather_into_tensor(output_tensor, input_tensor, group=group)
             return None  # done: FSDP waits on nothing
 
     class FaultedReduceScatter(ReduceScatter):
@@ -56,10 +70,22 @@ def fsdp_comms(tracker: Any = None) -> tuple[Any, Any]:
                      op: Any, async_op: bool = False) -> dist.Work | None:
             fault_point("collective.reduce_scatter", numel=input_tensor.numel(), stage=tracing.current_stage())
             with track.inside("reduce_scatter(fsdp gradients)"):
-                dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
+                if _gloo(group):  # the whole sum (in FSDP's own input buffer, freed after this), then this rank's part
+                    n = output_tensor.numel()
+                    start = dist.get_rank(group) * n
+                    dist.all_reduce(input_tensor, op=op, group=group)
+                    output_tensor.view(-1).copy_(input_tensor.view(-1)[start:start + n])
+                else:
+                    dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
             return None
 
     return FaultedAllGather(), FaultedReduceScatter()
+
+
+def _gloo(group: dist.ProcessGroup) -> bool:
+    """Whether `group` runs on gloo, whose all_reduce of a buffer is faster than its reduce-scatter (1.7-2x) and its
+    all-gather (1.1-1.3x) of the same buffer (benchmarks/sharding.py's notes; 2 and 4 CPU ranks here)."""
+    return dist.get_backend(group) == "gloo"
 
 
 def watch_tp(layer: torch.nn.Module, names: list[str], tracker: Any = None) -> None:

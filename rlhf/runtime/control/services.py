@@ -114,17 +114,10 @@ class RolloutServices:
         with where its error is."""
         if not ready:
             return
-        assert self.scheduler is not None
         deadline = time.monotonic() + self.cfg.runtime.startup_timeout_s
         while not (os.path.exists(ready) and os.path.getsize(ready) > 0):
-            job = next((j for j in self.scheduler.jobs() if j["name"] == "reward-0"), None)
-            if job is None or job["state"] != "running":
-                raise RuntimeError(f"reward-0 (reward.model_path {self.cfg.reward.model_path}) ended before it "
-                                   f"served: {job['state'] if job else 'no such job'}; its error is in "
-                                   f"{self.run_dir}/logs/reward-0.log")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"reward-0 was not ready within runtime.startup_timeout_s "
-                                   f"({self.cfg.runtime.startup_timeout_s:g} s)")
+            self._still_starting("reward-0", f"reward.model_path {self.cfg.reward.model_path}", "its ready file",
+                                 deadline, f"{self.run_dir}/logs/reward-0.log")
             time.sleep(0.1)  # a poll interval: the condition is the ready file (or the job's end)
         url = wait_for_file(ready, 1.0)
         self.reward = Client(url, self.token, self.cfg.reward.timeout_s, peer="reward-0",
@@ -326,17 +319,23 @@ class RolloutServices:
                     return
                 except (RpcConnectionError, HTTPStatusError, RpcTimeout):
                     pass
-                job = next((j for j in self.scheduler.jobs() if j["name"] == name), None)
-                if job is None or job["state"] != "running":
-                    raise RuntimeError(f"{name} ({self.cfg.rollout.sglang_launcher}) ended before it served /health: "
-                                       f"{job['state'] if job else 'no such job'}; its output is in "
-                                       f"{self.run_dir}/logs/{name}.stdout")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{name} did not answer GET {url}/health within runtime.startup_timeout_s "
-                                       f"({self.cfg.runtime.startup_timeout_s:g} s)")
+                self._still_starting(name, self.cfg.rollout.sglang_launcher, f"GET {url}/health", deadline,
+                                     f"{self.run_dir}/logs/{name}.stdout")
                 time.sleep(0.2)  # a poll interval, not a wait for a result: the condition is /health's answer
         finally:
             self.loop.run(probe.close())
+
+    def _still_starting(self, name: str, what: str, waiting_for: str, deadline: float, output: str) -> None:
+        """While a job comes up: its job ended (a model it cannot load) or runtime.startup_timeout_s passed is one
+        error naming it and where its output is."""
+        assert self.scheduler is not None
+        job = next((j for j in self.scheduler.jobs() if j["name"] == name), None)
+        if job is None or job["state"] != "running":
+            raise RuntimeError(f"{name} ({what}) ended before {waiting_for} answered: "
+                               f"{job['state'] if job else 'no such job'}; its output is in {output}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name} ({what}): no {waiting_for} within runtime.startup_timeout_s "
+                               f"({self.cfg.runtime.startup_timeout_s:g} s); its output is in {output}")
 
     def stop(self, level: int = logging.ERROR) -> None:
         """The MetaServer, then every job through its scheduler (each error logged at `level` as it happens). The

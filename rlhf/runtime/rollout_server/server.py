@@ -36,7 +36,7 @@ from rlhf.rollout.engine import RolloutEngine
 from rlhf.rollout.sglang_api import SGLANG_VERSION, GenerateCall, RequestControl
 from rlhf.run_dir import setup_logging
 from rlhf.runtime.colocation import DeviceLease, device_name
-from rlhf.runtime.http import DEFAULT_HOST, Service, serve_forever
+from rlhf.runtime.http import DEFAULT_HOST, Service, exit_now, run_process_loop, serve_forever
 from rlhf.runtime.rollout_server.distributed import DistributedWeights
 from rlhf.runtime.rollout_server.generate import GenerateRoutes
 from rlhf.runtime.rollout_server.memory import WeightsAndMemory
@@ -259,18 +259,9 @@ def serve(server: RolloutServer, host: str, port: int, ready: Callable[[int], No
         loop.add_signal_handler(signal.SIGTERM, on_term)
         await serve_forever(server.service, host, port, ready, stop)
 
-    code = 0
-    try:
-        asyncio.run(main())
-    except KeyboardInterrupt:
-        pass
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    finally:
-        on_exit()
+    code = run_process_loop(main, on_exit)
     if server.drain_left and not code:
         code = 1
     if code:  # as the default disposition would: a call still on the engine thread is not waited for
-        logging.shutdown()
-        os._exit(code)
+        exit_now(code)
     return 0
