@@ -29,18 +29,23 @@ def freeze_gc() -> None:
     gc.freeze()
 
 
+def _libc() -> Any:
+    """The C library (ctypes), or None where it cannot be loaded."""
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
 def release_freed_memory() -> None:
     """Hand the heap's freed pages back to the system (glibc's malloc_trim): after a whole model is replaced by its
     shards (FSDP, tensor parallel), the freed copy would otherwise stay in the process's resident memory. A no-op
     where the C library has no malloc_trim."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def bound_heap(mmap_threshold_mb: float) -> bool:
@@ -48,20 +53,14 @@ def bound_heap(mmap_threshold_mb: float) -> bool:
     when freed, and the threshold stops growing (glibc raises it each time a large mmapped block is freed, after
     which large tensors live in the heap and their pages stay resident after they are freed). 0 or no glibc: nothing
     is changed (False)."""
-    if mmap_threshold_mb <= 0:
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mmap_threshold_mb <= 0 or mallopt is None:
         return False
-    import ctypes
-    import ctypes.util
-
     threshold = int(mmap_threshold_mb * (1 << 20))
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        # M_MMAP_THRESHOLD; and M_TRIM_THRESHOLD as glibc's own adjustment sets it (twice the mmap threshold): a
-        # fixed threshold would otherwise leave it at 128 KB, and the heap's top would be given back and taken
-        # again around every step's smaller tensors
-        return bool(libc.mallopt(-3, threshold)) and bool(libc.mallopt(-1, 2 * threshold))
-    except (OSError, AttributeError):
-        return False
+    # M_MMAP_THRESHOLD; and M_TRIM_THRESHOLD as glibc's own adjustment sets it (twice the mmap threshold): a fixed
+    # threshold would otherwise leave it at 128 KB, and the heap's top would be given back and taken again around
+    # every step's smaller tensors
+    return bool(mallopt(-3, threshold)) and bool(mallopt(-1, 2 * threshold))
 
 
 def own_threads(n: int) -> None:
