@@ -17,6 +17,11 @@ benchmarks/rollout.py measures it computing every row.
     python benchmarks/rollout.py --batches 256 --new-tokens 32
     python benchmarks/rollout.py --model llama-110m --batches 64 --new-tokens 32 --grpo-new-tokens 32 \
         --warm-steps 30 --warm-batch 32 --warm-lr 3e-4 --repeats 3     # the ~110 M model, batch 64 x 32
+    python benchmarks/rollout.py --device cuda --model llama-110m --dtype bfloat16 --batches 512 \
+        --new-tokens 128 --warm-steps 0 --repeats 3 --profile       # + where one native call's time goes
+
+--profile: one more native equal-work call of the last batch under torch.profiler; prints the call's wall time, its
+operators by self device (or CPU) time, and the share of the wall time the device was busy.
 """
 
 import argparse
@@ -112,6 +117,24 @@ def timed_pair(fn_a, fn_b, repeats):
     return tokens_a / statistics.median(times_a), tokens_b / statistics.median(times_b), statistics.median(ratios)
 
 
+def profile_call(engine, prompt_ids, new_tokens) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = _device(engine.model).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    native_generate(engine, prompt_ids, new_tokens)  # warm
+    with profile(activities=activities) as prof:
+        t = time.perf_counter()
+        native_generate(engine, prompt_ids, new_tokens)
+        wall = time.perf_counter() - t
+    events = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    busy = sum(getattr(e, key) for e in events) / 1e6  # us -> s
+    print(f"\nprofile of one native call ({len(prompt_ids)} x {new_tokens} tokens): {wall:.3f} s wall (profiled), "
+          f"{'device' if cuda else 'CPU'} busy {busy:.3f} s ({busy / wall:.0%})")
+    print(events.table(sort_by=key, row_limit=18, max_name_column_width=60))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 256, 512])
@@ -127,6 +150,7 @@ def main() -> int:
     parser.add_argument("--warm-lr", type=float, default=1e-3, help="SFT learning rate of the warm-up")
     parser.add_argument("--grpo-new-tokens", type=int, default=6,
                         help="max_new_tokens of the grpo workload (the default config's is 6)")
+    parser.add_argument("--profile", action="store_true", help="profile one native call of the last batch")
     args = parser.parse_args()
     model, tok = build_model_and_tokenizer(ModelConfig(name=args.model, device=args.device, dtype=args.hf_dtype), seed=0)
     ours = model if args.dtype == args.hf_dtype else \
@@ -146,6 +170,8 @@ def main() -> int:
                                          args.repeats)
         print(f"| equal-work ({args.new_tokens} tok) | {batch} | {native:,.0f} | {hf:,.0f} | {speedup:.2f}x |",
               flush=True)
+    if args.profile:
+        profile_call(engine, encode_prompts(tok, [p.prompt for p in problems[: args.batches[-1]]]), args.new_tokens)
     if args.warm_steps:
         warm = warm_model(model, tok, args.warm_steps, args.warm_batch, args.warm_lr)
         if ours is not model:

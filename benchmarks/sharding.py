@@ -26,6 +26,11 @@ process).
     python benchmarks/sharding.py --part layouts --worlds 2 --layouts dp,fsdp --model llama-25m
     python benchmarks/sharding.py --part weights --worlds 2,4 --model llama-110m
     python benchmarks/sharding.py --part run --run-world 4
+    python benchmarks/sharding.py --part run --device cuda --model qwen2-1.5b --run-world 2 --run-steps 3
+
+`--device cuda`: every rank (and the run's rollout server) on the GPU, cuda:(local rank mod GPUs); ranks that share a
+GPU reduce over gloo (NCCL refuses two ranks of one communicator on one GPU), nccl otherwise. The layouts table's
+peak is then torch's peak CUDA allocation per rank, and part run adds the GPUs' used memory (nvidia-ml-py, 5 Hz).
 """
 
 from __future__ import annotations
@@ -87,14 +92,15 @@ def worker(args: argparse.Namespace) -> None:
     from rlhf.train.engine import TrainEngine
     from rlhf.train.parallel import build_mesh, local, make_layout
 
-    dist.init_process_group("gloo")
+    device = init_world(args.device)
     torch.set_num_threads(1)
     parallel, tp = LAYOUTS[args.layout]
     model, _ = build_model_and_tokenizer(ModelConfig(name=args.model, dtype="float32"), seed=1, device="cpu")
+    model.to(device)
     layout = make_layout(parallel, tp, dist.get_world_size(), model.config,
                          reshard_after_forward=args.layout != "fsdp-keep")
-    mesh = build_mesh(layout, "cpu")
-    dp = GlooDataParallel("cpu", mesh["dp"].get_group() if mesh is not None else None)
+    mesh = build_mesh(layout, device.type)
+    dp = GlooDataParallel(device, mesh["dp"].get_group() if mesh is not None else None)
     optim = OptimConfig(micro_batch_size=args.rows, mini_batches=1, warmup_steps=0)
     engine = TrainEngine(model, optim, AlgorithmConfig(kl_coef=0.0), keep_reference=False, dp=dp, layout=layout,
                          mesh=mesh)
@@ -126,7 +132,8 @@ def worker(args: argparse.Namespace) -> None:
             times.append(time.perf_counter() - t0)
     optimizer = nbytes(v for s in engine.optimizer.state.values() for v in s.values()
                        if isinstance(v, torch.Tensor) and v.dim() > 0)
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak_rss = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     mine = torch.tensor([params, grads, optimizer, peak_rss, statistics.median(times)], dtype=torch.float64)
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
@@ -135,6 +142,23 @@ def worker(args: argparse.Namespace) -> None:
             json.dump({"layout": layout.describe(), "per_rank": [t.tolist() for t in every],
                        "model_params": sum(p.numel() for p in model.parameters()) if not layout.sharded else None}, fh)
     dist.destroy_process_group()
+
+
+def init_world(device_name: str) -> Any:
+    """Join the torchrun world; returns this rank's device. CUDA: cuda:(local rank mod GPUs), nccl for CUDA tensors
+    when every local rank has a GPU of its own (gloo for host tensors), gloo for both when ranks share one."""
+    import torch
+    import torch.distributed as dist
+
+    if device_name != "cuda":
+        dist.init_process_group("gloo")
+        return torch.device("cpu")
+    local, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    device = torch.device("cuda", local % gpus)
+    torch.cuda.set_device(device)
+    own = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= gpus
+    dist.init_process_group("cpu:gloo,cuda:nccl" if own else "gloo")
+    return device
 
 
 def weights_worker(args: argparse.Namespace) -> None:
@@ -314,7 +338,7 @@ def layouts_part(args: argparse.Namespace) -> None:
                 cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
                        "--master_addr=127.0.0.1", f"--master_port={free_port()}", os.path.abspath(__file__), "--worker",
                        "--layout", name, "--model", args.model, "--rows", str(args.rows), "--tokens", str(args.tokens),
-                       "--steps", str(args.steps), "--out", out]
+                       "--steps", str(args.steps), "--out", out, "--device", args.device]
                 t0 = time.perf_counter()
                 code, text = launch(cmd, os.path.join(tmp, "out.log"))
                 if code != 0:
@@ -341,7 +365,8 @@ def layouts_part(args: argparse.Namespace) -> None:
                     result["vs_dp_step"] = result["step_s"] / base["step_s"]
     gib = 2**30
     print()
-    print("| world | layout | params / rank | grads / rank | AdamW / rank | model+opt / rank | vs dp | peak RSS / rank "
+    peak = "peak CUDA allocated / rank" if args.device == "cuda" else "peak RSS / rank"
+    print(f"| world | layout | params / rank | grads / rank | AdamW / rank | model+opt / rank | vs dp | {peak} "
           "| s/step | vs dp |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for world, name, r, note in rows:
@@ -365,7 +390,7 @@ def run_part(args: argparse.Namespace) -> None:
                "--master_addr=127.0.0.1", f"--master_port={free_port()}", os.path.join(ROOT, "examples",
                                                                                        "grpo_trainer.py"),
                "--run-dir", run_dir, "--model.name", args.model, "--model.dtype", args.run_dtype,
-               "--train.parallel", "fsdp", "--steps", "2",
+               "--train.parallel", "fsdp", "--steps", str(args.run_steps), "--model.device", args.device,
                "--sft.max_steps", "0", "--rollout.servers", "1", "--rollout.prompts_per_step", "4",
                "--rollout.group_size", "4", "--rollout.max_new_tokens", "4", "--train.micro_batch_size", "4",
                "--task.eval_size", "4", "--task.val_size", "4", "--checkpoint.latest_every", "0",
@@ -377,9 +402,13 @@ def run_part(args: argparse.Namespace) -> None:
         # summed (a shared page split between its mappers: what the processes cost together), and how much the
         # machine's used memory (total - available, tmpfs files included) rose over its level before the run
         baseline = used_bytes()
-        peak: dict[str, Any] = {"rss": 0, "pss": 0, "machine": 0, "parts": {}}
+        peak: dict[str, Any] = {"rss": 0, "pss": 0, "machine": 0, "parts": {}, "gpu": 0}
+        gpus = gpu_handles() if args.device == "cuda" else []
+        gpu_base = sum(gpu_used(h) for h in gpus)
 
         def sample(proc: Any) -> None:
+            if gpus:
+                peak["gpu"] = max(peak["gpu"], sum(gpu_used(h) for h in gpus) - gpu_base)
             try:
                 family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
             except psutil.NoSuchProcess:
@@ -413,16 +442,38 @@ def run_part(args: argparse.Namespace) -> None:
         print(text[-3000:])
         raise SystemExit(f"the run failed (exit {code})")
     summary = json.loads(next(line for line in reversed(text.splitlines()) if line.startswith("{")))
-    print(f"GRPO run: {args.model} ({args.run_dtype}) on {args.run_world} train ranks, train.parallel fsdp "
-          f"({summary['train_layout']}), 2 steps, 1 rollout server: finished in {wall:.0f} s, step median "
-          f"{summary['step_time_median_s']:.1f} s")
+    print(f"GRPO run: {args.model} ({args.run_dtype}) on {args.run_world} train ranks ({args.device}), train.parallel "
+          f"fsdp ({summary['train_layout']}), {args.run_steps} steps, 1 rollout server: finished in {wall:.0f} s, step "
+          f"median {summary['step_time_median_s']:.1f} s")
     gib = 2**30
+    if gpus:
+        print(f"GPU memory used by the run at its peak (nvidia-ml-py, {len(gpus)} GPU(s), over its level before the "
+              f"run): {peak['gpu'] / gib:.2f} GiB of {sum(gpu_total(h) for h in gpus) / gib:.0f} GiB")
     print(f"whole run's peak memory (machine {machine_bytes() / gib:.0f} GiB): the machine's used memory rose by "
           f"{peak['machine'] / gib:.2f} GiB; every process's PSS summed {peak['pss'] / gib:.2f} GiB; their RSS summed "
           f"{peak['rss'] / gib:.2f} GiB (shared pages counted once per process)")
     print("  at the PSS peak:     RSS       PSS")
     for name, (rss, pss) in sorted(peak["parts"].items(), key=lambda kv: -kv[1][1])[:8]:
         print(f"  {rss / gib:16.2f} GiB {pss / gib:5.2f} GiB  {name}")
+
+
+def gpu_handles() -> list[Any]:
+    import pynvml  # nvidia-ml-py
+
+    pynvml.nvmlInit()
+    return [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+
+
+def gpu_used(handle: Any) -> int:
+    import pynvml
+
+    return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+
+
+def gpu_total(handle: Any) -> int:
+    import pynvml
+
+    return int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
 
 
 def used_bytes() -> int:
@@ -443,6 +494,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="tokens per sequence")
     parser.add_argument("--steps", type=int, default=2, help="timed train steps (after one warm-up step)")
     parser.add_argument("--run-world", type=int, default=4, help="train ranks of part run")
+    parser.add_argument("--run-steps", type=int, default=2, help="GRPO steps of part run")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the ranks compute (cuda: ranks sharing a GPU reduce over gloo)")
     parser.add_argument("--run-dtype", default="bfloat16",
                         help="part run's model.dtype: the rollout server's weights and the train compute (FSDP keeps "
                              "fp32 master weights and AdamW state)")

@@ -139,6 +139,19 @@ def _unusable_inputs(cfg: Config) -> str:
                                model_shape(cfg.model))
     if problems:
         return "; ".join(problems)
+    if cfg.train.engine == "megatron":
+        if cfg.train.parallel != "dp" or cfg.train.tp_size != 1:
+            return (f"train.engine megatron: train.parallel {cfg.train.parallel!r} and train.tp_size "
+                    f"{cfg.train.tp_size} are the native engine's layouts (valid with megatron: train.parallel dp, "
+                    "train.tp_size 1)")
+        if cfg.runtime.colocate:
+            return "train.engine megatron: runtime.colocate is not supported yet (valid: runtime.colocate false)"
+        from rlhf.train.megatron import MegatronUnavailable, check_megatron
+
+        try:
+            check_megatron("cuda" if cfg.model.device.startswith("cuda") else cfg.model.device)
+        except MegatronUnavailable as err:
+            return str(err)
     if cfg.task.name == "jsonl" and not os.path.isfile(cfg.task.path):
         return f"task.path: {cfg.task.path!r} is not a file (expected a JSONL file of {{\"prompt\", \"answer\"}} lines)"
     return ""

@@ -1,13 +1,14 @@
 """Run under torchrun: GRPO steps of one global batch in replicated dp and in each sharded layout, on one world.
 
     python -m torch.distributed.run --nproc_per_node=N tests/sharded_steps.py --model tiny-llama \
-        --layouts fsdp,tp2 --steps 3 --out result.json
+        --layouts fsdp,tp2 --steps 3 --out result.json [--device cuda]
 
 Every layout starts from the same seeded weights and trains on the same global batch (each data-parallel group
 its share of it); rank 0 writes, per layout, each step's loss and grad norm and the largest difference of the
 updated weights (gathered whole) and of the first logprobs from those of replicated dp, and whether the pieces each
 rank uploads (rlhf.weights.own_pieces) put together give those weights exactly. tests/test_sharding.py asserts on
-them.
+them. `--device cuda`: every rank computes on cuda:(local rank mod GPUs), over gloo when ranks share a GPU (NCCL
+refuses two ranks of one communicator on one GPU), nccl otherwise; results are compared on the host.
 """
 
 from __future__ import annotations
@@ -55,13 +56,21 @@ def shard_of(batch: dict[str, torch.Tensor], share: int, dp: int, world: int,
     return {k: v[index] for k, v in batch.items()}, index
 
 
+DEVICE = torch.device("cpu")
+
+
+def _build(model_name: str):
+    model, tok = build_model_and_tokenizer(ModelConfig(name=model_name, dtype="float32"), seed=11, device="cpu")
+    return model.to(DEVICE), tok
+
+
 def run(layout_name: str, model_name: str, steps: int, batch: dict[str, torch.Tensor]) -> dict:
     parallel, tp = ("fsdp", 1) if layout_name == "fsdp" else ("dp", 1) if layout_name == "dp" else \
         ("fsdp" if layout_name.startswith("fsdp+") else "dp", int(layout_name.rsplit("tp", 1)[1]))
-    model, _ = build_model_and_tokenizer(ModelConfig(name=model_name, dtype="float32"), seed=11, device="cpu")
+    model, _ = _build(model_name)
     layout = make_layout(parallel, tp, dist.get_world_size(), model.config)
-    mesh = build_mesh(layout, "cpu")
-    dp = GlooDataParallel("cpu", mesh["dp"].get_group() if mesh is not None else None)
+    mesh = build_mesh(layout, DEVICE.type)
+    dp = GlooDataParallel(DEVICE, mesh["dp"].get_group() if mesh is not None else None)
     optim = OptimConfig(micro_batch_size=2, warmup_steps=0)  # the default lr, clip and 2 optimizer steps a step
     engine = TrainEngine(model, optim, AlgorithmConfig(kl_coef=0.05), keep_reference=True, dp=dp, layout=layout,
                          mesh=mesh)
@@ -69,7 +78,7 @@ def run(layout_name: str, model_name: str, steps: int, batch: dict[str, torch.Te
     mine, order = shard_of(batch, share, layout.dp, dist.get_world_size(), optim.mini_batches)
     mine["old_logprobs"] = engine.compute_logprobs(mine, "policy")
     mine["ref_logprobs"] = engine.compute_logprobs(mine, "reference")
-    first = mine["old_logprobs"].clone()
+    first = mine["old_logprobs"].cpu()
     records = []
     for _ in range(steps):
         m = engine.train_step(mine)
@@ -79,7 +88,7 @@ def run(layout_name: str, model_name: str, steps: int, batch: dict[str, torch.Te
         records.append({"loss": float(sum(parts[r] for r in range(0, dist.get_world_size(), layout.tp))),
                         "grad_norm": m["grad_norm"]})
         mine["old_logprobs"] = engine.compute_logprobs(mine, "policy")
-    weights = {n: (p.full_tensor() if is_dtensor(p) else p.detach()).clone() for n, p in model.named_parameters()}
+    weights = {n: (p.full_tensor() if is_dtensor(p) else p.detach()).cpu().clone() for n, p in model.named_parameters()}
     whole = torch.zeros_like(batch["attention_mask"], dtype=torch.float32)
     if dist.get_rank() % layout.tp == 0:  # one rank of each TP group puts its rows back in the batch's order
         whole[order] = first
@@ -96,7 +105,7 @@ def bf16_reference_check(model_name: str, layout, mesh, batch: dict, share: int,
     (embedding, LM head) is sharded again, not left gathered."""
     if not layout.fsdp:
         return {}
-    model, _ = build_model_and_tokenizer(ModelConfig(name=model_name, dtype="float32"), seed=11, device="cpu")
+    model, _ = _build(model_name)
     engine = TrainEngine(model, optim, AlgorithmConfig(kl_coef=0.05), keep_reference=True, layout=layout, mesh=mesh,
                          compute_dtype=torch.bfloat16)
     mine, _ = shard_of(batch, share, layout.dp, dist.get_world_size(), optim.mini_batches)
@@ -113,12 +122,12 @@ def built_check(model_name: str, layout, mesh) -> dict:
     if not layout.sharded:
         return {"built_exact": True}
     whole, _ = build_model_and_tokenizer(ModelConfig(name=model_name, dtype="float32"), seed=11, device="cpu")
-    built, _ = laid_out_model(ModelConfig(name=model_name, dtype="float32"), 11, layout, mesh)
+    built, _ = laid_out_model(ModelConfig(name=model_name, dtype="float32"), 11, layout, mesh, device=DEVICE.type)
     params = dict(built.named_parameters())
     exact = sorted(params) == sorted(n for n, _ in whole.named_parameters()) and all(
-        torch.equal(params[n].full_tensor() if is_dtensor(params[n]) else params[n].detach(), p)
+        torch.equal((params[n].full_tensor() if is_dtensor(params[n]) else params[n].detach()).cpu(), p)
         for n, p in whole.named_parameters()) and any(is_dtensor(p) for p in params.values())
-    buffers = all(torch.equal(a, b) for (_, a), (_, b) in zip(built.named_buffers(), whole.named_buffers()))
+    buffers = all(torch.equal(a.cpu(), b) for (_, a), (_, b) in zip(built.named_buffers(), whole.named_buffers()))
     return {"built_exact": bool(exact and buffers)}
 
 
@@ -128,6 +137,7 @@ def pieces_check(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> di
     every element sent once."""
     world = dist.get_world_size()
     part, where = own_pieces(model, dist.get_rank(), world)
+    part = {k: t.cpu() for k, t in part.items()}
     blob = torch.frombuffer(bytearray(encode_shard(part, "crc32", where)), dtype=torch.uint8)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(sizes, torch.tensor([blob.numel()]))
@@ -150,10 +160,20 @@ def main() -> None:
     parser.add_argument("--layouts", default="fsdp")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
-    dist.init_process_group("gloo")
+    global DEVICE
+    backend = "gloo"
+    if args.device == "cuda":
+        local, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+        DEVICE = torch.device("cuda", local % gpus)
+        torch.cuda.set_device(DEVICE)
+        # host tensors (the results exchanged here) always go through gloo
+        backend = "cpu:gloo,cuda:nccl" if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= gpus else "gloo"
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
+    dist.init_process_group(backend)
     torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
+    torch.use_deterministic_algorithms(True, warn_only=args.device == "cuda")  # CUDA: a warning where none exists
     model, tok = build_model_and_tokenizer(ModelConfig(name=args.model), seed=11)
     batch = global_batch(model.config.vocab_size)
     base = run("dp", args.model, args.steps, batch)

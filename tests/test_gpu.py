@@ -90,3 +90,131 @@ def test_scenario3_oom_is_a_real_cuda_out_of_memory(tmp_path):
     assert fired and all(m["emulated"] is False for m in fired) and fired[0]["role"] == "train" and fired[0]["rank"] == 1
     free, _ = torch.cuda.mem_get_info()
     assert free > 8 << 30  # restored: the memory went back when the run ended
+
+
+@pytest.mark.xfail(reason="seen on an H200 (2026-11-26): with 2 ranks sharing the GPU over gloo both ranks die of "
+                          "SIGSEGV under fsdp, and tp2 exits 1; cause not found yet (benchmarks/gpu_session.sh part "
+                          "sharded-diag keeps the whole output)", strict=False)
+def test_sharded_layouts_on_one_gpu_take_the_steps_of_replicated_dp(tmp_path):
+    """FSDP2 and tensor parallel on CUDA tensors, 2 ranks sharing the GPU (gloo: NCCL refuses two ranks of one
+    communicator on one GPU), take replicated dp's steps; each rank holds its part."""
+    from tests.test_runtime import free_port
+    from tests.test_sharding import assert_same_steps
+
+    out = tmp_path / "cuda.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", f"{ROOT}/tests/sharded_steps.py", "--model", "tiny-qwen2-gqa",
+           "--layouts", "fsdp,tp2", "--steps", "3", "--out", str(out), "--device", "cuda"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-4000:]
+    result = json.loads(out.read_text())
+    print(json.dumps({k: {x: v[x] for x in ("max_weight_diff", "max_logprob_diff") if x in v}
+                      for k, v in result.items()}))
+    assert_same_steps(result, ["fsdp", "tp2"])
+    assert result["fsdp"]["bf16_reference_exact"] and result["fsdp"]["root_sharded"]
+
+
+def _scenario6(tmp_path, **params):
+    import yaml
+
+    spec = yaml.safe_load(open(f"{ROOT}/examples/faults/scenario6.yaml"))
+    spec["faults"][0]["params"].update(params)
+    path = tmp_path / "scenario6.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_scenario6_device_memory_leak_is_real_on_a_gpu(tmp_path):
+    """The leak takes the card for real (the whole card: leak_mb = capacity_mb, since a tiny model fits in the
+    2.9 GB the scenario's values leave); the next allocation that does not fit fails with CUDA's own OOM, in
+    another process than the leaking rollout-0."""
+    run = tmp_path / "run"
+    out = _run("--faults", str(_scenario6(tmp_path, leak_mb=81920)), "--run-dir", str(run), "--model.device", "cuda",
+               torchrun=True, timeout=300)
+    assert out.returncode != 0
+    markers = [json.loads(line) for line in (run / "faults" / "markers.jsonl").read_text().splitlines()]
+    fired = [m for m in markers if m.get("kind") == "device_memory_leak" and m.get("event") == "inject"]
+    assert fired and fired[0]["emulated"] is False and fired[0]["role"] == "rollout", fired
+    logs = {p.stem: p.read_text() for p in (run / "logs").glob("*.log")}
+    ooms = [name for name, text in logs.items() if "CUDA out of memory" in text and name != "rollout-0"]
+    print("real OOM in:", ooms, "| last error:", out.stderr.strip().splitlines()[-1][:400])
+    assert ooms and not any("emulated device ledger" in logs[n] for n in ooms), sorted(logs)
+    free, _ = torch.cuda.mem_get_info()
+    assert free > 8 << 30  # the card came back when the run ended
+
+
+def test_scenario6_hardened_names_the_leaking_server_at_its_release(tmp_path):
+    """verify_release on a GPU reads what the allocator still holds after the release: rollout-0 is named at once."""
+    run = tmp_path / "run"
+    out = _run("--faults", str(_scenario6(tmp_path, leak_mb=81920)), "--run-dir", str(run), "--model.device", "cuda",
+               "--resilience", "hardened", torchrun=True, timeout=300)
+    assert out.returncode != 0
+    assert "DeviceMemoryNotReleased" in out.stderr and "rollout-0 still holds" in out.stderr, out.stderr[-3000:]
+
+
+def test_megatron_engine_logprobs_and_steps_equal_the_native_engines(tmp_path, monkeypatch):
+    """megatron-core's GPTModel (local spec) converted from the HF model: the same weights back by HF name, the same
+    logprobs (fp32 tight, bf16 within its rounding), and the same 3 GRPO train steps as the native engine."""
+    pytest.importorskip("megatron.core")
+    import torch.distributed as dist
+
+    from rlhf.config import AlgorithmConfig, ModelConfig, OptimConfig
+    from rlhf.models import build_model_and_tokenizer
+    from rlhf.train.engine import TrainEngine, token_logprobs
+    from rlhf.train.megatron import MegatronCausalLM, init_parallel
+    from tests.sharded_steps import global_batch
+    from tests.test_runtime import free_port
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        init_parallel(seed=0)
+        hf, _ = build_model_and_tokenizer(ModelConfig(name="tiny-qwen2-gqa", dtype="float32"), seed=11, device="cuda")
+        mc = MegatronCausalLM.from_hf(hf)
+        back, params = mc.hf_state_dict(), dict(hf.named_parameters())
+        assert sorted(back) == sorted(params) and all(torch.equal(back[n], p) for n, p in params.items())
+        batch = {k: v.cuda() for k, v in global_batch(hf.config.vocab_size).items()}
+        ids, mask, resp = batch["input_ids"], batch["attention_mask"], batch["response_mask"]
+        with torch.no_grad():
+            a, _ = token_logprobs(hf, ids, mask, loss_mask=resp, whole=True)
+            b, _ = token_logprobs(mc, ids, mask, loss_mask=resp, whole=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                a16, _ = token_logprobs(hf, ids, mask, loss_mask=resp, whole=True)
+                b16, _ = token_logprobs(mc, ids, mask, loss_mask=resp, whole=True)
+        fp32, bf16 = float((a - b).abs().max()), float((a16 - b16).abs().max())
+        print(f"megatron vs native logprobs: fp32 max diff {fp32:.2e}, bf16 max diff {bf16:.2e}")
+        assert fp32 < 1e-4 and bf16 < 0.1
+        records = {}
+        for name, model in (("native", hf), ("megatron", mc)):
+            engine = TrainEngine(model, OptimConfig(micro_batch_size=4, warmup_steps=0), AlgorithmConfig(kl_coef=0.05))
+            part = dict(batch)
+            part["old_logprobs"] = engine.compute_logprobs(part, "policy")
+            part["ref_logprobs"] = engine.compute_logprobs(part, "reference")
+            records[name] = [engine.train_step(part)["loss"] for _ in range(3)]
+        print("losses", records)
+        assert records["megatron"] == pytest.approx(records["native"], rel=1e-3, abs=1e-5)
+        after = mc.hf_state_dict()
+        assert max(float((after[n] - p.detach()).abs().max()) for n, p in hf.named_parameters()) < 1e-4
+    finally:
+        dist.destroy_process_group()
+
+
+def test_megatron_engine_runs_grpo_with_verified_weights_and_resumes(tmp_path):
+    """--train.engine megatron end to end: 3 GRPO steps whose weights (HF names, from the GPTModel) the rollout
+    server verifies every step, a checkpoint, and the same run resumed for 2 more."""
+    pytest.importorskip("megatron.core")
+    run = tmp_path / "run"
+    out = _run("--preset", "smoke", "--steps", "3", "--run-dir", str(run), "--model.device", "cuda",
+               "--train.engine", "megatron", "--sft.max_steps", "0")
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "megatron-core GPTModel engine" in (run / "logs" / "train-0.log").read_text()
+    rows = list(csv.DictReader((run / "steps.csv").open()))
+    assert [r["weights_verified"] for r in rows] == ["1", "1", "1"]
+    again = _run("--preset", "smoke", "--steps", "5", "--run-dir", str(run), "--model.device", "cuda",
+                 "--train.engine", "megatron", "--sft.max_steps", "0")
+    assert again.returncode == 0, again.stderr[-4000:]
+    summary = json.loads(again.stdout.strip().splitlines()[-1])
+    assert summary["resumed_from_step"] == 3
+    rows = list(csv.DictReader((run / "steps.csv").open()))
+    assert [int(r["step"]) for r in rows][-2:] == [4, 5] and all(r["weights_verified"] == "1" for r in rows)

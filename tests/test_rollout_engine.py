@@ -407,3 +407,24 @@ def test_top_logprobs_rank_the_distribution_the_sample_came_from():
             assert lp <= values[0] + 1e-6
             if token in [i for _v, i, _ in top]:
                 assert abs(dict((i, v) for v, i, _ in top)[token] - lp) < 1e-5
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-llama-gqa"])
+def test_decode_attention_as_two_matmuls_gives_the_fused_attentions_tokens(preset, monkeypatch):
+    """RLHF_DECODE_ATTENTION=bmm (the block layout's decode step as matmul, fp32 softmax, matmul) samples the tokens
+    and logprobs of PyTorch's fused attention, greedy and sampled, with stops and groups."""
+    from rlhf.rollout.engine import attention
+
+    model, tok = diverse_model(preset, seed=3)
+    prompts = encode_prompts(tok, PROMPTS)
+    params = {"max_new_tokens": 10, "temperature": 1.0, "n": 4}
+    got = {}
+    for mode in ("sdpa", "bmm"):
+        monkeypatch.setattr(attention, "DECODE_ATTENTION", mode)
+        engine = RolloutEngine(model, tok, seed=5)
+        engine.layout = "block"
+        got[mode] = engine.generate(prompts, params, return_logprob=True)
+    assert [r["output_ids"] for r in got["bmm"]] == [r["output_ids"] for r in got["sdpa"]]
+    for a, b in zip(got["bmm"], got["sdpa"]):
+        lp = [x[0] for x in a["meta_info"]["output_token_logprobs"]]
+        assert lp == pytest.approx([x[0] for x in b["meta_info"]["output_token_logprobs"]], abs=1e-4)

@@ -210,6 +210,8 @@ class OptimConfig:
     """Tensor-parallel ranks per model replica: attention heads and MLP columns split among them (DTensor); train ranks = data-parallel ranks x tp_size, and tp_size must divide the heads, KV heads and MLP width."""
     fsdp_reshard_after_forward: bool = True
     """fsdp: free each layer's gathered parameters after its forward and gather them again for its backward (the least memory); false: keep them from the forward to the backward (one all-gather a layer fewer a micro-batch; the whole model's compute-dtype parameters held meanwhile)."""
+    engine: str = "native"
+    """GRPO train engine: native (the HF model) or megatron (megatron-core's GPTModel, local layer spec, converted from and to HF names; needs CUDA and megatron-core: pip install -e '.[gpu]')."""
 
     def __post_init__(self) -> None:
         _positive("train.lr", self.lr)
@@ -222,6 +224,7 @@ class OptimConfig:
         _positive("train.warmup_steps", self.warmup_steps, allow_zero=True)
         _choice("train.parallel", self.parallel, PARALLEL_LAYOUTS)
         _positive("train.tp_size", self.tp_size)
+        _choice("train.engine", self.engine, ["native", "megatron"])
 
 
 @dataclass

@@ -65,6 +65,10 @@ MODEL_PRESETS: dict[str, Callable[[int], Any]] = {
     # ~0.54 B params (2048 hidden, 10 layers, GQA 16/8 heads, 32 k vocabulary): the sharding benchmark's model, which
     # replicated data parallel cannot hold at 4 ranks on a 24 GB machine (16 bytes a parameter on each rank: ~34 GB)
     "llama-500m": _llama(hidden=2048, layers=10, heads=16, kv_heads=8, ffn=5632, max_pos=512, vocab=32000),
+    # ~1.54 B params, Qwen2-1.5B's shape (1536 hidden, 28 layers, GQA 12/2 heads, 8960 MLP, q/k/v biases, 151,936
+    # vocabulary, tied embedding), random init: the sharded-training check on a GPU
+    "qwen2-1.5b": _llama(hidden=1536, layers=28, heads=12, kv_heads=2, ffn=8960, max_pos=1024, vocab=151936,
+                         family="qwen2"),
 }
 
 

@@ -57,7 +57,7 @@ def fsdp_comms(tracker: Any = None) -> tuple[Any, Any]:
                         mine.copy_(input_tensor.view(-1))
                     flat[:start].zero_()
                     flat[start + n:].zero_()
-                    dist.all_reduce(output_tensor, group=group)
+                    _gloo_all_reduce(output_tensor, group)
                 else:
                     dist.all_gather_into_tensor(output_tensor, input_tensor, group=group)
             return None  # done: FSDP waits on nothing
@@ -73,13 +73,24 @@ def fsdp_comms(tracker: Any = None) -> tuple[Any, Any]:
                 if _gloo(group):  # the whole sum (in FSDP's own input buffer, freed after this), then this rank's part
                     n = output_tensor.numel()
                     start = dist.get_rank(group) * n
-                    dist.all_reduce(input_tensor, op=op, group=group)
+                    _gloo_all_reduce(input_tensor, group, op)
                     output_tensor.view(-1).copy_(input_tensor.view(-1)[start:start + n])
                 else:
                     dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
             return None
 
     return FaultedAllGather(), FaultedReduceScatter()
+
+
+def _gloo_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: Any = dist.ReduceOp.SUM) -> None:
+    """gloo's all_reduce in place; a CUDA tensor (ranks sharing one GPU) goes through host memory, copied on FSDP's
+    own stream (the current one in its hooks), not through gloo's CUDA path."""
+    if not tensor.is_cuda:
+        dist.all_reduce(tensor, op=op, group=group)
+        return
+    host = tensor.to("cpu")  # waits for the stream's work on the tensor
+    dist.all_reduce(host, op=op, group=group)
+    tensor.copy_(host)
 
 
 def _gloo(group: dist.ProcessGroup) -> bool:

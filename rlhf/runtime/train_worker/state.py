@@ -231,5 +231,6 @@ class WeightsAndCheckpoints:
         engine = self._engine()
         fault_point("checkpoint.load", path=args["path"])
         ckpt.load_rank_files(args["path"], self.rank, self.model, engine.optimizer)
+        self.sync_hf(into_policy=True)  # train.engine megatron: the loaded HF weights into the GPTModel
         engine.optimizer_steps = int(args.get("optimizer_steps", engine.optimizer_steps))
         return {"rank": self.rank, "loaded": args["path"]}

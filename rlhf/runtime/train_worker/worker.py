@@ -62,6 +62,7 @@ class TrainWorker(SftAndPreflight, WeightsAndCheckpoints):
         self.wire_dtype = torch_dtype(cfg.model.dtype)
         self.gpu: torch.device | None = None  # set while the model is offloaded for a colocated rollout
         self.engine: TrainEngine | None = None
+        self.policy: Any = None  # train.engine megatron: the GPTModel the engine trains (self.model: its HF twin)
         self.shutdown = threading.Event()
         self.lease = DeviceLease(run_dir, rank, f"train-{rank}") if cfg.runtime.colocate else None
         self.device = device_name("train", rank, cfg.runtime.colocate)
@@ -154,7 +155,15 @@ class TrainWorker(SftAndPreflight, WeightsAndCheckpoints):
     def begin_grpo(self, args: dict, tensors: dict) -> dict:
         """GRPO engine with the current weights as KL reference; `reference` tensors override it (resume)."""
         cfg = self.cfg
-        self.engine = TrainEngine(self.model, cfg.train, cfg.algorithm, temperature=cfg.rollout.temperature or 1.0,
+        policy = self.model
+        if cfg.train.engine == "megatron":  # trains megatron-core's GPTModel; self.model stays the HF twin it syncs
+            from rlhf.train.megatron import MegatronCausalLM, init_parallel
+
+            init_parallel(seed=cfg.seed)
+            policy = self.policy = MegatronCausalLM.from_hf(self.model)
+            log.info("train-%d: megatron-core GPTModel engine (local layer spec), converted from the HF model",
+                     self.rank)
+        self.engine = TrainEngine(policy, cfg.train, cfg.algorithm, temperature=cfg.rollout.temperature or 1.0,
                                   keep_reference=cfg.algorithm.kl_coef > 0, dp=self.dp, compute_dtype=self.wire_dtype,
                                   layout=self.layout, mesh=self.mesh)
         if self.layout.sharded:
@@ -180,9 +189,23 @@ class TrainWorker(SftAndPreflight, WeightsAndCheckpoints):
         fault_point("train.step")
         self._check_global_batch(tensors)
         metrics = self._engine().train_step(tensors)
+        self.sync_hf()
         metrics["train_seconds"] = time.perf_counter() - t0
         metrics["rank"] = self.rank
         return metrics
+
+    @torch.no_grad()
+    def sync_hf(self, into_policy: bool = False) -> None:
+        """megatron engine: the HF twin (what weight sync, checkpoints and export read) takes the policy's weights;
+        into_policy: the other way (after a checkpoint was loaded into the HF twin)."""
+        if self.policy is None:
+            return
+        if into_policy:
+            self.policy.load_hf_state_dict({n: p.detach() for n, p in self.model.named_parameters()})
+            return
+        params = dict(self.model.named_parameters())
+        for name, tensor in self.policy.hf_state_dict().items():
+            params[name].copy_(tensor)
 
     # ------------------------------------------------------------------ what the watchdog and colocation ask
 
