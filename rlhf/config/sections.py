@@ -129,8 +129,8 @@ class RewardModelConfig:
 class RolloutConfig:
     group_size: int = 8
     """GRPO group size: samples generated per prompt (sglang's `n`)."""
-    prompts_per_step: int = 32
-    """Distinct prompts per GRPO step; the batch is prompts_per_step * group_size samples."""
+    prompts_per_step: int = 64
+    """Distinct prompts per GRPO step; the batch is prompts_per_step * group_size samples. 64: at 32 the default run's gradient was noise-dominated and its gain depended on the seed (README: What the default run does)."""
     max_new_tokens: int = 6
     """Longest completion in tokens; longer samples stop with finish_reason 'length'."""
     temperature: float = 1.0
