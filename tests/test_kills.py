@@ -25,7 +25,7 @@ def run_with_fault(tmp_path, steps, fault, config="  runtime: {cleanup_timeout_s
     config: the rest of the file's config section (lines indented by two spaces; 2 rollout servers unless it
     has a rollout line)."""
     faults = tmp_path / "fault.yaml"
-    rollout = "" if "rollout:" in config else "  rollout: {servers: 2}\n"
+    rollout = "" if "rollout:" in config else "  rollout: {servers: 2, prompts_per_step: 32}\n"
     faults.write_text(f"config:\n  steps: {steps}\n{rollout}{config}"
                       f"faults:\n  - name: f\n{fault}")
     run_dir = tmp_path / "run"
@@ -103,7 +103,7 @@ def test_a_raised_error_is_named_live_with_its_category(category, tmp_path):
 def test_cpu_burnt_by_a_servers_children_is_named_as_cpu_starvation(tmp_path):
     """Real burner processes (cpu_contention) under rollout-0 slow both servers' generate past a 4 s timeout: the
     root cause is the process whose children burnt the CPU, not the first server that timed out."""
-    config = ("  rollout: {servers: 2, max_new_tokens: 96, ignore_eos: true}\n"
+    config = ("  rollout: {servers: 2, prompts_per_step: 32, max_new_tokens: 96, ignore_eos: true}\n"
               "  runtime: {rollout_timeout_s: 4, cleanup_timeout_s: 5}\n")
     run_dir, _, last = run_with_fault(tmp_path, 4, "    kind: cpu_contention\n    point: rollout.generate\n"
                                                    "    target: {role: rollout, rank: 0}\n    when: {step: 2, max_hits: 1}\n"
@@ -121,7 +121,7 @@ def test_a_rollout_server_killed_between_steps_is_started_again_and_the_run_fini
     import json
 
     faults = tmp_path / "fault.yaml"
-    faults.write_text("config:\n  steps: 4\n  rollout: {servers: 2}\nfaults:\n  - name: f\n"
+    faults.write_text("config:\n  steps: 4\n  rollout: {servers: 2, prompts_per_step: 32}\nfaults:\n  - name: f\n"
                       + sigkill("{role: rollout, rank: 1, peer: /health}", "rpc.server.handle", "{step: 3}"))
     run_dir = tmp_path / "run"
     out = subprocess.run([sys.executable, f"{ROOT}/examples/grpo_trainer.py", "--preset", "smoke", "--run-dir",

@@ -112,15 +112,20 @@ def build_gpt(hf_config: Any, tp: int = 1, pp: int = 1, cpu_init: bool = False) 
                     share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)))
 
 
+def _one_to_one(hf_config: Any) -> list[tuple[str, str]]:
+    """(HF name, megatron name) of the tensors that convert as they are (a tied LM head has no megatron name)."""
+    pairs = [(hf.format(i=i), mc.format(i=i)) for i in range(hf_config.num_hidden_layers) for hf, mc in PLAIN.items()]
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    return pairs + [(hf, mc) for hf, mc in TOP.items() if not (tied and hf == "lm_head.weight")]
+
+
 def hf_to_megatron(state: dict[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
     """HF Llama/Qwen2 tensors by name -> GPTModel's (fused QKV per query group, fc1 = [gate; up])."""
     H, G, D, C = _shape(hf_config)
     rep = H // G
-    out: dict[str, torch.Tensor] = {}
+    out = {mc: state[hf] for hf, mc in _one_to_one(hf_config) if hf in state}
     for i in range(hf_config.num_hidden_layers):
         p = f"model.layers.{i}."
-        for hf, mc in PLAIN.items():
-            out[mc.format(i=i)] = state[hf.format(i=i)]
         for kind in ("weight", "bias"):
             if f"{p}self_attn.q_proj.{kind}" not in state:
                 continue
@@ -131,9 +136,6 @@ def hf_to_megatron(state: dict[str, torch.Tensor], hf_config: Any) -> dict[str, 
             ).reshape((H + 2 * G) * D, *rest)
         out[f"decoder.layers.{i}.mlp.linear_fc1.weight"] = torch.cat([state[f"{p}mlp.gate_proj.weight"],
                                                                       state[f"{p}mlp.up_proj.weight"]], dim=0)
-    for hf, mc in TOP.items():
-        if hf in state and not (hf == "lm_head.weight" and getattr(hf_config, "tie_word_embeddings", False)):
-            out[mc] = state[hf]
     return out
 
 
@@ -142,11 +144,9 @@ def megatron_to_hf(state: dict[str, torch.Tensor], hf_config: Any) -> dict[str, 
     embedding, named once, as HF's named_parameters give it)."""
     H, G, D, C = _shape(hf_config)
     rep = H // G
-    out: dict[str, torch.Tensor] = {}
+    out = {hf: state[mc] for hf, mc in _one_to_one(hf_config) if mc in state}
     for i in range(hf_config.num_hidden_layers):
         p = f"model.layers.{i}."
-        for hf, mc in PLAIN.items():
-            out[hf.format(i=i)] = state[mc.format(i=i)]
         for kind in ("weight", "bias"):
             fused = state.get(QKV.format(i=i, kind=kind))
             if fused is None:
@@ -158,9 +158,6 @@ def megatron_to_hf(state: dict[str, torch.Tensor], hf_config: Any) -> dict[str, 
             out[f"{p}self_attn.v_proj.{kind}"] = v.reshape(G * D, *rest)
         gate, up = state[f"decoder.layers.{i}.mlp.linear_fc1.weight"].chunk(2, dim=0)
         out[f"{p}mlp.gate_proj.weight"], out[f"{p}mlp.up_proj.weight"] = gate, up
-    for hf, mc in TOP.items():
-        if mc in state:
-            out[hf] = state[mc]
     return out
 
 
