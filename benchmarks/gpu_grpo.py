@@ -11,6 +11,7 @@ start and no per-step checkpoint, then reads the run's steps.csv.
     python benchmarks/gpu_grpo.py --peer trl           # also TRL's GRPOTrainer, when trl is installed
     python benchmarks/gpu_grpo.py --tiny               # the tiny default workload: the runtime's own cost
     python benchmarks/gpu_grpo.py --tiny --device cpu --peer trl    # the same, against TRL, on a CPU (float32)
+    python benchmarks/gpu_grpo.py --tiny -- --runtime.heap_mmap_threshold_mb 0     # flags after -- go to our run
 
 `--tiny` runs the default tiny model and batch on the GPU and prints the runtime's own cost per
 step: all but generate, the reference/policy forward, forward/backward and the optimizer (taken from the
@@ -47,7 +48,8 @@ def workload(args) -> list[tuple[str, str]]:
 
 def run_ours(args, run_dir: str) -> list[dict]:
     cmd = [sys.executable, os.path.join(ROOT, "examples", "grpo_trainer.py"), "--run-dir", run_dir,
-           "--steps", str(args.steps)] + [x for key, value in workload(args) for x in (f"--{key}", value)]
+           "--steps", str(args.steps)] + [x for key, value in workload(args) for x in (f"--{key}", value)] + \
+        args.overrides
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if out.returncode != 0:
         raise SystemExit(f"run failed ({out.returncode}):\n{out.stderr[-4000:]}")
@@ -157,6 +159,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: the same comparison on a machine without a GPU (float32)")
     ap.add_argument("--timeout", type=int, default=540)
+    ap.add_argument("overrides", nargs="*", help="after --: more flags for our run (e.g. -- --runtime.heap_mmap_threshold_mb 0)")
     ap.add_argument("--run-dir", default="", help="keep the run here (default: a temporary folder)")
     args = ap.parse_args()
     import torch

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import shutil
 import statistics
@@ -69,6 +70,16 @@ def launch(cmd: list[str], log_path: str, on_poll: Any = None) -> tuple[int, str
         code = stop_group(proc)
     with open(log_path, encoding="utf-8", errors="replace") as fh:
         return (code if code is not None else -1), fh.read()
+
+
+def rank_errors(text: str) -> str:
+    """What the ranks of a failed world said: each rank's exception line and the frames of this project above it
+    (torchrun's own summary after them says only the exit codes), or the output's end when no rank raised."""
+    lines = text.splitlines()
+    picked = [ln for i, ln in enumerate(lines)
+              if re.match(r"^\[rank\d+\]: \w*(Error|Exception)\b", ln)
+              or ("/rlhf/" in ln or "/benchmarks/" in ln) and ln.lstrip("[rank0123456789]: ").startswith("File ")]
+    return "\n".join(picked[-40:]) if picked else text[-2000:]
 
 
 def free_port() -> int:
@@ -345,7 +356,7 @@ def layouts_part(args: argparse.Namespace) -> None:
                     killed = "SIGKILL" in text or "exitcode  : -9" in text
                     rows.append((world, name, None, "failed: killed (out of memory)" if killed else
                                  f"failed: exit {code}"))
-                    print(f"world {world} {name}: failed\n{text[-2000:]}", flush=True)
+                    print(f"world {world} {name}: failed\n{rank_errors(text)}", flush=True)
                     continue
                 with open(out) as fh:
                     got = json.load(fh)

@@ -28,7 +28,7 @@ from rlhf.models import build_model_and_tokenizer  # noqa: E402
 from rlhf.pieces import assemble, own_pieces  # noqa: E402
 from rlhf.runtime.dist import GlooDataParallel  # noqa: E402
 from rlhf.train.engine import TrainEngine  # noqa: E402
-from rlhf.train.parallel import build_mesh, is_dtensor, laid_out_model, make_layout  # noqa: E402
+from rlhf.train.parallel import build_mesh, full, is_dtensor, laid_out_model, make_layout, via_host  # noqa: E402
 from rlhf.weights import decode_pieces, encode_shard  # noqa: E402
 
 
@@ -88,7 +88,10 @@ def run(layout_name: str, model_name: str, steps: int, batch: dict[str, torch.Te
         records.append({"loss": float(sum(parts[r] for r in range(0, dist.get_world_size(), layout.tp))),
                         "grad_norm": m["grad_norm"]})
         mine["old_logprobs"] = engine.compute_logprobs(mine, "policy")
-    weights = {n: (p.full_tensor() if is_dtensor(p) else p.detach()).cpu().clone() for n, p in model.named_parameters()}
+    weights = {n: full(p).cpu().clone() for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():  # the host gather (ranks sharing a GPU) gives what DTensor's own does
+        if is_dtensor(p) and not torch.equal(via_host(p), weights[n]):
+            raise AssertionError(f"{n}: gathered on the host differs from DTensor.full_tensor")
     whole = torch.zeros_like(batch["attention_mask"], dtype=torch.float32)
     if dist.get_rank() % layout.tp == 0:  # one rank of each TP group puts its rows back in the batch's order
         whole[order] = first
@@ -125,7 +128,7 @@ def built_check(model_name: str, layout, mesh) -> dict:
     built, _ = laid_out_model(ModelConfig(name=model_name, dtype="float32"), 11, layout, mesh, device=DEVICE.type)
     params = dict(built.named_parameters())
     exact = sorted(params) == sorted(n for n, _ in whole.named_parameters()) and all(
-        torch.equal((params[n].full_tensor() if is_dtensor(params[n]) else params[n].detach()).cpu(), p)
+        torch.equal(full(params[n]).cpu(), p)
         for n, p in whole.named_parameters()) and any(is_dtensor(p) for p in params.values())
     buffers = all(torch.equal(a.cpu(), b) for (_, a), (_, b) in zip(built.named_buffers(), whole.named_buffers()))
     return {"built_exact": bool(exact and buffers)}

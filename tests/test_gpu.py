@@ -92,9 +92,6 @@ def test_scenario3_oom_is_a_real_cuda_out_of_memory(tmp_path):
     assert free > 8 << 30  # restored: the memory went back when the run ended
 
 
-@pytest.mark.xfail(reason="seen on an H200 (2026-11-26): with 2 ranks sharing the GPU over gloo both ranks die of "
-                          "SIGSEGV under fsdp, and tp2 exits 1; cause not found yet (benchmarks/gpu_session.sh part "
-                          "sharded-diag keeps the whole output)", strict=False)
 def test_sharded_layouts_on_one_gpu_take_the_steps_of_replicated_dp(tmp_path):
     """FSDP2 and tensor parallel on CUDA tensors, 2 ranks sharing the GPU (gloo: NCCL refuses two ranks of one
     communicator on one GPU), take replicated dp's steps; each rank holds its part."""

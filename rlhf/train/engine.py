@@ -25,6 +25,7 @@ from rlhf import tracing
 from rlhf.algorithms import LOSSES
 from rlhf.algorithms.sft import nll_loss
 from rlhf.train.parallel import Layout, clip_grad_norm, frozen_copy, is_laid_out, parallelize, reshard_all
+from rlhf.weights import is_dtensor
 
 
 class DataParallel(Protocol):
@@ -140,11 +141,16 @@ class TrainEngine:
             self.reset_reference()
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.base_lr = lr if lr is not None else optim_cfg.lr
+        # tensor parallel alone leaves the embedding, the norms and the LM head plain tensors beside DTensors: a
+        # foreach kernel (AdamW's default on CUDA) takes them in one list and DTensor refuses the mix, so each
+        # parameter is updated on its own there (on a CPU AdamW does that already)
+        mixed = len({is_dtensor(p) for p in self.params}) > 1
         self.optimizer = torch.optim.AdamW(
             self.params,
             lr=self.base_lr,
             betas=(optim_cfg.beta1, optim_cfg.beta2),
             weight_decay=optim_cfg.weight_decay,
+            **({"foreach": False} if mixed else {}),
         )
         self.optimizer_steps = 0
 

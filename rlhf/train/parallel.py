@@ -229,6 +229,48 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if is_dtensor(t) else t
 
 
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A parameter, gradient or norm whole on every rank of its mesh (DTensor.full_tensor; a plain tensor as it is).
+
+    Ranks that share one GPU reduce over gloo, whose functional all-gather of a CUDA tensor crashes the process
+    (SIGSEGV in torch 2.11 on an H200: benchmarks/gloo_cuda.py): there the gather runs on host copies of the pieces,
+    over the same process groups, and the whole tensor goes back to the GPU."""
+    if not is_dtensor(t):
+        return t.detach()
+    if t.device.type == "cpu" or not _on_gloo(t.device_mesh):
+        return t.full_tensor()
+    return via_host(t).to(t.device)
+
+
+def via_host(t: Any) -> torch.Tensor:
+    """DTensor `t` gathered whole on the host: its piece copied there, gathered over its mesh's own groups."""
+    from torch.distributed.tensor import DTensor
+
+    piece = t.to_local().detach().cpu()
+    host = DTensor.from_local(piece, _host_mesh(t.device_mesh), t.placements, shape=t.shape, stride=t.stride())
+    return host.full_tensor()
+
+
+_HOST_MESHES: dict[int, Any] = {}
+
+
+def _host_mesh(mesh: Any) -> Any:
+    """The CPU twin of a DeviceMesh: the same ranks and process groups (no new group is made)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if id(mesh) not in _HOST_MESHES:
+        groups = [mesh.get_group(d) for d in range(mesh.ndim)]
+        _HOST_MESHES[id(mesh)] = (mesh, DeviceMesh.from_group(groups if mesh.ndim > 1 else groups[0], "cpu",
+                                                              mesh=mesh.mesh, mesh_dim_names=mesh.mesh_dim_names))
+    return _HOST_MESHES[id(mesh)][1]
+
+
+def _on_gloo(mesh: Any) -> bool:
+    import torch.distributed as dist
+
+    return dist.get_backend(mesh.get_group(0)) == "gloo"
+
+
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
     """The global gradient norm over every layout's pieces, and clipping to max_norm (> 0).
 
@@ -241,7 +283,7 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
     squares = torch.zeros((), dtype=torch.float64)
     for group in groups.values():
         norm = torch.nn.utils.get_total_norm(group)
-        norm = norm.full_tensor() if is_dtensor(norm) else norm
+        norm = full(norm)
         squares = squares + norm.detach().double().cpu() ** 2
     total = math.sqrt(float(squares))
     if max_norm > 0:
@@ -265,7 +307,7 @@ class Gathered(Mapping):
     @torch.no_grad()
     def __getitem__(self, name: str) -> torch.Tensor:
         p = self.params[name]
-        whole = p.full_tensor() if is_dtensor(p) else p.detach()
+        whole = full(p)
         return whole.to(self.dtype) if self.dtype is not None else whole
 
     def __iter__(self) -> Iterator[str]:
