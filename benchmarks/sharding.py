@@ -131,7 +131,7 @@ def worker(args: argparse.Namespace) -> None:
     grads = 0
     for i in range(args.steps + 1):
         if i == 1:  # after the warm-up step: gradients of one backward, as the optimizer step sees them
-            part = {k: v for k, v in batch.items()}
+            part = engine._to_device(batch)  # (train_step moves its batch itself; this backward is ours)
             engine._accumulate(part, lambda p, lp, e: ((lp * p["response_mask"]).sum() * 0.0, {"tokens": 1.0}),
                                with_entropy=False)
             grads = nbytes(p.grad for p in model.parameters() if p.grad is not None)

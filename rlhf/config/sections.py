@@ -243,6 +243,8 @@ class AlgorithmConfig:
     """Divide group-centred advantages by the group's reward std (the paper); False = Dr. GRPO style."""
     old_logprobs: str = "rollout"
     """Ratio denominator: 'rollout' uses the rollout engine's logprobs, 'recompute' runs the train engine."""
+    resample_rounds: int = 0
+    """Dynamic sampling (DAPO): up to this many more rollout rounds a step, each replacing the groups whose samples all got one reward (no advantage) with groups of fresh prompts that did not; 0 = off. steps.csv's reward columns stay those of the step's first round."""
 
     def __post_init__(self) -> None:
         _choice("algorithm.loss", self.loss, LOSSES)
@@ -251,6 +253,7 @@ class AlgorithmConfig:
         _positive("algorithm.clip_eps_high", self.clip_eps_high, allow_zero=True)
         _positive("algorithm.kl_coef", self.kl_coef, allow_zero=True)
         _choice("algorithm.old_logprobs", self.old_logprobs, ["rollout", "recompute"])
+        _positive("algorithm.resample_rounds", self.resample_rounds, allow_zero=True)
 
 
 @dataclass

@@ -87,6 +87,12 @@ class DistributedBatchMemory:
                 data[k] = [x for v in values for x in v]
         return cls(data, group_size, strict)
 
+    def groups(self, index: list[int]) -> "DistributedBatchMemory":
+        """The groups at `index` (group numbers, in that order), each group's rows adjacent as here."""
+        g = self.group_size
+        rows = [i * g + j for i in index for j in range(g)]
+        return DistributedBatchMemory({k: _take(v, rows) for k, v in self.data.items()}, g, strict=False)
+
     def group_tokens(self, tokens_key: str) -> list[int]:
         tokens = self.data[tokens_key]
         tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)

@@ -15,6 +15,9 @@ One step, top to bottom (`Controller.step`):
     weights_update → events(rollout_start) → rollout → events(rollout_end) → reward
     → data split → reference → advantage → train → latest_recover_save → periodic_recover_save
 
+(with algorithm.resample_rounds, dynamic sampling: rollout → reward, then up to that many more rollout → reward
+rounds for the groups without advantage, all before events(rollout_end))
+
 Fan-out is explicit: `self.workers.call("train_step", ...)` calls the method on every rank. What
 each stage delegates lives in `control/` (weights_sync, events, rollout_fanout, services); the
 run around the steps (startup, ledger, checkpoints, cleanup, summary) in `control/lifecycle.py`.
@@ -30,7 +33,7 @@ from typing import Any, Callable
 import torch
 
 from rlhf import tracing
-from rlhf.algorithms.grpo import group_advantages
+from rlhf.algorithms.grpo import equal_groups, group_advantages
 from rlhf.config import Config
 from rlhf.data import PromptSampler
 from rlhf.errors import RpcConnectionError
@@ -38,6 +41,7 @@ from rlhf.faults import fault_point
 from rlhf.models import load_tokenizer, pad_token_id
 from rlhf.models.tokenizer import CharTokenizer
 from rlhf.runtime import checkpoint as ckpt
+from rlhf.runtime.batch_memory import DistributedBatchMemory
 from rlhf.runtime.client import Client
 from rlhf.runtime.control.events import ColocationEvents, freed_mb
 from rlhf.runtime.control.lifecycle import RunLifecycle, TrackedClock
@@ -57,6 +61,7 @@ STEP_COLUMNS = [
     "dp_imbalance", "weights_update_s", "events_s", "rollout_s", "reward_s", "reference_s", "advantage_s", "train_s",
     "latest_recover_save_s", "periodic_recover_save_s", "upload_s_max", "update_s_max", "weights_verified", "weights_fallback",
     "train_offload_mb", "rollout_release_mb", "rollout_restarts", "rollout_migrated", "saves_failed", "eval_accuracy",
+    "resampled_groups", "resample_prompts", "equal_groups_trained",
 ]
 
 
@@ -135,28 +140,22 @@ class Controller(RunLifecycle):
             memory = self._surviving_rollout_loss(step, row, "the rollout", lambda: self.fanout.generate(step, examples),
                                                   resync=True)
             row["rollout_migrated"] = self.fanout.migrated
+        first = None  # the first round's rewards, when more rounds replace groups (dynamic sampling)
+        if cfg.algorithm.resample_rounds:  # while the rollout servers hold the device (colocated: the lease)
+            with clock.stage("reward"):
+                first = memory["rewards"] = self._score(step, memory, row)
+            memory = self._resample(step, memory, clock, row)
         with clock.stage("events"):
             row["rollout_release_mb"] = freed_mb(self.events.notify("rollout_end", step), "rollout")
         with clock.stage("reward"):
-            fault_point("reward.compute", step=step)
-            rewards = torch.tensor(self.reward(memory["completions"], memory["answers"], memory["prompts"],
-                                               row_fields(memory["fields"])))
-            means = dict(self.reward.means)  # each reward function's mean (steps.csv reward_<name>, the stage's span)
-            if self.services.reward is not None:
-                scores = self._reward_model_scores(step, memory["prompts"], memory["completions"])
-                rewards = rewards + cfg.reward.weight * scores
-                means["reward_model"] = float(scores.mean())
-            memory["rewards"] = rewards
-            row.update(means)
-            span = tracing.trace.get_current_span()
-            for key, value in means.items():
-                span.set_attribute(f"rlhf.{key}", value)
+            if first is None:
+                memory["rewards"] = self._score(step, memory, row)
             fault_point("data.split", step=step)
             shards, split = memory.split(self.layout.dp, tokens_key="num_tokens")
         with clock.stage("reference"):
             batches = self._reference_logprobs(step, shards)
         with clock.stage("advantage"):
-            stats = self._advantages(memory, shards, batches)
+            stats = self._advantages(memory, shards, batches, first)
         with clock.stage("train"):
             replies = self.workers.call("train_step", {"step": step}, self._per_rank(batches), step, "train")
             metrics = [m for m, _ in replies[::self.layout.tp]]  # one rank of each TP group: their parts add up
@@ -183,6 +182,56 @@ class Controller(RunLifecycle):
                     batch[key] = out["logprobs"]
         return batches
 
+    def _score(self, step: int, memory: Any, row: dict[str, Any] | None) -> torch.Tensor:
+        """Every sample's reward: the reward functions (and the reward model's weighted score). Each function's
+        mean goes to `row` (steps.csv reward_<name>) and the stage's span, unless row is None."""
+        fault_point("reward.compute", step=step)
+        rewards = torch.tensor(self.reward(memory["completions"], memory["answers"], memory["prompts"],
+                                           row_fields(memory["fields"])))
+        means = dict(self.reward.means)
+        if self.services.reward is not None:
+            scores = self._reward_model_scores(step, memory["prompts"], memory["completions"])
+            rewards = rewards + self.cfg.reward.weight * scores
+            means["reward_model"] = float(scores.mean())
+        if row is not None:
+            row.update(means)
+            span = tracing.trace.get_current_span()
+            for key, value in means.items():
+                span.set_attribute(f"rlhf.{key}", value)
+        return rewards
+
+    def _resample(self, step: int, memory: Any, clock: TrackedClock, row: dict[str, Any]) -> Any:
+        """Dynamic sampling (algorithm.resample_rounds, DAPO's): each round samples as many fresh prompts as the
+        batch has groups whose samples all got one reward, and puts those of their groups that did not in the equal
+        groups' places; a group still equal after the last round stays (it adds only its KL). The batch keeps its
+        size and order of groups; `resampled_groups` counts the groups replaced, `resample_prompts` the prompts
+        drawn, `equal_groups_trained` the equal groups left in the batch trained on."""
+        g = self.cfg.rollout.group_size
+        replaced = drawn = 0
+        for _ in range(self.cfg.algorithm.resample_rounds):
+            equal = equal_groups(memory["rewards"], g)
+            if not equal:
+                break
+            with clock.stage("rollout"):
+                examples = self.sampler.next(len(equal))
+                extra = self._surviving_rollout_loss(step, row, "the rollout",
+                                                     lambda: self.fanout.generate(step, examples), resync=True)
+                row["rollout_migrated"] += self.fanout.migrated
+            drawn += len(examples)
+            with clock.stage("reward"):
+                extra["rewards"] = self._score(step, extra, None)
+            still = set(equal_groups(extra["rewards"], g))
+            swap = dict(zip(equal, [i for i in range(len(extra) // g) if i not in still]))
+            if swap:
+                memory = DistributedBatchMemory.concat(
+                    [extra.groups([swap[i]]) if i in swap else memory.groups([i]) for i in range(len(memory) // g)],
+                    g, strict=False)
+                replaced += len(swap)
+        memory["sample_index"] = list(range(len(memory)))
+        row["resampled_groups"], row["resample_prompts"] = replaced, drawn
+        row["equal_groups_trained"] = len(equal_groups(memory["rewards"], g))
+        return memory
+
     def _reward_model_scores(self, step: int, prompts: list[str], completions: list[str]) -> torch.Tensor:
         """reward-0's score of each completion (reward.model_path): one /score call for the step's batch."""
         assert self.services.reward is not None
@@ -199,9 +248,14 @@ class Controller(RunLifecycle):
         """Each train rank's batch: its data-parallel share's (the ranks of a TP group compute on the same one)."""
         return [batches[self.layout.dp_rank(r)] for r in range(len(self.workers))]
 
-    def _advantages(self, memory: Any, shards: list, batches: list[dict[str, Any]]) -> dict[str, Any]:
+    def _advantages(self, memory: Any, shards: list, batches: list[dict[str, Any]],
+                    first: torch.Tensor | None = None) -> dict[str, Any]:
+        """Each share's advantages; the reward statistics of the step's first round (`first`, when dynamic
+        sampling replaced groups: what the policy itself drew), else of the batch."""
         advantages, stats = group_advantages(memory["rewards"], self.cfg.rollout.group_size,
                                              self.cfg.algorithm.scale_by_std)
+        if first is not None:
+            stats = group_advantages(first, self.cfg.rollout.group_size, self.cfg.algorithm.scale_by_std)[1]
         for batch, shard in zip(batches, shards):
             batch["advantages"] = advantages[torch.tensor(shard["sample_index"])]
         return stats
