@@ -38,7 +38,8 @@ def workload(args) -> list[tuple[str, str]]:
     """The run's settings as dotted overrides: what our runtime gets as flags and TRL's config is built from."""
     dotted = [("model.device", args.device), ("model.dtype", args.dtype), ("sft.max_steps", "0"),
               ("checkpoint.latest_every", "0"), ("weights.verify", "false"), ("task.eval_size", "64"),
-              ("rollout.prompts_per_step", "32")]  # the tiny workload as measured (the default run has 64 since)
+              ("rollout.prompts_per_step", "32"),  # the tiny workload as measured (the default run has 64 since)
+              ("algorithm.resample_rounds", "0")]  # one generation a step, as TRL's GRPOTrainer (no dynamic sampling)
     if not args.tiny:
         dotted += [("model.name", "llama-110m"), ("rollout.prompts_per_step", "64"), ("rollout.group_size", "8"),
                    ("rollout.max_new_tokens", "128"), ("rollout.ignore_eos", "true"), ("train.mini_batches", "1"),

@@ -54,3 +54,20 @@ def test_default_run_learns(tmp_path, seed):
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["eval_problems"] >= 200
     assert summary["eval_accuracy_after"] >= summary["eval_accuracy_before"] + 0.15, summary
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_default_run_on_two_ranks_learns(tmp_path, seed):
+    """The same promise on 2 train ranks under torchrun (its warm start stops elsewhere: float-order drift), seeds
+    1-3 (slow: 3-4 minutes a seed)."""
+    from tests.test_runtime import free_port
+
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                          "--master_addr=127.0.0.1", f"--master_port={free_port()}", f"{ROOT}/examples/grpo_trainer.py",
+                          "--run-dir", str(tmp_path / "run"), "--seed", str(seed)],
+                         capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["world_size"] == 2
+    assert summary["eval_accuracy_after"] >= summary["eval_accuracy_before"] + 0.15, summary

@@ -145,10 +145,12 @@ def _hf_directory_run(tmp_path, *args):
 
 
 @pytest.mark.slow
-def test_grpo_on_a_hf_directory_and_jsonl_task_learns(tmp_path):
-    """--model.path DIR --task.name jsonl, default settings otherwise (100 GRPO steps, as the README's run; 2 minutes
-    on 2 cores, so slow-marked; the default suite checks the decode and stop rules this run rests on, above)."""
-    summary, rewards = _hf_directory_run(tmp_path)
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_grpo_on_a_hf_directory_and_jsonl_task_learns(tmp_path, seed):
+    """--model.path DIR --task.name jsonl, default settings otherwise (100 GRPO steps, as the README's runs at seeds
+    1-3; 2-3 minutes each on 2 cores, so slow-marked; the default suite checks the decode and stop rules this run
+    rests on, above)."""
+    summary, rewards = _hf_directory_run(tmp_path, "--seed", str(seed))
     assert summary["eval_accuracy_after"] >= summary["eval_accuracy_before"] + 0.10, summary
     assert max(rewards) > 0.2  # exact-match reward sees the right answers (no '</s>' left in the text)
 

@@ -243,7 +243,7 @@ class AlgorithmConfig:
     """Divide group-centred advantages by the group's reward std (the paper); False = Dr. GRPO style."""
     old_logprobs: str = "rollout"
     """Ratio denominator: 'rollout' uses the rollout engine's logprobs, 'recompute' runs the train engine."""
-    resample_rounds: int = 0
+    resample_rounds: int = 2
     """Dynamic sampling (DAPO): up to this many more rollout rounds a step, each replacing the groups whose samples all got one reward (no advantage) with groups of fresh prompts that did not; 0 = off. steps.csv's reward columns stay those of the step's first round."""
 
     def __post_init__(self) -> None:
