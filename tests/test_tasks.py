@@ -267,6 +267,7 @@ def test_a_grpo_run_on_a_parquet_file_with_rewards_from_a_file_logs_each_reward_
         return subprocess.run([sys.executable, f"{ROOT}/examples/grpo_trainer.py", "--preset", "smoke", "--steps", "2",
                                "--task.path", str(data), "--task.reward", reward, "--task.reward_weights", weights,
                                "--task.eval_size", "8", "--task.val_size", "8", "--sft.max_steps", "0",
+                               "--algorithm.resample_rounds", "0",  # one reward call a step: the 2nd is step 2's
                                "--run-dir", str(run_dir)],
                               capture_output=True, text=True, timeout=300, cwd=ROOT)
 
