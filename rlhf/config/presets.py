@@ -23,6 +23,7 @@ def preset_smoke() -> Config:
     cfg.sft.eval_every = 5
     cfg.sft.batch_size = 16
     cfg.train.micro_batch_size = 8
+    cfg.algorithm.resample_rounds = 0  # an untrained model's groups are all wrong: more rounds would find none
     return cfg
 
 
