@@ -5,8 +5,10 @@
 #   bash benchmarks/gpu_session.sh OUTDIR [PART ...]
 #
 # Parts (default: all, in this order): info tests tests-oom megatron rollout rollout-attn gloo-probe sharded-diag grpo-110m
-# grpo-tiny grpo-tiny-heap sharding-run sharding-run-tiny sharding-run1 sharding-layouts (ATTN="sdpa bmm ..." picks rollout-attn's decode attentions). The peers (trl) and megatron-core must be importable (pip install trl megatron-core, or wheels on
-# PYTHONPATH); a part whose package is missing says so in its log.
+# grpo-tiny grpo-tiny-heap sharding-run sharding-run-tiny sharding-run1 sharding-layouts; asked for by name only:
+# tests-sharded (the sharded GPU test alone). ATTN="sdpa bmm ..." picks rollout-attn's decode attentions. The peers (trl)
+# and megatron-core must be importable (pip install trl megatron-core, or wheels on PYTHONPATH); a part whose package is
+# missing says so in its log.
 set -u
 OUT=${1:?usage: gpu_session.sh OUTDIR [PART ...]}
 shift
