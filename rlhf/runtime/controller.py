@@ -222,10 +222,10 @@ class Controller(RunLifecycle):
                 extra["rewards"] = self._score(step, extra, None)
             still = set(equal_groups(extra["rewards"], g))
             swap = dict(zip(equal, [i for i in range(len(extra) // g) if i not in still]))
-            if swap:
-                memory = DistributedBatchMemory.concat(
-                    [extra.groups([swap[i]]) if i in swap else memory.groups([i]) for i in range(len(memory) // g)],
-                    g, strict=False)
+            if swap:  # one take from both: group i stays, or becomes extra's group swap[i] (after memory's groups)
+                n = len(memory) // g
+                memory = DistributedBatchMemory.concat([memory, extra], g, strict=False).groups(
+                    [n + swap[i] if i in swap else i for i in range(n)])
                 replaced += len(swap)
         memory["sample_index"] = list(range(len(memory)))
         row["resampled_groups"], row["resample_prompts"] = replaced, drawn
