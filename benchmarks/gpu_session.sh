@@ -6,7 +6,9 @@
 #
 # Parts (default: all, in this order): info tests tests-oom megatron rollout rollout-attn gloo-probe sharded-diag grpo-110m
 # grpo-tiny grpo-tiny-heap sharding-run sharding-run-tiny sharding-run1 sharding-layouts; asked for by name only:
-# tests-sharded (the sharded GPU test alone). ATTN="sdpa bmm ..." picks rollout-attn's decode attentions. The peers (trl)
+# tests-sharded (the sharded GPU test alone), tests-kernel (the decode kernel's GPU test), rollout-bf16 (the bf16 rollout
+# with its profile), rollout-tiles (the Triton decode kernel's tiles, TILES="32x4 64x8 ..."). ATTN="sdpa triton ..."
+# picks rollout-attn's decode attentions. KTESTS picks tests-kernel's tests (-k). The peers (trl)
 # and megatron-core must be importable (pip install trl megatron-core, or wheels on PYTHONPATH); a part whose package is
 # missing says so in its log.
 set -u
@@ -27,11 +29,14 @@ part() {  # name, seconds, command...
 }
 part info 60 bash -c 'nvidia-smi; python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"; python3 -m pip list 2>/dev/null | grep -i -E "^(trl|megatron|datasets|opentelemetry-sdk|tenacity|pyarrow|accelerate) "'
 part tests-sharded 120 python3 -m pytest -m gpu tests/test_gpu.py -k sharded -p no:cacheprovider -q -s
+part tests-kernel 120 python3 -m pytest -m gpu tests/test_gpu.py -k "${KTESTS:-decode_kernel}" -p no:cacheprovider -q -s
 part tests 180 python3 -m pytest -m gpu tests/test_gpu.py -k "not scenario3 and not scenario6 and not megatron" -n 4 -p no:cacheprovider -q -s
 part tests-oom 200 python3 -m pytest -m gpu tests/test_gpu.py -k "scenario3 or scenario6" -p no:cacheprovider -q -s
 part megatron 120 python3 -m pytest -m gpu tests/test_gpu.py -k megatron -p no:cacheprovider -q -s
 part rollout 150 bash -c 'python3 benchmarks/rollout.py --device cuda --model llama-110m --dtype bfloat16 --batches 512 --new-tokens 128 --warm-steps 0 --repeats 3 --profile && python3 benchmarks/rollout.py --device cuda --model llama-110m --batches 512 --new-tokens 128 --warm-steps 0 --repeats 3'
-part rollout-attn 70 bash -c 'for a in ${ATTN:-sdpa bmm}; do echo "== RLHF_DECODE_ATTENTION=$a"; RLHF_DECODE_ATTENTION=$a python3 benchmarks/rollout.py --device cuda --model llama-110m --dtype bfloat16 --batches 512 --new-tokens 128 --warm-steps 0 --repeats 3 | grep -E "equal-work|model"; done'
+part rollout-bf16 80 python3 benchmarks/rollout.py --device cuda --model llama-110m --dtype bfloat16 --batches 512 --new-tokens 128 --warm-steps 0 --repeats 3 --profile
+part rollout-tiles 80 bash -c 'for t in ${TILES:-32x4 64x8}; do echo "== RLHF_DECODE_KERNEL_TILE=$t"; RLHF_DECODE_ATTENTION=triton RLHF_DECODE_KERNEL_TILE=$t python3 benchmarks/rollout.py --device cuda --model llama-110m --dtype bfloat16 --batches 512 --new-tokens 128 --warm-steps 0 --repeats 3 | grep -E "equal-work|model"; done'
+part rollout-attn 70 bash -c 'for a in ${ATTN:-sdpa triton}; do echo "== RLHF_DECODE_ATTENTION=$a"; RLHF_DECODE_ATTENTION=$a python3 benchmarks/rollout.py --device cuda --model llama-110m --dtype bfloat16 --batches 512 --new-tokens 128 --warm-steps 0 --repeats 3 | grep -E "equal-work|model"; done'
 part gloo-probe 120 python3 benchmarks/gloo_cuda.py --logs "$OUT/gloo-probe"
 part sharded-diag 90 bash -c 'for l in fsdp tp2; do echo "== $l"; python3 -m torch.distributed.run --nproc_per_node=2 tests/sharded_steps.py --model tiny-qwen2-gqa --layouts $l --steps 3 --out /tmp/sd-$l.json --device cuda; cat /tmp/sd-$l.json | head -c 1500; done'
 part grpo-110m 120 python3 benchmarks/gpu_grpo.py --micro-batch 256 --peer trl --steps 6

@@ -6,6 +6,7 @@ What is where (the engine's own docstring, in `engine.py`, says how one call run
     decode.py       the decode loop of one call: caches, prefill, sample, stop, cut and share rows
     forward.py      the prefill and one decode step through the layers
     attention.py    attention over the KV cache in the block and grouped layouts, the block mask, relayout
+    decode_kernel.py  the decode attention as one Triton kernel (RLHF_DECODE_ATTENTION=triton), its check
     fused.py        the weights as the loop reads them (fused, paired for RoPE, norms folded), rotary tables
     kernels.py      norms, the residual matmul, the rotary multiply, the gated MLP
     layout.py       the prefix plan, the layouts' limits and knobs, StepControl (between-step hooks)

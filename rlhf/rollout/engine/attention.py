@@ -4,24 +4,54 @@ that keeps only the running rows' caches."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-# How the block layout's decode step attends (RLHF_DECODE_ATTENTION): "bmm", two batched matmuls around one fp32
-# softmax (a decode query is 1..n rows: the step reads the cache once, at the memory's speed); "sdpa", PyTorch's
-# fused attention with the backend it picks for a masked call; "efficient" / "math" / "cudnn", that SDPA backend.
-# On an H200 (llama-110m bf16, 512 x 128 tokens) "bmm" ran at 171 k tokens/s and "sdpa" (cuDNN) at 187 k: sdpa stays.
+from rlhf.rollout.engine import decode_kernel
+
+# How a decode step attends (RLHF_DECODE_ATTENTION). The block layout: "sdpa" (default), PyTorch's fused attention
+# with the backend it picks for a masked call; "efficient" / "math" / "cudnn", that SDPA backend; "bmm", two batched
+# matmuls around one fp32 softmax. "triton": on CUDA-graph steps (static shapes) both layouts run the Triton kernel
+# of decode_kernel.py (each row reads its prompt and the slots written so far, not the whole static cache), checked
+# on the device first. On an H200 (llama-110m bf16, 512 x 128 tokens) "bmm" ran at 171 k tokens/s and "sdpa" (cuDNN)
+# at 187 k; on an H100 the kernel ran at 184 k (32-column tiles) against sdpa's 175-184 k: sdpa stays the default.
 DECODE_ATTENTION = os.environ.get("RLHF_DECODE_ATTENTION", "sdpa")
-DECODE_CHOICES = ("bmm", "sdpa", "efficient", "math", "cudnn")
+DECODE_CHOICES = ("sdpa", "triton", "bmm", "efficient", "math", "cudnn")
 if DECODE_ATTENTION not in DECODE_CHOICES:
     raise ValueError(f"RLHF_DECODE_ATTENTION={DECODE_ATTENTION!r}: valid: {', '.join(DECODE_CHOICES)}")
+_KERNEL: dict[tuple, None] = {}  # configurations (layout, heads, kv heads, head dim, dtype, device) whose check passed
+log = logging.getLogger("rlhf.rollout")
+
+
+def use_kernel(device: torch.device, static: bool, block: bool = True, heads: int = 1, kv_heads: int = 1,
+               head_dim: int = 16, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this call's decode steps attend through the Triton kernel (RLHF_DECODE_ATTENTION=triton, static
+    shapes). Its first use per configuration in a process runs `decode_kernel.check` on the device (never inside a
+    graph capture: calls start outside one); an unavailable or failing kernel is an error, not a silent fallback."""
+    if DECODE_ATTENTION != "triton" or not static:
+        return False
+    if not decode_kernel.available(device):
+        raise RuntimeError("RLHF_DECODE_ATTENTION=triton: needs the triton package and a CUDA device "
+                           "(or TRITON_INTERPRET=1 on the CPU)")
+    key = (block, heads, kv_heads, head_dim, dtype, str(device))
+    if key not in _KERNEL:
+        failed = decode_kernel.check(block, heads, kv_heads, head_dim, dtype, device)
+        if failed is not None:
+            raise RuntimeError(f"RLHF_DECODE_ATTENTION=triton: the kernel's check failed for the "
+                               f"{'block' if block else 'grouped'} layout, {heads}/{kv_heads} heads of {head_dim}, "
+                               f"{dtype} on {device}: {failed}")
+        _KERNEL[key] = None
+        log.info("decode attention: the Triton kernel passed its check on %s (%s layout, %s)", device,
+                 "block" if block else "grouped", dtype)
+    return True
 
 
 def _sdpa_backend(name: str) -> Any:
-    if name == "sdpa":
+    if name in ("sdpa", "triton"):  # the kernel's steps aside, PyTorch picks
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -48,6 +78,14 @@ class Attention:
         else:
             kv[:, state["g_idx"], :, P + t * n + state["j_idx"]] = new_kv.view(-1, 2, Hkv, D)
             q = q.new_zeros(B, H, D).index_copy_(0, idx, q)
+        if state["kernel"]:
+            slot = t if isinstance(t, torch.Tensor) else torch.tensor([t], device=q.device)
+            return decode_kernel.block_layout(q, kv, state["start"], slot, P, n)
+        return self._fused_block(q, kv, state)
+
+    def _fused_block(self, q: torch.Tensor, kv: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
+        Bp, n, B = state["Bp"], state["n"], state["B"]
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         W, bias = state["width"]
         k, v = kv.narrow(3, 0, W).unbind(0)  # (Bp, Hkv, W, D) each
         if DECODE_ATTENTION == "bmm":  # query head h = kv head h // rep: (Bp, Hkv, rep*n) queries per kv head
@@ -69,10 +107,9 @@ class Attention:
         values vp (Bp, Hkv, P, D) read once for its n samples; each sample's generated keys/values in kv_g
         (2, Bp, Hkv, n, M, D), so a query reads only its own. Scores over both go through one softmax. Returns
         every layout row's output, (B, H*D)."""
-        kp, vp, kv_g = cache
+        kv_g = cache[2]
         Bp, n, B = state["Bp"], state["n"], state["B"]
-        H, Hkv, D, rep = self.num_heads, self.num_kv_heads, self.head_dim, self.num_heads // self.num_kv_heads
-        G = Bp * Hkv
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         S = state["M"] if state["static"] else int(t) + 1  # generated slots read (masked beyond t if static)
         if isinstance(t, torch.Tensor):
             kv_g.index_copy_(4, t, new_kv.view(Bp, n, 2, Hkv, 1, D).permute(2, 0, 3, 1, 4, 5))
@@ -81,6 +118,16 @@ class Attention:
         else:
             kv_g[:, state["g_idx"], :, state["j_idx"], t] = new_kv.view(-1, 2, Hkv, D)
             q = q.new_zeros(B, H, D).index_copy_(0, idx, q)
+        if state["kernel"]:
+            slot = t if isinstance(t, torch.Tensor) else torch.tensor([t], device=q.device)
+            return decode_kernel.grouped_layout(q, cache, state["start"], slot, n)
+        return self._bmm_grouped(q, cache, state, S)
+
+    def _bmm_grouped(self, q: torch.Tensor, cache: tuple, state: dict[str, Any], S: int) -> torch.Tensor:
+        kp, vp, kv_g = cache
+        Bp, n, B = state["Bp"], state["n"], state["B"]
+        H, Hkv, D, rep = self.num_heads, self.num_kv_heads, self.head_dim, self.num_heads // self.num_kv_heads
+        G = Bp * Hkv
         qg = q.view(Bp, n, Hkv, rep, D).transpose(1, 2).contiguous()  # (Bp, Hkv, n, rep, D)
         scores_p = torch.bmm(qg.view(G, n * rep, D), kp.view(G, D, -1))  # (G, n*rep, P)
         if state["pad_bias"] is not None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from rlhf.rollout.engine.attention import use_kernel
 from rlhf.rollout.engine.layout import BLOCK_COLUMNS, PREFILL_SHARE_AT, RELAYOUT, SHARE_AT, StepControl, prefix_plan
 from rlhf.rollout.engine.sampling import SamplingParams, sample_tokens
 
@@ -84,7 +85,9 @@ class DecodeLoop:
         logits = self._prefill(ids, valid, fused, rope, store, plan)  # (Bp, V)
         state = {"fused": fused, "rope": rope, "cache": cache, "block": block, "Bp": Bp, "n": n, "B": B, "P": P,
                  "M": M, "static": static, "pad_bias": pad_bias, "bias": bias, "share": None,
-                 "slot_base": P + torch.arange(n, device=device)}
+                 "slot_base": P + torch.arange(n, device=device), "kernel": use_kernel(device, static, block, self.num_heads, Hkv, D, dtype),
+                 "start": (torch.zeros(Bp, dtype=torch.int32, device=device) if valid is None else
+                           (P - valid.sum(1)).to(torch.int32))}  # each prompt's first real column
         replay = self._capture(state) if static and device.type == "cuda" and M > 1 else None
         if static and block:  # what slot t's n columns get once written: each query row its own sample's
             own = self._block_bias(None, n, 0, 1, static=False)  # (1, 1, n, n)
