@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import re
-import resource
 import shutil
 import statistics
 import sys
@@ -49,9 +48,9 @@ from typing import Any
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
+WORLDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sharding_worlds.py")  # one world, under torchrun
 
-# name -> (train.parallel, train.tp_size); fsdp-keep: fsdp with train.fsdp_reshard_after_forward false
-LAYOUTS = {"dp": ("dp", 1), "fsdp": ("fsdp", 1), "fsdp-keep": ("fsdp", 1), "tp": ("dp", 2), "fsdp+tp": ("fsdp", 2)}
+from sharding_worlds import LAYOUTS  # noqa: E402  (the benchmarks folder is this script's own)
 
 
 def launch(cmd: list[str], log_path: str, on_poll: Any = None) -> tuple[int, str]:
@@ -90,143 +89,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# ---------------------------------------------------------------------------- one world (under torchrun)
-
-
-def worker(args: argparse.Namespace) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from rlhf.config import AlgorithmConfig, ModelConfig, OptimConfig
-    from rlhf.models import build_model_and_tokenizer
-    from rlhf.runtime.dist import GlooDataParallel
-    from rlhf.train.engine import TrainEngine
-    from rlhf.train.parallel import build_mesh, local, make_layout
-
-    device = init_world(args.device)
-    torch.set_num_threads(1)
-    parallel, tp = LAYOUTS[args.layout]
-    model, _ = build_model_and_tokenizer(ModelConfig(name=args.model, dtype="float32"), seed=1, device="cpu")
-    model.to(device)
-    layout = make_layout(parallel, tp, dist.get_world_size(), model.config,
-                         reshard_after_forward=args.layout != "fsdp-keep")
-    mesh = build_mesh(layout, device.type)
-    dp = GlooDataParallel(device, mesh["dp"].get_group() if mesh is not None else None)
-    optim = OptimConfig(micro_batch_size=args.rows, mini_batches=1, warmup_steps=0)
-    engine = TrainEngine(model, optim, AlgorithmConfig(kl_coef=0.0), keep_reference=False, dp=dp, layout=layout,
-                         mesh=mesh)
-    g = torch.Generator().manual_seed(dist.get_rank() // layout.tp)
-    rows = max(1, args.rows // layout.dp)
-    ids = torch.randint(3, min(model.config.vocab_size, 30000), (rows, args.tokens), generator=g)
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "response_mask": torch.ones_like(ids),
-             "advantages": torch.randn(rows, generator=g)}
-    batch["response_mask"][:, : args.tokens // 2] = 0
-    batch["old_logprobs"] = engine.compute_logprobs(batch, "policy")
-
-    def nbytes(tensors) -> int:
-        return sum(local(t).numel() * local(t).element_size() for t in tensors)
-
-    params = nbytes(model.parameters())
-    times = []
-    grads = 0
-    for i in range(args.steps + 1):
-        if i == 1:  # after the warm-up step: gradients of one backward, as the optimizer step sees them
-            part = engine._to_device(batch)  # (train_step moves its batch itself; this backward is ours)
-            engine._accumulate(part, lambda p, lp, e: ((lp * p["response_mask"]).sum() * 0.0, {"tokens": 1.0}),
-                               with_entropy=False)
-            grads = nbytes(p.grad for p in model.parameters() if p.grad is not None)
-            engine.optimizer.zero_grad(set_to_none=True)
-        dist.barrier()
-        t0 = time.perf_counter()
-        engine.train_step(batch)
-        if i:
-            times.append(time.perf_counter() - t0)
-    optimizer = nbytes(v for s in engine.optimizer.state.values() for v in s.values()
-                       if isinstance(v, torch.Tensor) and v.dim() > 0)
-    peak_rss = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    mine = torch.tensor([params, grads, optimizer, peak_rss, statistics.median(times)], dtype=torch.float64)
-    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as fh:
-            json.dump({"layout": layout.describe(), "per_rank": [t.tolist() for t in every],
-                       "model_params": sum(p.numel() for p in model.parameters()) if not layout.sharded else None}, fh)
-    dist.destroy_process_group()
-
-
-def init_world(device_name: str) -> Any:
-    """Join the torchrun world; returns this rank's device. CUDA: cuda:(local rank mod GPUs), nccl for CUDA tensors
-    when every local rank has a GPU of its own (gloo for host tensors), gloo for both when ranks share one."""
-    import torch
-    import torch.distributed as dist
-
-    if device_name != "cuda":
-        dist.init_process_group("gloo")
-        return torch.device("cpu")
-    local, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
-    device = torch.device("cuda", local % gpus)
-    torch.cuda.set_device(device)
-    own = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= gpus
-    dist.init_process_group("cpu:gloo,cuda:nccl" if own else "gloo")
-    return device
-
-
-def weights_worker(args: argparse.Namespace) -> None:
-    """One train rank of part `weights`: for each path and repeat, wait for the parent's go, make this rank's share
-    of the weights as that path does, write it into the MetaServer's shared-memory folder and PUT its path."""
-    import asyncio
-
-    import torch
-    import torch.distributed as dist
-
-    from rlhf.config import ModelConfig
-    from rlhf.models import build_model_and_tokenizer
-    from rlhf.pieces import own_pieces
-    from rlhf.runtime.client import Client
-    from rlhf.runtime.metaserver import push_shard
-    from rlhf.train.parallel import Gathered, build_mesh, make_layout, parallelize
-    from rlhf.weights import write_shard
-
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    parallel, tp = LAYOUTS[args.layout]
-    model, _ = build_model_and_tokenizer(ModelConfig(name=args.model, dtype="float32"), seed=1, device="cpu")
-    layout = make_layout(parallel, tp, world, model.config)
-    if layout.sharded:
-        parallelize(model, layout, build_mesh(layout, "cpu"))
-    store = dist.TCPStore("127.0.0.1", args.store_port, is_master=False)
-    url, token, shm_dir = store.get("url").decode(), store.get("token").decode(), store.get("shm_dir").decode()
-    wire = torch.bfloat16
-
-    def share(path: str) -> tuple[dict, dict | None]:
-        if path == "pieces":  # what the runtime does: only this rank's pieces, no collective
-            return own_pieces(model, rank, world, wire)
-        # the path before: every parameter whole (gathered in a sharded layout), every world-th name kept
-        state = Gathered(model, wire)
-        return state.only(sorted(state)[rank::world]), None
-
-    async def put(version: str, part: dict, where: dict | None) -> int:
-        client = Client(url, token)
-        try:
-            path = os.path.join(shm_dir, f"v{version}-rank{rank}.safetensors")
-            size = write_shard(part, path, "crc32", where)
-            await push_shard(client, version, f"rank{rank}", None, 600, path=path)
-            return size
-        finally:
-            await client.close()
-
-    for version in store.get("versions").decode().split(","):
-        store.wait([f"go/{version}"])
-        t0 = time.perf_counter()
-        part, where = share(version.split("-")[1])
-        size = asyncio.run(put(version, part, where))
-        del part, where
-        store.set(f"up/{version}/{rank}", json.dumps({"seconds": time.perf_counter() - t0, "bytes": size}))
-    dist.destroy_process_group()
-
-
 def weights_part(args: argparse.Namespace) -> None:
     """The weights upload of each layout and world, by each path, through a real MetaServer (shared memory) into a
     rollout model in this process: seconds from the go to the last tensor loaded, and GB/s of the bf16 weights."""
@@ -259,7 +121,7 @@ def weights_part(args: argparse.Namespace) -> None:
                 store.set(key, value)
             tmp = tempfile.mkdtemp(prefix="rlhf-bench-weights-")
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
-                   "--master_addr=127.0.0.1", f"--master_port={free_port()}", os.path.abspath(__file__),
+                   "--master_addr=127.0.0.1", f"--master_port={free_port()}", WORLDS,
                    "--weights-worker", "--layout", name, "--model", args.model, "--store-port", str(store.port)]
             from rlhf.procs import spawn, stop_group
 
@@ -347,7 +209,7 @@ def layouts_part(args: argparse.Namespace) -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 out = os.path.join(tmp, "out.json")
                 cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
-                       "--master_addr=127.0.0.1", f"--master_port={free_port()}", os.path.abspath(__file__), "--worker",
+                       "--master_addr=127.0.0.1", f"--master_port={free_port()}", WORLDS, "--worker",
                        "--layout", name, "--model", args.model, "--rows", str(args.rows), "--tokens", str(args.tokens),
                        "--steps", str(args.steps), "--out", out, "--device", args.device]
                 t0 = time.perf_counter()
@@ -513,18 +375,7 @@ def main() -> None:
                              "fp32 master weights and AdamW state)")
     parser.add_argument("--weights-layouts", default="dp,fsdp", help=f"layouts of part weights, of: {', '.join(LAYOUTS)}")
     parser.add_argument("--repeats", type=int, default=3, help="timed weights updates of part weights (after one)")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--weights-worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--store-port", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--layout", default="dp", help=argparse.SUPPRESS)
-    parser.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
-        worker(args)
-        return
-    if args.weights_worker:
-        weights_worker(args)
-        return
     if args.part in ("layouts", "all"):
         layouts_part(args)
     if args.part in ("weights", "all"):

@@ -10,7 +10,11 @@ typo fails before any work starts.
 
 What is where:
 
-    sections.py    the sections (ModelConfig, TaskConfig, RolloutConfig, OptimConfig as `train`, ...) and Config
+    sections.py    Config, the root: one field per section
+    workload.py    the sections of what is trained and how (ModelConfig, TaskConfig, RewardModelConfig, RolloutConfig,
+                   OptimConfig as `train`, AlgorithmConfig, SFTConfig)
+    services.py    the sections of how the processes run (WeightsConfig, RuntimeConfig, CheckpointConfig,
+                   PreflightConfig, TracingConfig)
     resilience.py  Policy: the resilience behaviours by name, FAITHFUL / HARDENED (the `resilience` section)
     presets.py     preset functions: default, smoke, real-model
     parse.py       build_config: preset + YAML + dotted overrides; --help's text; YAML loading

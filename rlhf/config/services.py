@@ -1,0 +1,139 @@
+"""The sections of how the processes run: weights (sync between trainer and rollout servers), runtime, checkpoint,
+preflight, tracing. Each field's docstring (the string after it) is what `--help` prints, with units; each section
+validates itself in __post_init__."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlhf.config.checks import ConfigError, _choice, _positive
+
+
+@dataclass
+class WeightsConfig:
+    mode: str = "meta"
+    """weights_update path: 'meta' (train ranks upload to the MetaServer while rollout servers pull, in parallel), 'disk' (HF safetensors directory, then /update_weights_from_disk) or 'distributed' (train rank 0 and every rollout server in one process group, the weights broadcast bucket by bucket: sglang's /update_weights_from_distributed; any host, real sglang servers too)."""
+    max_versions: int = 2
+    """MetaServer keeps at most this many weight versions in memory."""
+    max_bytes: int = 4 << 30
+    """MetaServer memory bound in bytes; a shard beyond it is refused (HTTP 507)."""
+    upload_timeout_s: float = 600.0
+    """Timeout of one train rank's upload of its shard, seconds."""
+    update_timeout_s: float = 600.0
+    """Timeout of one rollout server's weights update (waiting for all shards included), seconds."""
+    verify: bool = True
+    """After each weights update, check every rollout server's weight_version and weights checksum against the trainer's."""
+    transport: str = "shm"
+    """meta mode: how shard bytes travel. shm: as files in a shared-memory folder (every process on this host; control stays HTTP); http: in the HTTP bodies (any host)."""
+    checksum: str = "none"
+    """Per-tensor digest in each meta-mode shard, written by the uploader and checked by every rollout server (names the corrupt tensor): none, crc32 (about halves the relay's speed), sha256. weights.verify already checks the whole model end to end."""
+    bucket_mb: float = 256.0
+    """distributed mode: the most MB of tensors one broadcast carries (a flat buffer per bucket; a larger tensor is a bucket of its own)."""
+    verify_checksum: str = "crc32"
+    """Digest of the whole model for weights.verify (trainer vs every rollout server, each step): crc32 (3.7 GB/s here) or sha256 (1.6 GB/s)."""
+
+    def __post_init__(self) -> None:
+        _choice("weights.mode", self.mode, ["meta", "disk", "distributed"])
+        _choice("weights.checksum", self.checksum, ["crc32", "sha256", "none"])
+        _choice("weights.transport", self.transport, ["shm", "http"])
+        _choice("weights.verify_checksum", self.verify_checksum, ["sha256", "crc32"])
+        _positive("weights.max_versions", self.max_versions)
+        _positive("weights.bucket_mb", self.bucket_mb)
+        _positive("weights.max_bytes", self.max_bytes)
+        _positive("weights.upload_timeout_s", self.upload_timeout_s)
+        _positive("weights.update_timeout_s", self.update_timeout_s)
+
+
+@dataclass
+class RuntimeConfig:
+    colocate: bool = False
+    """Train rank r and rollout server r share device r, guarded by a cross-process lease."""
+    rpc_timeout_s: float = 600.0
+    """Default timeout of one controller → train worker call, seconds."""
+    rollout_timeout_s: float = 600.0
+    """Timeout of one /generate call, seconds."""
+    event_timeout_s: float = 30.0
+    """Timeout of one colocation event delivery, seconds."""
+    lease_timeout_s: float = 60.0
+    """How long a colocated side waits for the device lease, seconds."""
+    cleanup_timeout_s: float = 30.0
+    """Timeout of one stop-job call to the scheduler during cleanup, seconds."""
+    drain_timeout_s: float = 4.0
+    """A rollout server's graceful drain (policy graceful_drain) gives its running and queued calls this long after
+    SIGTERM; under the scheduler's 5 s grace before SIGKILL."""
+    scheduler_lease_s: float = 10.0
+    """The scheduler stops every job it started when the controller has not renewed its lease for this long, seconds."""
+    startup_timeout_s: float = 120.0
+    """How long to wait for a rollout server or the scheduler to come up, seconds."""
+    heap_mmap_threshold_mb: float = 4.0
+    """glibc: every allocation of at least this many MB gets pages of its own that go back to the system when it is freed (a train step's transient tensors then leave the process's resident memory); glibc's own threshold grows as large blocks are freed and keeps them in its heap (about 1 GB a rank in the 0.54 B fsdp run). 0: glibc's default. Train ranks and the rollout and reward servers."""
+    watchdog_stall_s: float = 5.0
+    """Stall watchdog: a train rank inside one collective this long while another rank is blocked elsewhere (no CPU use, no disk wait), or a rank blocked in a call 2x this long after the others answered, is named in seconds (resilience.stall_stops_run: and the run stopped); 0 disables."""
+
+    def __post_init__(self) -> None:
+        for name in ("rpc_timeout_s", "rollout_timeout_s", "event_timeout_s", "lease_timeout_s", "cleanup_timeout_s",
+                     "drain_timeout_s",
+                     "scheduler_lease_s", "startup_timeout_s"):
+            _positive(f"runtime.{name}", getattr(self, name))
+        _positive("runtime.watchdog_stall_s", self.watchdog_stall_s, allow_zero=True)
+
+
+@dataclass
+class CheckpointConfig:
+    latest_every: int = 1
+    """latest_recover_save every this many steps into the alternating latest_odd/latest_even slots; 0 disables."""
+    periodic_every: int = 0
+    """periodic_recover_save every this many steps into periodic/step_<N>; 0 disables."""
+    periodic_async: bool = False
+    """With resilience.fatal_save_errors off: periodic_recover_save writes its files on each rank's writer thread and the step goes on; meta.json does not wait for them (the seeds' asynchronous save). Otherwise the save always waits."""
+    resume: bool = True
+    """On start, resume from the newest valid checkpoint in <run-dir>/checkpoints."""
+    max_failed_saves: int = 3
+    """With resilience.skip_failed_saves: this many failed saves in a row fail the run (the newest valid checkpoint would fall too far behind)."""
+    write_stall_s: float = 4.0
+    """With resilience.abandon_stuck_saves: a rank's checkpoint write whose writer thread has neither used CPU nor waited on the disk for this long is abandoned (CheckpointWriteStalled) and the save skipped; keep it under 2 x runtime.watchdog_stall_s, where the stall watchdog names the rank."""
+
+    def __post_init__(self) -> None:
+        _positive("checkpoint.latest_every", self.latest_every, allow_zero=True)
+        _positive("checkpoint.periodic_every", self.periodic_every, allow_zero=True)
+        _positive("checkpoint.max_failed_saves", self.max_failed_saves)
+        _positive("checkpoint.write_stall_s", self.write_stall_s)
+
+
+@dataclass
+class PreflightConfig:
+    enabled: bool = False
+    """Before step 1 every train rank, pinned to its own CPU (or on its GPU), times a square matmul and an all_gather (DLRover's pre-flight check); a rank `threshold` times slower than the median of the others is named a straggler (log, summary.json)."""
+    exclude: bool = False
+    """A straggler stops the run before step 1 (PreflightStraggler naming it), like DLRover's --exclude-straggler."""
+    threshold: float = 2.0
+    """A rank whose matmul takes this many times the median of the other ranks', in two rounds in a row, is a straggler."""
+    matmul_size: int = 256
+    """Side of the square fp32 matmul each rank times on its device."""
+    duration_s: float = 2.0
+    """Each rank times matmuls for this long (at least 10); the median counts, so a slowdown for most of it shows."""
+
+    def __post_init__(self) -> None:
+        _positive("preflight.threshold", self.threshold)
+        _positive("preflight.matmul_size", self.matmul_size)
+        _positive("preflight.duration_s", self.duration_s)
+
+
+@dataclass
+class TracingConfig:
+    enabled: bool = True
+    """OpenTelemetry spans in every process (off: the API's no-op tracer, nothing written)."""
+    file: bool = True
+    """Write spans as OTLP JSON lines to <run-dir>/traces/<role>-<rank>.jsonl (needs no server)."""
+    otlp_endpoint: str = ""
+    """Also send spans with OTLP over HTTP to this base URL (Jaeger: http://127.0.0.1:4318); empty = $OTEL_EXPORTER_OTLP_ENDPOINT if set."""
+    export_delay_ms: int = 500
+    """Batch span processor delay between exports, milliseconds; spans also go out at every stage boundary and request end."""
+    metrics_interval_s: float = 1.0
+    """Resource sampler period (CPU, RSS, threads, fds, IO, GPU) into <run-dir>/metrics/<role>-<rank>.csv; 0 disables."""
+
+    def __post_init__(self) -> None:
+        _positive("tracing.export_delay_ms", self.export_delay_ms)
+        _positive("tracing.metrics_interval_s", self.metrics_interval_s, allow_zero=True)
+        if self.otlp_endpoint and not self.otlp_endpoint.startswith(("http://", "https://")):
+            raise ConfigError(f"tracing.otlp_endpoint: {self.otlp_endpoint!r} must start with http:// or https://")
