@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
@@ -58,9 +59,12 @@ def run_ours(args, run_dir: str) -> list[dict]:
         return list(csv.DictReader(fh))[args.warmup:]
 
 
-def own_cost(run_dir: str, steps: list[dict]) -> float:
+COMPUTE_SPANS = ("generate", "forward", "forward_backward", "optimizer.step")
+
+
+def own_cost(run_dir: str, steps: list[dict]) -> tuple[float, dict[str, float]]:
     """Median per step of: step time minus generate, forward (logprobs), forward_backward and optimizer.step span
-    time.
+    time; and where it goes: per stage, the stage's time minus those spans inside it, and the time between stages.
 
     Spans of one step that run at the same time (two rollout servers) both count, so this is a floor.
     """
@@ -68,12 +72,28 @@ def own_cost(run_dir: str, steps: list[dict]) -> float:
 
     traces = load_spans(run_dir)
     by_trace = traces.by_trace()
-    compute: dict[int, float] = {}
+    totals: dict[int, float] = {}
+    parts: dict[str, list[float]] = {}
     for step, root in traces.step_roots().items():  # one trace per step, across every process
-        compute[step] = sum(s.duration_s for s in by_trace.get(root.trace_id, [])
-                            if s.name in ("generate", "forward", "forward_backward", "optimizer.step"))
-    values = [float(r["seconds"]) - compute.get(int(r["step"]), 0.0) for r in steps]
-    return statistics.median(values)
+        spans = by_trace.get(root.trace_id, [])
+        by_id = {s.span_id: s for s in spans}
+
+        def stage_of(s: Any) -> str:  # the step's child this span descends from
+            while s.parent_id in by_id and s.parent_id != root.span_id:
+                s = by_id[s.parent_id]
+            return s.name
+
+        compute: dict[str, float] = {}
+        for s in spans:
+            if s.name in COMPUTE_SPANS:
+                compute[stage_of(s)] = compute.get(stage_of(s), 0.0) + s.duration_s
+        totals[step] = sum(compute.values())
+        stages = {s.name: s.duration_s for s in spans if s.parent_id == root.span_id}
+        for name, seconds in stages.items():
+            parts.setdefault(name, []).append(seconds - compute.get(name, 0.0))
+        parts.setdefault("(between stages)", []).append(root.duration_s - sum(stages.values()))
+    values = [float(r["seconds"]) - totals.get(int(r["step"]), 0.0) for r in steps]
+    return statistics.median(values), {k: statistics.median(v) for k, v in parts.items()}
 
 
 def run_trl(args) -> float | None:
@@ -188,8 +208,10 @@ def main() -> int:
     tokens = statistics.median(float(r["rollout_tokens_per_s"]) for r in steps)
     print(f"\nrollout tokens/s (prompt + completion, per the rollout stage): {tokens:,.0f}")
     try:
+        own, where = own_cost(run_dir, steps)
         print(f"runtime's own cost per step (step minus generate, forward, forward/backward, optimizer spans): "
-              f"{own_cost(run_dir, steps) * 1000:.1f} ms")
+              f"{own * 1000:.1f} ms; by stage (its time minus those spans in it), ms: " +
+              ", ".join(f"{k} {v * 1000:.1f}" for k, v in sorted(where.items(), key=lambda kv: -kv[1]) if v >= 5e-4))
     except (ImportError, AttributeError, KeyError, OSError) as exc:
         print(f"runtime's own cost: not read ({type(exc).__name__}: {exc})")
     print(f"run directory: {run_dir}")
