@@ -208,6 +208,8 @@ def test_sigterm_to_the_run_finishes_its_step_and_checkpoint_and_the_same_comman
     assert [int(r["step"]) for r in steps(run_dir)] == list(range(1, 16))
 
 
+@pytest.mark.slow(reason="suite time (55 s): scenario 9 hardened (tests/test_scenarios_later.py) runs a torchrun world "
+                         "restart to its finish by default; the checkpoint's RNG round trip is tests/test_checkpoint.py's")
 def test_a_world_torchrun_restarts_resumes_and_continues_the_uninterrupted_run_exactly(tmp_path):
     """torchrun --max-restarts 1: train-1 SIGKILLed in step 3 ends the world, torchrun starts another in the same run
     directory (its c10d keys under a new prefix), which resumes from step 2's checkpoint, the fault not firing again.

@@ -211,6 +211,12 @@ def test_a_rank_that_never_joins_an_fsdp_all_gather_is_named_in_seconds(tmp_path
     from rlhf.diagnosis import stamp
 
     assert stamp(stall.split(" ", 1)[0]) - hang["time"] < 10.0  # named in seconds, not after an RPC timeout
+    stuck = run_dir / "stacks" / "train-1.txt"  # hang forensics: every live process dumped its threads' stacks
+    failed = next(line for line in (run_dir / "logs" / "controller-0.log").read_text().splitlines()
+                  if "run failed" in line)
+    assert f"its stacks: {stuck}" in failed, failed
+    assert "rlhf/faults/kinds/hang.py" in stuck.read_text()  # where rank 1 is blocked
+    assert "all_gather" in (run_dir / "stacks" / "train-0.txt").read_text()  # rank 0 waits inside the collective
     d = diagnose(str(run_dir))
     assert (d.root.process, d.root.stage, d.root.step, d.root.category) == ("train-1", "reference", 2, "hang")
 
