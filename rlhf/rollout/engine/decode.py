@@ -85,7 +85,8 @@ class DecodeLoop:
         logits = self._prefill(ids, valid, fused, rope, store, plan)  # (Bp, V)
         state = {"fused": fused, "rope": rope, "cache": cache, "block": block, "Bp": Bp, "n": n, "B": B, "P": P,
                  "M": M, "static": static, "pad_bias": pad_bias, "bias": bias, "share": None,
-                 "slot_base": P + torch.arange(n, device=device), "kernel": use_kernel(device, static, block, self.num_heads, Hkv, D, dtype),
+                 "slot_base": P + torch.arange(n, device=device),
+                 "kernel": use_kernel(device, static, block, self.num_heads, Hkv, D, dtype),  # RLHF_DECODE_ATTENTION
                  "start": (torch.zeros(Bp, dtype=torch.int32, device=device) if valid is None else
                            (P - valid.sum(1)).to(torch.int32))}  # each prompt's first real column
         replay = self._capture(state) if static and device.type == "cuda" and M > 1 else None
