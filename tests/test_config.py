@@ -28,6 +28,11 @@ def test_dotted_overrides_convert_types():
     ([("model.name", "gpt5")], "model.name: 'gpt5' is not valid; choose one of: tiny-llama"),
     ([("algorithm.scale_by_std", "maybe")], "expected a boolean"),
     ([("sft.band_low", "0.6"), ("sft.band_high", "0.5")], "sft.band_high \\(0.5\\) must be >= sft.band_low"),
+    ([("weights.transport", "nccl")], "weights.transport: 'nccl' is not valid.*choose one of: shm, http, cuda_ipc"),
+    ([("weights.transport", "cuda_ipc")], "cuda_ipc' shares GPU memory; model.device is 'cpu' \\(choose model.device cuda"),
+    ([("weights.transport", "cuda_ipc"), ("model.device", "cuda"), ("weights.mode", "disk")],
+     "'cuda_ipc' is how the MetaServer's shards travel; weights.mode is 'disk'"),
+    ([("weights.transport", "cuda_ipc"), ("weights.checksum", "crc32")], "weights.checksum: 'crc32' digests bytes in transit"),
 ])
 def test_bad_values_name_the_key_and_the_valid_choices(pairs, message):
     with pytest.raises(ConfigError, match=message):

@@ -38,6 +38,24 @@ def test_two_ranks_share_one_gpu_with_colocation_and_meta_weights(tmp_path):
     assert "on cuda:0" in (run / "logs" / "rollout-1.log").read_text()
 
 
+def test_cuda_ipc_weights_reach_two_rollout_servers_device_to_device(tmp_path):
+    """weights.transport cuda_ipc with 2 train ranks (each sends its share of the rows) and 2 rollout servers (each
+    its own handle): every step's weights verified on both servers, mapped from the train ranks' GPU memory."""
+    from rlhf.tracing.read import load_spans
+
+    run = tmp_path / "run"
+    out = _run("--preset", "smoke", "--steps", "3", "--run-dir", str(run), "--model.device", "cuda",
+               "--model.dtype", "bfloat16", "--rollout.servers", "2", "--weights.transport", "cuda_ipc", torchrun=True)
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = list(csv.DictReader((run / "steps.csv").open()))
+    assert [r["weights_verified"] for r in rows] == ["1", "1", "1"]
+    root = load_spans(str(run)).step_roots()[2]
+    opened = sorted((s.service, s.attributes["rlhf.shard"]) for s, _ in root.walk() if s.name == "weights.cuda_ipc_open")
+    assert opened == [(f"rollout-{r}", f"rank{t}") for r in (0, 1) for t in (0, 1)], opened
+    pushed = [s for s, _ in root.walk() if s.name == "weights.push_shard"]
+    assert len(pushed) == 2 and all(s.attributes["rlhf.bytes"] > 0 for s in pushed)
+
+
 def test_bf16_run_trains_and_rolls_out(tmp_path):
     run = tmp_path / "run"
     out = _run("--preset", "smoke", "--steps", "3", "--run-dir", str(run), "--model.device", "cuda",

@@ -69,6 +69,14 @@ class Config:
                 raise ConfigError("model.path: rollout.backend sglang loads a Hugging Face model directory; the "
                                   f"embedded {self.model.name!r} has no tokenizer sglang can read")
 
+        if self.weights.transport == "cuda_ipc":
+            if self.weights.mode != "meta":
+                raise ConfigError(f"weights.transport: 'cuda_ipc' is how the MetaServer's shards travel; weights.mode "
+                                  f"is {self.weights.mode!r} (choose weights.mode meta, or leave weights.transport shm)")
+            if not self.model.device.startswith("cuda"):
+                raise ConfigError(f"weights.transport: 'cuda_ipc' shares GPU memory; model.device is "
+                                  f"{self.model.device!r} (choose model.device cuda, or weights.transport shm or http)")
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -24,7 +24,7 @@ class WeightsConfig:
     verify: bool = True
     """After each weights update, check every rollout server's weight_version and weights checksum against the trainer's."""
     transport: str = "shm"
-    """meta mode: how shard bytes travel. shm: as files in a shared-memory folder (every process on this host; control stays HTTP); http: in the HTTP bodies (any host)."""
+    """meta mode: how shard bytes travel. shm: as files in a shared-memory folder (every process on this host; control stays HTTP); http: in the HTTP bodies (any host); cuda_ipc: they stay in each train rank's GPU memory and the rollout servers on the same GPU copy them device to device (CUDA IPC handles in the control messages; one host, model.device cuda)."""
     checksum: str = "none"
     """Per-tensor digest in each meta-mode shard, written by the uploader and checked by every rollout server (names the corrupt tensor): none, crc32 (about halves the relay's speed), sha256. weights.verify already checks the whole model end to end."""
     bucket_mb: float = 256.0
@@ -35,7 +35,11 @@ class WeightsConfig:
     def __post_init__(self) -> None:
         _choice("weights.mode", self.mode, ["meta", "disk", "distributed"])
         _choice("weights.checksum", self.checksum, ["crc32", "sha256", "none"])
-        _choice("weights.transport", self.transport, ["shm", "http"])
+        _choice("weights.transport", self.transport, ["shm", "http", "cuda_ipc"])
+        if self.transport == "cuda_ipc" and self.checksum != "none":
+            raise ConfigError(f"weights.checksum: {self.checksum!r} digests bytes in transit, and with weights.transport "
+                              "cuda_ipc none leave the GPU; use weights.checksum none (weights.verify still checks the "
+                              "whole model) or weights.transport shm")
         _choice("weights.verify_checksum", self.verify_checksum, ["sha256", "crc32"])
         _positive("weights.max_versions", self.max_versions)
         _positive("weights.bucket_mb", self.bucket_mb)

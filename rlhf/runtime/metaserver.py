@@ -48,6 +48,7 @@ from rlhf.config.resilience import HARDENED, Policy
 from rlhf.faults import afault_point
 from rlhf.pieces import assemble
 from rlhf.runtime import wire
+from rlhf.runtime.cuda_ipc import header_bytes, open_shared, unpack
 from rlhf.runtime.http import Service, ServiceThread
 from rlhf.runtime.shm import SHM_PREFIX, shm_root, sweep_stale_shm  # noqa: F401 (also this module's API)
 from rlhf.weights import PIECES, ShardCorrupt, decode_pieces, shard_header
@@ -59,8 +60,12 @@ class _Shard:
     size: int
     data: bytes | None = None  # http transport
     path: str = ""  # shm transport: a file the MetaServer owns
+    ipc: dict | None = None  # cuda_ipc transport: {"header", "handles"}; the bytes stay in the uploader's GPU memory
 
     def read(self) -> bytes:
+        if self.ipc is not None:
+            raise web.HTTPConflict(text="the shard stays in its train rank's GPU memory (weights.transport cuda_ipc): "
+                                        "only a process on that GPU maps it, with the manifest's handle")
         if self.data is not None:
             return self.data
         with open(self.path, "rb") as fh:
@@ -135,7 +140,8 @@ class MetaServer:
             shutil.rmtree(self.shm_dir, ignore_errors=True)
 
     def bytes_held(self) -> int:
-        return sum(s.size for v in self.versions.values() for s in v.shards.values())
+        """What the MetaServer holds (a cuda_ipc shard's bytes are in its uploader's GPU memory)."""
+        return sum(s.size for v in self.versions.values() for s in v.shards.values() if s.ipc is None)
 
     async def _open(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -165,13 +171,22 @@ class MetaServer:
             head += fh.read(min(n, size))
         return _Shard(size=size, path=real), head
 
+    @staticmethod
+    def _ipc_shard(ipc: Any) -> tuple[_Shard, bytes]:
+        """A shard a train rank keeps in its GPU memory: its safetensors-style header and one handle per consumer."""
+        if not (isinstance(ipc, dict) and isinstance(ipc.get("header"), dict) and isinstance(ipc.get("handles"), list)
+                and ipc["handles"] and all(isinstance(h, dict) for h in ipc["handles"])):
+            raise web.HTTPBadRequest(text="a cuda_ipc shard needs {'header': {...}, 'handles': [{...}, ...]}")
+        return _Shard(size=_ipc_bytes(ipc["header"]), ipc=ipc), header_bytes(ipc["header"])
+
     async def _put(self, request: web.Request) -> web.Response:
         v = self._version(request)
         shard = request.match_info["shard"]
         await afault_point("metaserver.put", peer=shard)
         data = await request.read()
         if request.content_type == wire.JSON_TYPE:
-            entry, head = self._shm_shard(json.loads(data)["path"])
+            sent = json.loads(data)
+            entry, head = self._ipc_shard(sent["cuda_ipc"]) if "cuda_ipc" in sent else self._shm_shard(sent["path"])
         else:
             entry, head = _Shard(size=len(data), data=data), data
         if self.bytes_held() + entry.size > self.max_bytes:
@@ -180,7 +195,7 @@ class MetaServer:
         with tracing.span("metaserver.put", shard=shard, bytes=entry.size):
             # the relay reads only the safetensors header: no tensor is decoded or re-hashed here; the
             # uploader's digests travel inside the shard and every consumer checks them end to end
-            header, metadata, _ = shard_header(head, size=entry.size)
+            header, metadata, _ = shard_header(head, size=entry.size + (len(head) if entry.ipc else 0))
             digests = json.loads(metadata.get("digests", "{}"))
             where = json.loads(metadata.get(PIECES, "{}"))
             for key, info in header.items():
@@ -215,7 +230,8 @@ class MetaServer:
         if v.dropped:
             return web.json_response({"error": f"weights version {request.match_info['version']!r} was dropped "
                                                "(deleted or evicted)"}, status=410)
-        shards = {s: {"bytes": e.size, **({"path": e.path} if e.path else {})} for s, e in v.shards.items()}
+        shards = {s: {"bytes": e.size, **({"path": e.path} if e.path else {}), **({"cuda_ipc": e.ipc} if e.ipc else {})}
+                  for s, e in v.shards.items()}
         return web.json_response({"version": request.match_info["version"], "tensors": v.entries, "shards": shards})
 
     async def _get(self, request: web.Request) -> web.Response:
@@ -243,17 +259,25 @@ class MetaServer:
 
 
 async def push_shard(client: Any, version: str, shard: str, body: bytes | None, timeout_s: float,
-                     path: str = "") -> None:
-    """Train side of a meta-mode update: PUT one rank's shard (its bytes, or the path of the file it wrote).
+                     path: str = "", ipc: dict | None = None) -> None:
+    """Train side of a meta-mode update: PUT one rank's shard (its bytes, the path of the file it wrote, or its
+    header and CUDA IPC handles: rlhf.runtime.cuda_ipc).
 
     Through the client like every hop: rpc.client.send and the network fault kinds act on it, an idempotent PUT
     (the same shard again replaces it) is retried under the policy, and a refusal comes back typed."""
-    raw = wire.RawBody(body, wire.TENSORS_TYPE) if body is not None else \
-        wire.RawBody(json.dumps({"path": path}).encode(), wire.JSON_TYPE)
-    with tracing.span("weights.push_shard", stage="weights_update", shard=shard,
-                      bytes=len(body) if body is not None else os.path.getsize(path)):
+    if body is not None:
+        raw, size = wire.RawBody(body, wire.TENSORS_TYPE), len(body)
+    elif ipc is not None:
+        raw, size = wire.RawBody(json.dumps({"cuda_ipc": ipc}).encode(), wire.JSON_TYPE), _ipc_bytes(ipc["header"])
+    else:
+        raw, size = wire.RawBody(json.dumps({"path": path}).encode(), wire.JSON_TYPE), os.path.getsize(path)
+    with tracing.span("weights.push_shard", stage="weights_update", shard=shard, bytes=size):
         await client.call(f"/weights/{version}/{shard}", raw, method="PUT", timeout_s=timeout_s,
                           stage="weights_update")
+
+
+def _ipc_bytes(header: dict) -> int:
+    return max((e["data_offsets"][1] for k, e in header.items() if k != "__metadata__"), default=0)
 
 
 async def pull_weights(client: Any, version: str, wait_s: float, timeout_s: float) -> dict:
@@ -267,19 +291,23 @@ async def pull_weights(client: Any, version: str, wait_s: float, timeout_s: floa
             raise type(exc)(f"weights {version}: {exc}") from None
 
 
-async def pull_pieces(client: Any, version: str, wait_s: float, timeout_s: float) -> dict:
+async def pull_pieces(client: Any, version: str, wait_s: float, timeout_s: float, device: Any = None,
+                      consumer: int = 0, who: str = "this process") -> dict:
     """Rollout side of a meta-mode update: wait for the manifest, fetch every shard at once, verify: shard ->
     (its pieces by key, where each lies in its parameter), for rlhf.weights.import_pieces or assemble.
 
     Shards arrive as raw bytes (or are mapped from shared memory) and become zero-copy tensor views after each
-    piece's digest is checked against the one its uploader computed.
+    piece's digest is checked against the one its uploader computed. A cuda_ipc shard is mapped from its train
+    rank's GPU memory onto `device` with handle number `consumer` (each rollout server has its own): views of the
+    uploader's buffer, to be copied out and released.
     """
     # the MetaServer's wait ends first (504 naming the missing shards), not our timeout
     manifest, _ = await client.call(f"/weights/{version}/manifest?wait_s={wait_s}", method="GET",
                                     timeout_s=max(timeout_s, wait_s + 5.0), stage="weights_update")
     shards = sorted(manifest["shards"])
+    ipc = {s: manifest["shards"][s]["cuda_ipc"] for s in shards if "cuda_ipc" in manifest["shards"][s]}
     local = {s for s in shards if os.path.exists(manifest["shards"][s].get("path", "\0"))}  # same host: map the file
-    remote = [s for s in shards if s not in local]
+    remote = [s for s in shards if s not in local and s not in ipc]
     fetched = await asyncio.gather(*[client.call(f"/weights/{version}/{shard}", method="GET", timeout_s=timeout_s,
                                                  stage="weights_update", raw=True) for shard in remote])
     bodies: dict[str, Any] = {s: body for s, (body, _) in zip(remote, fetched)}
@@ -287,8 +315,18 @@ async def pull_pieces(client: Any, version: str, wait_s: float, timeout_s: float
         with open(manifest["shards"][s]["path"], "rb") as fh:
             bodies[s] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)  # unmapped when its tensors are freed
     decoded: dict = {}
-    with tracing.span("weights.verify", shards=len(shards), mapped=len(local)):
+    for shard, sent in ipc.items():
+        if consumer >= len(sent["handles"]):
+            raise ValueError(f"weights {version}: shard {shard} was shared with {len(sent['handles'])} rollout "
+                             f"server(s); {who} is number {consumer}")
+        with tracing.span("weights.cuda_ipc_open", shard=shard):
+            flat = open_shared(sent["handles"][consumer], device, who)
+            tensors, metadata = unpack(flat, sent["header"])
+        decoded[shard] = (tensors, json.loads(metadata.get(PIECES, "{}")))
+    with tracing.span("weights.verify", shards=len(shards) - len(ipc), mapped=len(local)):
         for shard in shards:
+            if shard in ipc:
+                continue
             body = bodies[shard]
             if len(body) != manifest["shards"][shard]["bytes"]:
                 raise ShardCorrupt(f"weights {version}: shard {shard} arrived with {len(body)} bytes, manifest says "

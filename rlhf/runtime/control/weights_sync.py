@@ -96,15 +96,16 @@ class WeightSync(BroadcastUpdate):
 
         uploads = [asyncio.ensure_future(timed(c.call(
             "/upload_weights", {"metaserver_url": url, "version": version, "timeout_s": cfg.weights.upload_timeout_s,
-                                "shm_dir": self.services.shm_dir},
+                                "shm_dir": self.services.shm_dir, "transport": cfg.weights.transport,
+                                "consumers": len(self.services.rollout), "keep": cfg.weights.max_versions},
             timeout_s=cfg.weights.upload_timeout_s, stage="weights_update", step=step))) for c in self.workers.clients]
         updates = [asyncio.ensure_future(timed(c.call(
-            "/update_weights_from_meta", {"metaserver_url": url, "weight_version": version,
+            "/update_weights_from_meta", {"metaserver_url": url, "weight_version": version, "consumer": r,
                                           "wait_s": cfg.weights.update_timeout_s,
                                           "timeout_s": cfg.weights.update_timeout_s},
             # the server's own wait ends first, so its error (not our timeout) comes back
             timeout_s=cfg.weights.update_timeout_s + OUTER_MARGIN_S, stage="weights_update", step=step)))
-            for c in self.services.rollout]
+            for r, c in enumerate(self.services.rollout)]
         if not cfg.resilience.weights_fallback:
             times = await asyncio.gather(*uploads, *updates)  # upload and update in parallel; wait for both sides
         else:

@@ -100,7 +100,9 @@ class WeightsAndMemory:
         await afault_point("weights_update.update", peer="metaserver-0")
         client = Client(args["metaserver_url"], self.token, peer="metaserver-0", retries=self.policy.retry_idempotent)
         try:
-            shards = await pull_pieces(client, version, float(args.get("wait_s", 60)), float(args.get("timeout_s", 600)))
+            shards = await pull_pieces(client, version, float(args.get("wait_s", 60)), float(args.get("timeout_s", 600)),
+                                       device=self.engine.device, consumer=int(args.get("consumer", 0)),
+                                       who=f"rollout-{self.rank}")
         finally:
             await client.close()
         pieces = [t for tensors, _ in shards.values() for t in tensors.values()]
@@ -108,8 +110,13 @@ class WeightsAndMemory:
                          "the new weights")
         loop = asyncio.get_running_loop()
         with tracing.span("weights.load", source="metaserver", weight_version=version, pieces=len(pieces)):
-            await loop.run_in_executor(self.service.executor, self.engine.update_weights_from_pieces, shards, version)
+            await loop.run_in_executor(self.service.executor, self._load_pieces, shards, version)
         return {"success": True, "weight_version": version, "tensors": len(pieces)}
+
+    def _load_pieces(self, shards: dict, version: str) -> None:
+        self.engine.update_weights_from_pieces(shards, version)
+        if self.engine.device.type == "cuda":  # copies out of a cuda_ipc buffer are done before its views are freed
+            torch.cuda.synchronize(self.engine.device)
 
     def release_memory(self, args: dict, tensors: dict) -> dict:
         """sglang's release, by `tags` (default: all): "weights" move to pinned host memory on a GPU;

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import json
 import logging
 import os
 import shutil
@@ -20,6 +21,7 @@ from rlhf.errors import BadRequest
 from rlhf.faults import afault_point, fault_point
 from rlhf.pieces import own_pieces, piece_digests
 from rlhf.runtime import checkpoint as ckpt
+from rlhf.runtime import cuda_ipc
 from rlhf.runtime import sharded_checkpoint as sharded_ckpt
 from rlhf.runtime import weights_group as wg
 from rlhf.runtime.client import Client
@@ -27,7 +29,7 @@ from rlhf.runtime.colocation import fresh_allocation
 from rlhf.runtime.http import DEFAULT_HOST
 from rlhf.runtime.metaserver import push_shard
 from rlhf.train.parallel import Gathered, local
-from rlhf.weights import checksum, encode_shard, export_state, import_state, save_state_dir, write_shard
+from rlhf.weights import PIECES, checksum, encode_shard, export_state, import_state, save_state_dir, write_shard
 
 log = logging.getLogger("rlhf.train_worker")
 
@@ -85,7 +87,9 @@ class WeightsAndCheckpoints:
     def upload_weights(self, args: dict, tensors: dict) -> dict:
         """Send this rank's shard of the weights to the MetaServer as version args['version'].
 
-        args['shm_dir'] set (same host): write the shard as a file there and PUT its path; else PUT the bytes.
+        args['transport'] cuda_ipc: pack the shard into one buffer on this rank's GPU, kept for args['keep']
+        versions, and PUT one CUDA IPC handle per rollout server (args['consumers']); else args['shm_dir'] set (same
+        host): write the shard as a file there and PUT its path; else PUT the bytes.
         """
         version, shard = str(args["version"]), f"rank{self.rank}"
         with tracing.span("weights.serialize"):
@@ -94,8 +98,15 @@ class WeightsAndCheckpoints:
             part, where = own_pieces(self.model, self.rank, self.world_size, self.wire_dtype)
             fresh_allocation(self.run_dir, self.device, sum(t.numel() * t.element_size() for t in part.values()),
                              "the weights upload buffer")
-            path, body = "", None
-            if args.get("shm_dir"):
+            path, body, ipc = "", None, None
+            if args.get("transport") == "cuda_ipc":
+                flat, header = cuda_ipc.pack(part, {"checksum": "none", PIECES: json.dumps(where)})
+                self._ipc_buffers[version] = flat  # until the MetaServer has evicted the version
+                while len(self._ipc_buffers) > max(1, int(args.get("keep", 2))):
+                    self._ipc_buffers.pop(next(iter(self._ipc_buffers)))
+                ipc = {"header": header, "handles": cuda_ipc.share(flat, int(args.get("consumers", 1)))}
+                size = flat.numel()
+            elif args.get("shm_dir"):
                 path = os.path.join(args["shm_dir"], f"v{version}-{shard}.safetensors")
                 size = write_shard(part, path, self.cfg.weights.checksum, where)
             else:
@@ -108,7 +119,7 @@ class WeightsAndCheckpoints:
                             retries=self.cfg.resilience.retry_idempotent)
             try:
                 await afault_point("weights_update.upload", peer="metaserver-0")
-                await push_shard(client, version, shard, body, float(args.get("timeout_s", 600)), path=path)
+                await push_shard(client, version, shard, body, float(args.get("timeout_s", 600)), path=path, ipc=ipc)
             finally:
                 await client.close()
 

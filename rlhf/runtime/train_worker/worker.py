@@ -83,6 +83,7 @@ class TrainWorker(SftAndPreflight, WeightsAndCheckpoints):
         self._writer: threading.Thread | None = None
         self._weights_store: Any = None  # distributed weights mode, rank 0: the group's rendezvous store
         self._weights_group: Any = None  # and its member of the weights update group
+        self._ipc_buffers: dict[str, torch.Tensor] = {}  # weights.transport cuda_ipc: the shards shared, by version
         self._weights_backend = "gloo"
         self._weights_buffers: Any = None  # the flat buffer the buckets are packed into, used again each bucket
         self.service.route("/heartbeat", self.heartbeat, method="GET", inline=True)
