@@ -22,6 +22,7 @@ size, lengths, sampling, coefficients and optimizer steps per generation, and pr
 import argparse
 import csv
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -181,7 +182,7 @@ def main() -> int:
                     help="cpu: the same comparison on a machine without a GPU (float32)")
     ap.add_argument("--timeout", type=int, default=540)
     ap.add_argument("overrides", nargs="*", help="after --: more flags for our run (e.g. -- --runtime.heap_mmap_threshold_mb 0)")
-    ap.add_argument("--run-dir", default="", help="keep the run here (default: a temporary folder)")
+    ap.add_argument("--run-dir", default="", help="keep the run here (default: a temporary folder, removed at the end)")
     args = ap.parse_args()
     import torch
 
@@ -214,7 +215,10 @@ def main() -> int:
               ", ".join(f"{k} {v * 1000:.1f}" for k, v in sorted(where.items(), key=lambda kv: -kv[1]) if v >= 5e-4))
     except (ImportError, AttributeError, KeyError, OSError) as exc:
         print(f"runtime's own cost: not read ({type(exc).__name__}: {exc})")
-    print(f"run directory: {run_dir}")
+    if args.run_dir:
+        print(f"run directory: {run_dir}")
+    else:  # a temporary one: nothing is left behind (--run-dir keeps the run)
+        shutil.rmtree(run_dir, ignore_errors=True)
     if args.peer == "trl":
         peer = run_trl(args)
         if peer is not None:

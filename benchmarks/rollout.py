@@ -83,7 +83,8 @@ def warm_model(model, tok, steps, batch_size=256, lr=1e-3):
     import logging
 
     from rlhf.config import Config
-    from rlhf.tasks import build_task, reward_fn
+    from rlhf.tasks import build_task
+    from rlhf.tasks.scoring import scorer_of
     from rlhf.trainers.sft import run_sft
 
     logging.getLogger("rlhf").setLevel(logging.ERROR)  # the warm model's own line below says where SFT stopped
@@ -91,7 +92,7 @@ def warm_model(model, tok, steps, batch_size=256, lr=1e-3):
     cfg.sft.max_steps = steps
     cfg.sft.batch_size = batch_size
     cfg.sft.lr = lr
-    result = run_sft(cfg, model, tok, build_task(cfg.task), reward_fn(cfg.task.reward))
+    result = run_sft(cfg, model, tok, build_task(cfg.task), scorer_of(cfg.task))
     return result
 
 

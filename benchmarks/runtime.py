@@ -111,8 +111,8 @@ def _build(model_name: str, seed: int):
 def _uploader(rank: int, world: int, model_name: str, url: str, token: str, repeats: int, barrier, results,
               shm_dir: str = "", checksum: str = "none") -> None:
     from rlhf.pieces import own_pieces
-    from rlhf.runtime.client import Client
-    from rlhf.runtime.metaserver import push_shard
+    from rlhf.services.metaserver import push_shard
+    from rlhf.transport.client import Client
     from rlhf.weights import encode_shard, write_shard
 
     model, _ = _build(model_name, seed=rank)
@@ -141,8 +141,8 @@ def _uploader(rank: int, world: int, model_name: str, url: str, token: str, repe
 
 def _puller(rank: int, model_name: str, url: str, token: str, repeats: int, barrier, results) -> None:
     from rlhf.pieces import import_pieces
-    from rlhf.runtime.client import Client
-    from rlhf.runtime.metaserver import pull_pieces
+    from rlhf.services.metaserver import pull_pieces
+    from rlhf.transport.client import Client
 
     model, _ = _build(model_name, seed=100 + rank)
 
@@ -173,7 +173,7 @@ def _disk_reader(rank: int, model_name: str, path: str, repeats: int, barrier, r
 
 def _member(model_name: str, seed: int, port: int, rank: int, world: int, bucket_mb: float) -> tuple:
     """A process of the weights update group: (group, its model's parameters by name, the bucket plan)."""
-    from rlhf.runtime import weights_group as wg
+    from rlhf.transport import weights_group as wg
 
     model, _ = _build(model_name, seed=seed)
     group = wg.join("127.0.0.1", port, rank, world, "gloo", 300)
@@ -183,7 +183,7 @@ def _member(model_name: str, seed: int, port: int, rank: int, world: int, bucket
 
 def _broadcaster(model_name: str, port: int, world: int, bucket_mb: float, repeats: int, barrier, results) -> None:
     """Train rank 0 in distributed mode: every bucket packed flat and broadcast to the group."""
-    from rlhf.runtime import weights_group as wg
+    from rlhf.transport import weights_group as wg
 
     group, params, plan = _member(model_name, 0, port, 0, world, bucket_mb)
     buffers = wg.Buffers()
@@ -201,7 +201,7 @@ def _receiver(rank: int, model_name: str, port: int, world: int, bucket_mb: floa
     (as /update_weights_from_distributed with the flattened_bucket format)."""
     import torch
 
-    from rlhf.runtime import weights_group as wg
+    from rlhf.transport import weights_group as wg
 
     group, params, plan = _member(model_name, 100 + rank, port, 1 + rank, world, bucket_mb)
     buffers = wg.Buffers()
@@ -218,7 +218,7 @@ def _receiver(rank: int, model_name: str, port: int, world: int, bucket_mb: floa
 
 
 async def _open_version(url: str, token: str, version: str, shards: int) -> None:
-    from rlhf.runtime.client import Client
+    from rlhf.transport.client import Client
 
     client = Client(url, token)
     try:
@@ -234,7 +234,7 @@ def _collect(results, n: int) -> list[tuple]:
 def run_bandwidth(args: argparse.Namespace) -> None:
     import torch
 
-    from rlhf.runtime.metaserver import MetaServer
+    from rlhf.services.metaserver import MetaServer
     from rlhf.weights import save_state_dir
 
     ctx = mp.get_context("spawn")
@@ -296,7 +296,7 @@ def run_bandwidth(args: argparse.Namespace) -> None:
             server.stop()
 
     # distributed: train rank 0 broadcasts to a gloo group of the servers (sglang's update_weights_from_distributed)
-    from rlhf.runtime import weights_group as wg
+    from rlhf.transport import weights_group as wg
 
     rows["distributed (gloo broadcast)"] = []
     store = wg.open_store("127.0.0.1", 300)

@@ -100,8 +100,8 @@ def weights_part(args: argparse.Namespace) -> None:
     from rlhf.config import ModelConfig
     from rlhf.models import build_model_and_tokenizer
     from rlhf.pieces import import_pieces
-    from rlhf.runtime.client import Client
-    from rlhf.runtime.metaserver import MetaServer, pull_pieces
+    from rlhf.services.metaserver import MetaServer, pull_pieces
+    from rlhf.transport.client import Client
 
     torch.set_num_threads(2)
     rollout, _ = build_model_and_tokenizer(ModelConfig(name=args.model, dtype="bfloat16"), seed=2, device="cpu")

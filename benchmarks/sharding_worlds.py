@@ -27,7 +27,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from rlhf.config import AlgorithmConfig, ModelConfig, OptimConfig
     from rlhf.models import build_model_and_tokenizer
-    from rlhf.runtime.dist import GlooDataParallel
+    from rlhf.train.dist import GlooDataParallel
     from rlhf.train.engine import TrainEngine
     from rlhf.train.parallel import build_mesh, local, make_layout
 
@@ -111,9 +111,9 @@ def weights_worker(args: argparse.Namespace) -> None:
     from rlhf.config import ModelConfig
     from rlhf.models import build_model_and_tokenizer
     from rlhf.pieces import own_pieces
-    from rlhf.runtime.client import Client
-    from rlhf.runtime.metaserver import push_shard
+    from rlhf.services.metaserver import push_shard
     from rlhf.train.parallel import Gathered, build_mesh, make_layout, parallelize
+    from rlhf.transport.client import Client
     from rlhf.weights import write_shard
 
     dist.init_process_group("gloo")

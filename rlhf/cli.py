@@ -2,7 +2,7 @@
 
     rlhf grpo [flags]      GRPO: SFT warm start → eval → GRPO steps → eval (= examples/grpo_trainer.py)
     rlhf sft [flags]       the SFT baseline alone (= examples/sft_trainer.py)
-    rlhf config [flags]    print the resolved config as YAML
+    rlhf config [flags]    print the resolved config as YAML (--reference: every key, in Markdown)
     rlhf trace RUN_DIR     a run's traces: per-step trees, errors, fault events; Jaeger / Perfetto files
     rlhf faults list       every fault kind and point;  rlhf faults validate FILE  checks a fault file
     rlhf report RUN_DIR    figures of how a fault propagated (RUN_DIR/report/*.png)
@@ -34,7 +34,7 @@ the last line. The same --faults files as grpo_trainer.py; RL-only points are ne
 
 def grpo_main(argv: list[str] | None = None, prog: str = "grpo_trainer.py") -> int:
     cfg, _ = parse_config(argv, make_parser(prog, GRPO_DESCRIPTION))
-    from rlhf.runtime.launch import run  # per subcommand: `rlhf trace` never loads torch.distributed
+    from rlhf.control.launch import run  # per subcommand: `rlhf trace` never loads torch.distributed
 
     return _finish(lambda: run(cfg))
 
@@ -47,7 +47,7 @@ def sft_main(argv: list[str] | None = None, prog: str = "sft_trainer.py") -> int
         argv[i : i + 2] = ["--sft.max_steps", argv[i + 1]] if i + 1 < len(argv) else argv[i : i + 1]
     argv = ["--sft.stop_in_band", "false"] + argv
     cfg, _ = parse_config(argv, make_parser(prog, SFT_DESCRIPTION))
-    from rlhf.runtime.launch import run
+    from rlhf.control.launch import run
 
     return _finish(lambda: run(cfg, mode="sft"))
 
@@ -55,7 +55,7 @@ def sft_main(argv: list[str] | None = None, prog: str = "sft_trainer.py") -> int
 def _finish(run: Any) -> int:
     """Print the summary; a failure the controller already reported (its log has the traceback, the console a
     short block ending with the root cause) exits 1 without a second traceback on the console."""
-    from rlhf.runtime.launch import print_summary
+    from rlhf.control.launch import print_summary
 
     try:
         summary = run()
@@ -68,7 +68,14 @@ def _finish(run: Any) -> int:
 
 
 def config_main(argv: list[str] | None = None) -> int:
-    cfg, _ = parse_config(argv, make_parser("rlhf config", "Print the resolved config as YAML."))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--reference" in argv:  # every key with its type, default and doc, as docs/configuration.md lists them
+        from rlhf.config.parse import format_reference
+
+        print(format_reference(), end="")
+        return 0
+    cfg, _ = parse_config(argv, make_parser("rlhf config", "Print the resolved config as YAML (--reference: every "
+                                                            "key's type, default and doc in Markdown)."))
     print(cfg.to_yaml(), end="")
     return 0
 
@@ -98,7 +105,7 @@ def diagnose_main(argv: list[str] | None = None, prog: str = "rlhf diagnose") ->
 
 
 def export_main(argv: list[str] | None = None, prog: str = "rlhf export") -> int:
-    from rlhf.runtime.export import export_main as run
+    from rlhf.checkpoint.export import export_main as run
 
     return run(argv, prog)
 

@@ -1,4 +1,4 @@
-"""The run directory (README: the run directory): layout, logging, steps.csv, summary.json."""
+"""The run directory (docs/default-run.md: the run directory): layout, logging, steps.csv, summary.json."""
 
 from __future__ import annotations
 

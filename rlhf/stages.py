@@ -1,4 +1,4 @@
-"""Canonical stage names (the README's step order) and a timer for them.
+"""Canonical stage names (the step order of docs/runtime.md) and a timer for them.
 
 Stage names are shared by spans, fault points, logs, metrics and the CLI; use these constants.
 """

@@ -82,15 +82,15 @@ SGLANG_MAX_QUEUED = 2
 
 
 def start_sglang_launch(tmp, model_dir: str, args=(), env=None):
-    """`python -m rlhf.runtime.sglang_launch` (as `sglang.launch_server` runs) on model_dir with the test key;
+    """`python -m rlhf.services.sglang_launch` (as `sglang.launch_server` runs) on model_dir with the test key;
     returns (process, url) once it answers /health (the process is stopped if it never does)."""
     import requests
 
+    from rlhf.control.fleet import free_port
     from rlhf.procs import spawn, stop_group
-    from rlhf.runtime.control.services import free_port
 
     port = free_port()
-    proc = spawn([sys.executable, "-m", "rlhf.runtime.sglang_launch", "--model-path", model_dir, "--port", str(port),
+    proc = spawn([sys.executable, "-m", "rlhf.services.sglang_launch", "--model-path", model_dir, "--port", str(port),
                   "--api-key", SGLANG_KEY, *args], env={**os.environ, "PYTHONPATH": ROOT, **(env or {})}, cwd=ROOT,
                  log_path=str(tmp / "server.out"))
     url = f"http://127.0.0.1:{port}"

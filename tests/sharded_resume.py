@@ -10,8 +10,8 @@
                     those written, bit for bit
 --foreign DIR:MODEL read DIR's checkpoint into another model: the error says what differs
 
-Data: one global batch, laid out as replicated dp on DATA_WORLD ranks would see it (tests/sharded_steps.shard_of),
-so every world and layout takes the same optimizer steps.
+Data: one global batch, cut as the controller cuts it (rlhf.batch: mini-batches, then each over the dp ranks;
+tests/sharded_steps.share_of), so every world and layout takes the same optimizer steps.
 """
 
 from __future__ import annotations
@@ -26,15 +26,14 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from rlhf.checkpoint import slots as ckpt  # noqa: E402
 from rlhf.config import AlgorithmConfig, ModelConfig, OptimConfig  # noqa: E402
 from rlhf.models import build_model_and_tokenizer  # noqa: E402
-from rlhf.runtime import checkpoint as ckpt  # noqa: E402
-from rlhf.runtime.dist import GlooDataParallel  # noqa: E402
+from rlhf.train.dist import GlooDataParallel  # noqa: E402
 from rlhf.train.engine import TrainEngine  # noqa: E402
 from rlhf.train.parallel import build_mesh, full_state, is_dtensor, make_layout  # noqa: E402
-from tests.sharded_steps import global_batch, shard_of  # noqa: E402
+from tests.sharded_steps import global_batch, share_of  # noqa: E402
 
-DATA_WORLD = 4
 MODEL = "tiny-llama"
 
 
@@ -48,7 +47,7 @@ def engine_in(layout_name: str, model_name: str = MODEL) -> tuple[TrainEngine, o
     engine = TrainEngine(model, optim, AlgorithmConfig(kl_coef=0.0), keep_reference=False, dp=dp, layout=layout,
                          mesh=mesh)
     batch = global_batch(model.config.vocab_size)
-    mine, _ = shard_of(batch, layout.dp_rank(dist.get_rank()), layout.dp, DATA_WORLD, optim.mini_batches)
+    mine, _ = share_of(batch, layout.dp_rank(dist.get_rank()), layout.dp, optim.mini_batches)
     return engine, layout, mine
 
 

@@ -3,6 +3,8 @@
     python -m torch.distributed.run --nproc_per_node=N tests/sharded_steps.py --model tiny-llama \
         --layouts fsdp,tp2 --steps 3 --out result.json [--device cuda]
 
+(--layouts "": replicated dp alone, e.g. on one rank: the run every other world is held against). Beside the JSON,
+RESULT.json.safetensors holds each layout's trained weights ("<layout>/<name>"), to compare across worlds.
 Every layout starts from the same seeded weights and trains on the same global batch (each data-parallel group
 its share of it); rank 0 writes, per layout, each step's loss and grad norm and the largest difference of the
 updated weights (gathered whole) and of the first logprobs from those of replicated dp, and whether the pieces each
@@ -20,13 +22,15 @@ import sys
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from rlhf.batch import plan_shares  # noqa: E402
 from rlhf.config import AlgorithmConfig, ModelConfig, OptimConfig  # noqa: E402
 from rlhf.models import build_model_and_tokenizer  # noqa: E402
 from rlhf.pieces import assemble, own_pieces  # noqa: E402
-from rlhf.runtime.dist import GlooDataParallel  # noqa: E402
+from rlhf.train.dist import GlooDataParallel  # noqa: E402
 from rlhf.train.engine import TrainEngine  # noqa: E402
 from rlhf.train.parallel import build_mesh, full, is_dtensor, laid_out_model, make_layout, via_host  # noqa: E402
 from rlhf.weights import decode_pieces, encode_shard  # noqa: E402
@@ -43,17 +47,13 @@ def global_batch(vocab: int, rows: int = 8, length: int = 14, seed: int = 3) -> 
             "advantages": torch.randn(rows, generator=g)}
 
 
-def shard_of(batch: dict[str, torch.Tensor], share: int, dp: int, world: int,
-             minis: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Data-parallel group `share` of `dp`'s rows, laid out so that its optimizer steps see the same global
-    mini-batches as replicated dp on the whole world does: replicated rank r holds rows r*B/world.. and its
-    mini-batch j is the j-th slice of them; a group of world/dp such ranks' rows go mini-batch by mini-batch."""
-    rows = batch["input_ids"].shape[0]
-    per = rows // world
-    ranks = range(share * world // dp, (share + 1) * world // dp)
-    order = [r * per + i for j in range(minis) for r in ranks for i in range(j * per // minis, (j + 1) * per // minis)]
-    index = torch.tensor(order)
-    return {k: v[index] for k, v in batch.items()}, index
+def share_of(batch: dict[str, torch.Tensor], share: int, dp: int, minis: int) -> tuple[dict[str, torch.Tensor],
+                                                                                  torch.Tensor]:
+    """Data-parallel group `share` of `dp`'s rows as the controller cuts them (rlhf.batch: the global batch in
+    mini-batches, each over the dp ranks), with their mini_batch column; and where those rows are in the batch."""
+    rows, mini = plan_shares(batch["attention_mask"].sum(1).tolist(), minis, dp)
+    index = torch.tensor(rows[share])
+    return {**{k: v[index] for k, v in batch.items()}, "mini_batch": torch.tensor(mini[share])}, index
 
 
 DEVICE = torch.device("cpu")
@@ -75,7 +75,7 @@ def run(layout_name: str, model_name: str, steps: int, batch: dict[str, torch.Te
     engine = TrainEngine(model, optim, AlgorithmConfig(kl_coef=0.05), keep_reference=True, dp=dp, layout=layout,
                          mesh=mesh)
     share = layout.dp_rank(dist.get_rank())
-    mine, order = shard_of(batch, share, layout.dp, dist.get_world_size(), optim.mini_batches)
+    mine, order = share_of(batch, share, layout.dp, optim.mini_batches)
     mine["old_logprobs"] = engine.compute_logprobs(mine, "policy")
     mine["ref_logprobs"] = engine.compute_logprobs(mine, "reference")
     first = mine["old_logprobs"].cpu()
@@ -111,7 +111,7 @@ def bf16_reference_check(model_name: str, layout, mesh, batch: dict, share: int,
     model, _ = _build(model_name)
     engine = TrainEngine(model, optim, AlgorithmConfig(kl_coef=0.05), keep_reference=True, layout=layout, mesh=mesh,
                          compute_dtype=torch.bfloat16)
-    mine, _ = shard_of(batch, share, layout.dp, dist.get_world_size(), optim.mini_batches)
+    mine, _ = share_of(batch, share, layout.dp, optim.mini_batches)
     policy, reference = engine.compute_logprobs(mine, "policy"), engine.compute_logprobs(mine, "reference")
     return {"reference_dtypes": sorted({str(p.dtype) for p in engine.reference.parameters()}),
             "policy_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
@@ -183,8 +183,10 @@ def main() -> None:
     pieces = ("pieces_exact", "piece_bytes", "model_bytes", "built_exact")
     out = {"dp": {"records": base["records"], "layout": base["layout"], "param_bytes_rank": base["param_bytes_rank"],
                   **{k: base[k] for k in pieces}}}
-    for name in args.layouts.split(","):
+    weights = {f"dp/{n}": w for n, w in base["weights"].items()}
+    for name in [n for n in args.layouts.split(",") if n]:
         got = run(name, args.model, args.steps, batch)
+        weights.update({f"{name}/{n}": w for n, w in got["weights"].items()})
         diff = max(float((got["weights"][n] - w).abs().max()) for n, w in base["weights"].items())
         out[name] = {"records": got["records"], "layout": got["layout"], "max_weight_diff": diff,
                      "max_logprob_diff": float((got["logprobs"] - base["logprobs"]).abs().max()),
@@ -197,6 +199,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(args.out, "w") as fh:
             json.dump(out, fh, indent=1)
+        save_file({k: w.contiguous() for k, w in weights.items()}, f"{args.out}.safetensors")  # for other worlds
     dist.barrier()
     dist.destroy_process_group()
 

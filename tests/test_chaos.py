@@ -20,7 +20,7 @@ import time
 import psutil
 import pytest
 
-from rlhf.runtime.metaserver import SHM_PREFIX, shm_root
+from rlhf.services.metaserver import SHM_PREFIX, shm_root
 from tests.conftest import ROOT
 from tests.test_runtime import assert_none_left, free_port, wait_for_rows
 
@@ -45,9 +45,9 @@ def find(victim, agent):
             if victim.startswith("train-") and "examples/grpo_trainer.py" in " ".join(cmd) \
                     and proc.environ().get("RANK") == victim[-1]:
                 return proc
-            if victim == "scheduler" and "rlhf.runtime.scheduler" in cmd:
+            if victim == "scheduler" and "rlhf.services.scheduler" in cmd:
                 return proc
-            if victim.startswith("rollout-") and "rlhf.runtime.rollout_server" in cmd \
+            if victim.startswith("rollout-") and "rlhf.services.rollout_server" in cmd \
                     and cmd[cmd.index("--rank") + 1] == victim[-1]:
                 return proc
         except (psutil.Error, ValueError, IndexError):

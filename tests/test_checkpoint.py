@@ -5,7 +5,7 @@ import os
 
 import torch
 
-from rlhf.runtime import checkpoint as ckpt
+from rlhf.checkpoint import slots as ckpt
 
 
 def _model_and_optimizer(seed):

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from rlhf.runtime.colocation import DeviceBusy, DeviceLease, device_name, fresh_allocation, leak_path
+from rlhf.services.colocation import DeviceBusy, DeviceLease, device_name, fresh_allocation, leak_path
 
 
 def test_lease_is_exclusive_and_names_its_holder(tmp_path):
@@ -24,7 +24,7 @@ def test_lease_is_exclusive_and_names_its_holder(tmp_path):
 
 
 def test_the_kernel_drops_the_lease_of_a_dead_holder(tmp_path):
-    code = ("import sys; from rlhf.runtime.colocation import DeviceLease; "
+    code = ("import sys; from rlhf.services.colocation import DeviceLease; "
             f"DeviceLease({str(tmp_path)!r}, 0, 'rollout-0').acquire(0); print('held', flush=True); sys.stdin.read()")
     holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:

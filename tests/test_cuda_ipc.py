@@ -10,9 +10,9 @@ import torch
 
 from rlhf.errors import HTTPStatusError
 from rlhf.pieces import own_pieces
-from rlhf.runtime import cuda_ipc
-from rlhf.runtime.client import Client
-from rlhf.runtime.metaserver import MetaServer, pull_pieces, push_shard
+from rlhf.services.metaserver import MetaServer, pull_pieces, push_shard
+from rlhf.transport import cuda_ipc
+from rlhf.transport.client import Client
 from rlhf.weights import PIECES, shard_header
 
 TOKEN = "ipc-test-token"
@@ -105,11 +105,11 @@ def test_two_train_ranks_shards_through_the_relay_land_in_a_rollout_model(monkey
 
     from rlhf.config import Config
     from rlhf.pieces import import_pieces
-    from rlhf.runtime.train_worker.state import WeightsAndCheckpoints
+    from rlhf.services.train_worker.state import WeightsAndCheckpoints
 
     shared: dict[int, torch.Tensor] = {}
     monkeypatch.setattr(cuda_ipc, "share", lambda flat, n: [{"id": id(shared.setdefault(id(flat), flat))}] * n)
-    monkeypatch.setattr("rlhf.runtime.metaserver.open_shared", lambda desc, device, who: shared[desc["id"]])
+    monkeypatch.setattr("rlhf.services.metaserver.open_shared", lambda desc, device, who: shared[desc["id"]])
     torch.manual_seed(0)
     trained, rollout = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3)), \
         torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))

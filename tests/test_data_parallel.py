@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rlhf.config import AlgorithmConfig, OptimConfig
-from rlhf.runtime.dist import GlooDataParallel
+from rlhf.train.dist import GlooDataParallel
 from rlhf.train.engine import TrainEngine
 from rlhf.weights import export_state
 from tests.test_runtime import free_port

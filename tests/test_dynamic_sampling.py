@@ -8,7 +8,7 @@ import sys
 import torch
 
 from rlhf.algorithms.grpo import equal_groups
-from rlhf.runtime.batch_memory import DistributedBatchMemory
+from rlhf.batch import DistributedBatchMemory
 from tests.conftest import ROOT
 
 

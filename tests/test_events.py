@@ -6,10 +6,10 @@ import threading
 import pytest
 
 from rlhf.config import build_config
-from rlhf.runtime.client import Client, LoopThread
-from rlhf.runtime.control.events import EVENT_ATTEMPTS, ColocationEvents, EventNotDelivered
-from rlhf.runtime.control.workers import WorkerGroup
-from rlhf.runtime.http import Service, ServiceThread
+from rlhf.control.events import EVENT_ATTEMPTS, ColocationEvents, EventNotDelivered
+from rlhf.control.workers import WorkerGroup
+from rlhf.transport.client import Client, LoopThread
+from rlhf.transport.http import Service, ServiceThread
 
 
 class _Services:

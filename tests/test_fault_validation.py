@@ -121,10 +121,10 @@ def test_never_fired_faults_are_named_with_the_reason(tmp_path):
 
 
 def test_the_route_table_is_what_the_services_serve(tmp_path):
-    from rlhf.runtime.metaserver import MetaServer
-    from rlhf.runtime.rollout_server import RolloutServer
-    from rlhf.runtime.scheduler import Scheduler
-    from rlhf.runtime.train_worker import TrainWorker
+    from rlhf.services.metaserver import MetaServer
+    from rlhf.services.rollout_server import RolloutServer
+    from rlhf.services.scheduler import Scheduler
+    from rlhf.services.train_worker import TrainWorker
 
     def routes(service):
         return {r.resource.canonical for r in service.app.router.routes()}

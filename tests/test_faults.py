@@ -18,8 +18,8 @@ from rlhf.errors import HTTPStatusError, RemoteError, RpcConnectionError
 from rlhf.faults import afault_point, fault_point
 from rlhf.faults.parse import parse_faults_text
 from rlhf.faults.spec import FaultSpecError
-from rlhf.runtime.client import Client, LoopThread
-from rlhf.runtime.http import Service, ServiceThread
+from rlhf.transport.client import Client, LoopThread
+from rlhf.transport.http import Service, ServiceThread
 from tests.conftest import ROOT
 
 

@@ -152,7 +152,7 @@ def test_device_memory_leak_fails_fresh_allocations_of_every_process_on_that_dev
     """The leaking process keeps going; the next fresh allocation on its device — by anyone — fails."""
 
     from rlhf import tracing
-    from rlhf.runtime.colocation import device_name, fresh_allocation
+    from rlhf.services.colocation import device_name, fresh_allocation
 
     arm(tmp_path, """
         faults:

@@ -12,9 +12,9 @@ import torch
 
 from rlhf.config.resilience import FAITHFUL, HARDENED
 from rlhf.errors import HTTPStatusError, RemoteError, RpcConnectionError, RpcTimeout
-from rlhf.runtime import wire
-from rlhf.runtime.client import Client, LoopThread
-from rlhf.runtime.http import BARE_500, Service, ServiceThread
+from rlhf.transport import wire
+from rlhf.transport.client import Client, LoopThread
+from rlhf.transport.http import BARE_500, Service, ServiceThread
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -188,7 +188,7 @@ def test_a_process_computes_on_its_computing_service_thread_and_every_other_thre
     script = """
 import json, threading, psutil, torch
 from rlhf.procs import own_threads
-from rlhf.runtime.http import Service
+from rlhf.transport.http import Service
 own_threads(1)
 compute = Service("train", 0, "t", threads=2)
 other = Service("metaserver", 0, "t")  # not a computing service: serial

@@ -1,7 +1,7 @@
 """The package's imports run one way: no import circles, and no module imports from a layer above its own.
 
 Every import of an `rlhf` module counts, also one inside a function (an import made at use is still a
-dependency: it only hides a circle from the interpreter). The layers are the README's Layout section, bottom up.
+dependency: it only hides a circle from the interpreter). The layers are docs/layout.md section, bottom up.
 """
 
 import ast
@@ -15,24 +15,19 @@ PACKAGE = pathlib.Path(ROOT) / "rlhf"
 # bottom up; a module belongs to the layer of its longest listed prefix
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundations", ("rlhf", "rlhf.registry", "rlhf.clock", "rlhf.procs", "rlhf.devices", "rlhf.run_dir",
-                     "rlhf.progress", "rlhf.stacks", "rlhf.exits", "rlhf.errors", "rlhf.weights", "rlhf.pieces",
+                     "rlhf.progress", "rlhf.stacks", "rlhf.exits", "rlhf.errors", "rlhf.weights", "rlhf.pieces", "rlhf.batch",
                      "rlhf.analysis")),
     ("math, models, tasks", ("rlhf.algorithms", "rlhf.models", "rlhf.tasks")),
     ("config", ("rlhf.config",)),
     ("tracing", ("rlhf.tracing",)),
     ("faults", ("rlhf.faults", "rlhf.stages")),
     ("engines", ("rlhf.rollout", "rlhf.train", "rlhf.data", "rlhf.evaluation", "rlhf.trainers", "rlhf.diagnosis")),
-    ("transport", ("rlhf.runtime", "rlhf.runtime.http", "rlhf.runtime.client", "rlhf.runtime.wire",
-                   "rlhf.runtime.shm", "rlhf.runtime.weights_group")),
-    ("services", ("rlhf.runtime.metaserver", "rlhf.runtime.scheduler", "rlhf.runtime.rollout_server",
-                  "rlhf.runtime.reward_server",
-                  "rlhf.runtime.train_worker", "rlhf.runtime.checkpoint", "rlhf.runtime.sharded_checkpoint",
-                  "rlhf.runtime.dist",
-                  "rlhf.runtime.colocation", "rlhf.runtime.batch_memory")),
-    ("control", ("rlhf.runtime.control", "rlhf.runtime.controller", "rlhf.runtime.sft_controller")),
-    ("entry points", ("rlhf.runtime.launch", "rlhf.runtime.sglang_launch", "rlhf.runtime.export", "rlhf.cli",
-                      "rlhf.cli_args",
-                      "rlhf.report")),
+    ("storage", ("rlhf.checkpoint",)),
+    ("transport", ("rlhf.transport",)),
+    ("services", ("rlhf.services",)),
+    ("control", ("rlhf.control",)),
+    ("entry points", ("rlhf.control.launch", "rlhf.services.sglang_launch", "rlhf.checkpoint.export", "rlhf.cli",
+                      "rlhf.cli_args", "rlhf.report")),
 ]
 
 
@@ -134,7 +129,7 @@ def test_no_import_circles():
 def test_every_module_has_a_layer_and_imports_only_its_own_or_lower():
     graph = import_graph()
     unplaced = sorted(m for m in graph if layer_of(m) < 0)
-    assert not unplaced, f"modules in no layer (add them to LAYERS and the README's Layout): {unplaced}"
+    assert not unplaced, f"modules in no layer (add them to LAYERS and docs/layout.md): {unplaced}"
     upward = [f"{m} ({LAYERS[layer_of(m)][0]}) imports {d} ({LAYERS[layer_of(d)][0]}) at line {line}"
               for m, deps in sorted(graph.items()) for d, line in sorted(deps.items()) if layer_of(d) > layer_of(m)]
     assert not upward, "imports from a layer above:\n" + "\n".join(upward)
@@ -144,21 +139,19 @@ def test_the_checks_see_a_circle_and_an_upward_import():
     """The walk itself: a planted circle is found, and an import from a higher layer is one."""
     graph = {"rlhf.a": {"rlhf.b": 1}, "rlhf.b": {"rlhf.c": 2}, "rlhf.c": {"rlhf.a": 3}, "rlhf.d": {}}
     assert cycles(graph) == [["rlhf.a", "rlhf.b", "rlhf.c"]]
-    assert layer_of("rlhf.rollout.engine.decode") < layer_of("rlhf.runtime.metaserver") < layer_of("rlhf.cli")
+    assert layer_of("rlhf.rollout.engine.decode") < layer_of("rlhf.services.metaserver") < layer_of("rlhf.cli")
     real = import_graph()
     assert "rlhf.rollout.engine.engine" in real["rlhf.rollout.engine"]  # a package's __init__ importing its rooms
     assert "rlhf.config.sections" in real["rlhf.config.presets"]
 
 
-def test_the_readme_layout_names_every_layer_and_the_largest_rooms():
-    text = (pathlib.Path(ROOT) / "README.md").read_text(encoding="utf-8")
-    layout = text[text.index("## Layout"):]
-    layout = layout[: layout.index("\n## ", 5)]
+def test_the_layout_page_names_every_layer_and_the_largest_rooms():
+    layout = (pathlib.Path(ROOT) / "docs" / "layout.md").read_text(encoding="utf-8")
     for i, (name, _) in enumerate(LAYERS):
-        assert f"{i} {name}" in layout, f"the README's Layout does not name layer {i} {name!r}"
+        assert f"{i} {name}" in layout, f"docs/layout.md does not name layer {i} {name!r}"
     sizes = sorted(((len(p.read_text(encoding="utf-8").splitlines()), p) for p in PACKAGE.rglob("*.py")), reverse=True)
     for lines, path in sizes[:5]:  # the largest rooms, each with its line count (kept within 10 % of the file's)
         rel = path.relative_to(PACKAGE.parent).as_posix()
         listed = re.search(rf"{re.escape(rel)} (\d+)\b", layout)
-        assert listed, f"the README's Layout should list {rel} ({lines} lines) among the largest rooms"
+        assert listed, f"docs/layout.md should list {rel} ({lines} lines) among the largest rooms"
         assert abs(int(listed.group(1)) - lines) <= 0.1 * lines, f"{rel} has {lines} lines; the README says {listed.group(1)}"

@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from rlhf.runtime.client import Client
-from rlhf.runtime.metaserver import SHM_PREFIX, MetaServer, pull_weights, push_shard, shm_root
+from rlhf.services.metaserver import SHM_PREFIX, MetaServer, pull_weights, push_shard, shm_root
 from rlhf.tracing.metrics import ACTIVITY
+from rlhf.transport.client import Client
 from rlhf.weights import ShardCorrupt, encode_shard, write_shard
 
 TOKEN = "meta-test-token"

@@ -1,6 +1,6 @@
 """migrate_requests: the rollout stage keeps its full batch when a server fails or aborts mid-rollout.
 
-Real HTTP to a real rollout server process (`rlhf.runtime.sglang_launch`, the session's `sglang_server`)
+Real HTTP to a real rollout server process (`rlhf.services.sglang_launch`, the session's `sglang_server`)
 and a real dead port beside it; the end-to-end runs (a SIGKILLed server, a server that times out) are
 scenarios 2 and 7 hardened in tests/test_scenarios.py.
 """
@@ -14,12 +14,12 @@ import requests
 
 from rlhf.config import Config, TaskConfig
 from rlhf.config.resilience import Policy
+from rlhf.control.fleet import free_port
+from rlhf.control.rollout_fanout import RolloutFanout
 from rlhf.errors import RpcConnectionError
 from rlhf.models import load_tokenizer
-from rlhf.runtime.client import Client, LoopThread
-from rlhf.runtime.control.rollout_fanout import RolloutFanout
-from rlhf.runtime.control.services import free_port
 from rlhf.tasks import build_task
+from rlhf.transport.client import Client, LoopThread
 from tests.conftest import SGLANG_KEY, wait_until
 
 GROUP = 4

@@ -43,9 +43,9 @@ def test_two_nodes_form_one_run_each_with_its_scheduler_and_rollout_server(tmp_p
                 p.kill()
     assert_none_left(run_dir)
     assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
-    scheduler = next(pid for pid, (_, cmd) in tree.items() if "rlhf.runtime.scheduler" in cmd)
+    scheduler = next(pid for pid, (_, cmd) in tree.items() if "rlhf.services.scheduler" in cmd)
     assert "--rank 1" in tree[scheduler][1]
-    rollout = next(pid for pid, (_, cmd) in tree.items() if "rlhf.runtime.rollout_server" in cmd)
+    rollout = next(pid for pid, (_, cmd) in tree.items() if "rlhf.services.rollout_server" in cmd)
     assert tree[rollout][0] == scheduler and "--rank 1" in tree[rollout][1]
     assert (run_dir / "rollout-1.url").read_text().startswith("http://127.0.0.2:")
     assert (run_dir / "scheduler-1.url").read_text().startswith("http://127.0.0.2:")

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
+from rlhf.control.lifecycle import stragglers
 from rlhf.diagnosis import diagnose
-from rlhf.runtime.control.lifecycle import stragglers
 from tests.conftest import ROOT
 from tests.test_runtime import assert_none_left, free_port
 

@@ -162,9 +162,9 @@ def test_a_model_dir_the_train_worker_cannot_load_fails_its_first_request_with_t
 
     from rlhf.config import Config
     from rlhf.errors import RemoteError
-    from rlhf.runtime.client import Client, LoopThread
-    from rlhf.runtime.http import ServiceThread
-    from rlhf.runtime.train_worker import TrainWorker
+    from rlhf.services.train_worker import TrainWorker
+    from rlhf.transport.client import Client, LoopThread
+    from rlhf.transport.http import ServiceThread
 
     model_dir = write_model_dir(str(tmp_path / "model"))
     (tmp_path / "model" / "config.json").write_text("{not json")

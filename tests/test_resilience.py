@@ -148,7 +148,7 @@ def test_a_scheduler_killed_mid_rollout_takes_both_servers_and_the_step_is_gener
             assert proc.poll() is None and time.monotonic() < deadline, "the rollout servers never hung in step 3"
             time.sleep(0.05)
         scheduler = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                     if "rlhf.runtime.scheduler" in p.cmdline()]
+                     if "rlhf.services.scheduler" in p.cmdline()]
         assert len(scheduler) == 1, scheduler
         scheduler[0].kill()
         _out, err = proc.communicate(timeout=240)
@@ -177,7 +177,7 @@ def test_sigterm_to_the_run_finishes_its_step_and_checkpoint_and_the_same_comman
     import signal
     import subprocess
 
-    from rlhf.runtime import checkpoint as ckpt
+    from rlhf.checkpoint import slots as ckpt
     from tests.conftest import ROOT
     from tests.test_runtime import assert_none_left, steps, torchrun, wait_for_rows
 

@@ -11,9 +11,9 @@ from rlhf.errors import HTTPStatusError, RemoteError
 from rlhf.procs import spawn, stop_group, wait_for_file
 from rlhf.rollout.engine import RolloutEngine
 from rlhf.rollout.sglang_api import unpack_logprobs
-from rlhf.runtime.client import Client, LoopThread
-from rlhf.runtime.colocation import DeviceLease
-from rlhf.runtime.metaserver import MetaServer
+from rlhf.services.colocation import DeviceLease
+from rlhf.services.metaserver import MetaServer
+from rlhf.transport.client import Client, LoopThread
 from rlhf.weights import checksum, encode_shard, export_state
 from tests.conftest import ROOT, diverse_model
 
@@ -28,7 +28,7 @@ def rollout_server(tmp_path):
         cfg = build_config("smoke")
         (tmp_path / "config.yaml").write_text(cfg.to_yaml())
         ready = tmp_path / f"ready-{rank}"
-        cmd = [sys.executable, "-m", "rlhf.runtime.rollout_server", "--run-dir", str(tmp_path), "--rank", str(rank),
+        cmd = [sys.executable, "-m", "rlhf.services.rollout_server", "--run-dir", str(tmp_path), "--rank", str(rank),
                "--config", str(tmp_path / "config.yaml"), "--ready-file", str(ready)] + ["--colocate"] * colocate
         proc = spawn(cmd, env={**os.environ, "RLHF_TOKEN": TOKEN, "PYTHONPATH": ROOT}, cwd=ROOT,
                      log_path=str(tmp_path / f"rollout-{rank}.out"))

@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 
-from rlhf.runtime.metaserver import SHM_PREFIX, shm_root
+from rlhf.services.metaserver import SHM_PREFIX, shm_root
 from tests.conftest import ROOT
 
 SMOKE = ["--preset", "smoke", "--rollout.servers", "2"]

@@ -158,7 +158,7 @@ def test_scenario9_hardened_abandons_the_stuck_save_and_a_restarted_world_finish
     answers CheckpointWriteStalled after checkpoint.write_stall_s and the step goes on; the SIGKILL of train-0 at
     step 4 ends that world, torchrun starts another, which finds no valid checkpoint (step 2's was discarded),
     starts over in the same run directory and finishes, its faults not firing again at the steps they hit."""
-    from rlhf.runtime import checkpoint as ckpt
+    from rlhf.checkpoint import slots as ckpt
 
     run_dir, out = run_scenario(tmp_path, 9, "--resilience", "hardened", torchrun_args=("--max-restarts=1",))
     assert out.returncode == 0, out.stderr[-3000:]

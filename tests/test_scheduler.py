@@ -9,8 +9,8 @@ import psutil
 import pytest
 
 from rlhf.errors import HTTPStatusError
-from rlhf.runtime.client import Client, LoopThread
-from rlhf.runtime.scheduler import SchedulerClient
+from rlhf.services.scheduler import SchedulerClient
+from rlhf.transport.client import Client, LoopThread
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
 
@@ -103,7 +103,7 @@ def test_the_scheduler_starts_without_torch(tmp_path):
     thread (whose torch threads are set only where torch is loaded): none of it may load torch."""
     import subprocess
 
-    probe = ("import sys, rlhf.runtime.scheduler as s; from rlhf.config import Config; "
+    probe = ("import sys, rlhf.services.scheduler as s; from rlhf.config import Config; "
              f"s.Scheduler({str(tmp_path)!r}, 'k', 10.0, Config().resilience, 0); "
              "print(sorted(m for m in ('torch', 'numpy', 'safetensors.torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,

@@ -9,7 +9,7 @@ import requests
 
 from rlhf.errors import HTTPStatusError, RemoteError
 from rlhf.models import load_tokenizer
-from rlhf.runtime.client import Client, LoopThread
+from rlhf.transport.client import Client, LoopThread
 from tests.conftest import SGLANG_KEY as KEY
 from tests.conftest import SGLANG_MAX_QUEUED, wait_until
 

@@ -9,10 +9,10 @@ import pytest
 from rlhf import tracing
 from rlhf.config import TracingConfig
 from rlhf.errors import RemoteError
-from rlhf.runtime.client import Client, LoopThread
-from rlhf.runtime.http import Service, ServiceThread
 from rlhf.tracing.cli import render_text, to_jaeger, to_perfetto
 from rlhf.tracing.read import load_spans
+from rlhf.transport.client import Client, LoopThread
+from rlhf.transport.http import Service, ServiceThread
 
 
 @pytest.fixture()

@@ -5,8 +5,8 @@ import datetime as dt
 
 import pytest
 
+from rlhf.control.watchdog import RankView, find_stall
 from rlhf.diagnosis import diagnose
-from rlhf.runtime.control.watchdog import RankView, find_stall
 from tests.test_kills import run_with_fault
 from tests.test_scenarios import markers
 

@@ -12,7 +12,7 @@ import pytest
 import requests
 import torch
 
-from rlhf.runtime import weights_group as wg
+from rlhf.transport import weights_group as wg
 from rlhf.weights import checksum, export_state
 from tests.conftest import ROOT, diverse_model
 from tests.test_rollout_server import TOKEN, rollout_server  # noqa: F401 (a fixture)

@@ -6,7 +6,7 @@ import struct
 import pytest
 import torch
 
-from rlhf.runtime import wire
+from rlhf.transport import wire
 
 
 def test_json_and_tensor_bodies_round_trip():

@@ -196,6 +196,24 @@ def format_help(cfg: Config | None = None) -> str:
     return "\n".join(lines)
 
 
+def format_reference() -> str:
+    """The configuration reference in Markdown (docs/configuration.md): a table a section, each key with its type,
+    default and doc, from the dataclasses' field docstrings (`rlhf config --reference` prints it)."""
+    out: list[str] = []
+    section = None
+    for key, tp, doc, default in iter_fields(Config, Config()):
+        if tp is list:
+            continue
+        head = key.split(".")[0] if "." in key else "run"
+        if head != section:
+            section = head
+            out += ["", f"### {head}", "", "| key | type | default | what it is |", "|---|---|---|---|"]
+        flag = key if "." in key else key.replace("_", "-")
+        text = doc.replace("|", "\\|").replace("<", "&lt;")
+        out.append(f"| `--{flag}` | {tp.__name__} | `{default!r}` | {text} |")
+    return "\n".join(out[1:]) + "\n"
+
+
 def parse_overrides(argv: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
     """Split argv into dotted (key, value) pairs and everything else.
 

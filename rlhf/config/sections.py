@@ -56,7 +56,7 @@ class Config:
     tracing: TracingConfig = field(default_factory=TracingConfig)
     resilience: Policy = field(default_factory=Policy)
     faults: list = field(default_factory=list)
-    """Armed faults (README: Faults), normally from --faults FILE; every process arms those that target it."""
+    """Armed faults (docs/faults.md), normally from --faults FILE; every process arms those that target it."""
 
     def __post_init__(self) -> None:
         _positive("steps", self.steps, allow_zero=True)

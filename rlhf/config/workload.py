@@ -5,6 +5,7 @@ validates itself in __post_init__."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 from dataclasses import dataclass
 
 from rlhf.algorithms import AGGREGATIONS, LOSSES
@@ -125,7 +126,7 @@ class RolloutConfig:
     group_size: int = 8
     """GRPO group size: samples generated per prompt (sglang's `n`)."""
     prompts_per_step: int = 64
-    """Distinct prompts per GRPO step; the batch is prompts_per_step * group_size samples. 64: at 32 the default run's gradient was noise-dominated and its gain depended on the seed (README: What the default run does)."""
+    """Distinct prompts per GRPO step; the batch is prompts_per_step * group_size samples. 64: at 32 the default run's gradient was noise-dominated and its gain depended on the seed (docs/results.md: the default run, version by version)."""
     max_new_tokens: int = 6
     """Longest completion in tokens; longer samples stop with finish_reason 'length'."""
     temperature: float = 1.0
@@ -146,7 +147,7 @@ class RolloutConfig:
     distributed or disk, and model.path)."""
     sglang_launcher: str = "sglang.launch_server"
     """With backend sglang: the module the scheduler runs as `python -m MODULE --config FILE` (sglang's launch
-    flags in a YAML file, the API key among them). rlhf.runtime.sglang_launch is our engine behind exactly
+    flags in a YAML file, the API key among them). rlhf.services.sglang_launch is our engine behind exactly
     sglang's routes (tests, CPU machines)."""
     mem_fraction: float = 0.85
     """With backend sglang: --mem-fraction-static, the share of GPU memory sglang takes for weights and KV cache."""
@@ -158,6 +159,10 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         _choice("rollout.backend", self.backend, ("native", "sglang"))
+        if self.sglang_launcher == "rlhf.runtime.sglang_launch":  # the module's name before the layers' folders
+            logging.getLogger("rlhf.config").warning(
+                "rollout.sglang_launcher rlhf.runtime.sglang_launch has moved: use rlhf.services.sglang_launch")
+            self.sglang_launcher = "rlhf.services.sglang_launch"
         _positive("rollout.tp_size", self.tp_size)
         _positive("rollout.max_queued_requests", self.max_queued_requests, allow_zero=True)
         if not 0 < self.mem_fraction <= 1:
@@ -169,7 +174,7 @@ class RolloutConfig:
                     f"rollout.backend: 'sglang' needs the sglang server, and {', '.join(missing)} "
                     f"{'is' if len(missing) == 1 else 'are'} not installed. On a GPU machine: pip install "
                     f"'sglang[all]'; or use --rollout.backend native, "
-                    "or --rollout.sglang_launcher rlhf.runtime.sglang_launch (our engine behind sglang's API)")
+                    "or --rollout.sglang_launcher rlhf.services.sglang_launch (our engine behind sglang's API)")
         _positive("rollout.servers", self.servers)
         _positive("rollout.group_size", self.group_size)
         _positive("rollout.prompts_per_step", self.prompts_per_step)

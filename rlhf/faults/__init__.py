@@ -1,4 +1,4 @@
-"""Fault points and their lifecycle: arm → trigger → verify → record → restore (README: Faults).
+"""Fault points and their lifecycle: arm → trigger → verify → record → restore (docs/faults.md).
 
 Call sites are one line:
 

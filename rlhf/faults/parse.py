@@ -1,4 +1,4 @@
-"""The fault spec: YAML parsed once and validated fully before a run starts (README: Faults).
+"""The fault spec: YAML parsed once and validated fully before a run starts (docs/faults.md).
 
     faults:
       - name: slow-upload-from-rank-1          # free text; shows in traces and markers

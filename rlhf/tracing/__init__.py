@@ -1,4 +1,4 @@
-"""Tracing through the OpenTelemetry API (README: Tracing).
+"""Tracing through the OpenTelemetry API (docs/tracing.md).
 
 Core code calls only the helpers here, which call the OpenTelemetry *API*; it never asks
 "is tracing on". `setup_tracing()` is the one place that touches the SDK: until it runs (or

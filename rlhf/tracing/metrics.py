@@ -129,7 +129,7 @@ class _Gpu:
 def _is_service(proc: psutil.Process) -> bool:
     """One of our own services (scheduler, rollout server): it samples itself."""
     cmdline = proc.cmdline()
-    return any(arg.startswith("rlhf.runtime.") for arg in cmdline[1:3])
+    return any(arg.startswith("rlhf.services.") for arg in cmdline[1:3])
 
 
 class ResourceSampler:

@@ -3,7 +3,7 @@
     collective.all_gather      FSDP2 gathers a layer's parameters (before its forward, and again before its backward)
     collective.reduce_scatter  FSDP2 reduce-scatters a layer's gradients after its backward
     collective.all_reduce      tensor parallel sums a row-wise layer's (o_proj, down_proj) output over its TP group;
-                               the same point as the data-parallel gradient all-reduce (rlhf.runtime.dist)
+                               the same point as the data-parallel gradient all-reduce (rlhf.train.dist)
 
 FSDP2's collectives are its own: each FSDP module is handed a custom all-gather and reduce-scatter
 (`set_custom_all_gather` / `set_custom_reduce_scatter`, the interfaces of FSDP2's `_fsdp_api`) that ask the fault
@@ -35,7 +35,7 @@ class _Untracked:
 
 def fsdp_comms(tracker: Any = None) -> tuple[Any, Any]:
     """(all-gather, reduce-scatter) for FSDP2 modules, with fault points and the heartbeat. tracker: the rank's
-    data-parallel hooks (rlhf.runtime.dist.GlooDataParallel: `inside(what)`), or None."""
+    data-parallel hooks (rlhf.train.dist.GlooDataParallel: `inside(what)`), or None."""
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
     track = tracker if tracker is not None else _Untracked()

@@ -254,19 +254,18 @@ class TrainEngine:
         return metrics
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
-        """One GRPO step: `mini_batches` optimizer steps over the batch. Returns averaged metrics."""
+        """One GRPO step: an optimizer step per mini-batch (the batch's `mini_batch` column, rlhf.batch: this rank's
+        share of each global mini-batch; without it, `mini_batches` contiguous slices). Returns averaged metrics."""
         self.model.train()
         batch = self._to_device(batch)
         loss_fn = LOSSES[self.algorithm.loss]
-        B = batch["input_ids"].shape[0]
-        n_mini = min(self.cfg.mini_batches, B)
-        bounds = [round(i * B / n_mini) for i in range(n_mini + 1)]
         all_metrics: list[dict] = []
         grad_norms = []
-        for lo, hi in zip(bounds, bounds[1:]):
-            mini = {k: v[lo:hi] for k, v in batch.items()}
+        minis = _mini_batches(batch, self.cfg.mini_batches)
+        for mini in minis:
+            rows = int(mini["input_ids"].shape[0])
             num_tokens = self._global(float(mini["response_mask"].sum()))
-            num_sequences = self._global(float(hi - lo))
+            num_sequences = self._global(float(rows))
 
             def loss_of(part, logprobs, entropy):
                 return loss_fn(
@@ -274,13 +273,13 @@ class TrainEngine:
                     part["response_mask"], self.algorithm, num_tokens, num_sequences, entropy,
                 )
 
-            with tracing.span("forward_backward", sequences=hi - lo):
+            with tracing.span("forward_backward", sequences=rows):
                 all_metrics += self._accumulate(mini, loss_of, with_entropy=True)
             with tracing.span("optimizer.step"):
                 grad_norms.append(self._optimizer_step())
         out = _weighted_mean(all_metrics)
         out["grad_norm"] = sum(grad_norms) / len(grad_norms)
-        out["loss"] = sum(m["loss"] for m in all_metrics) / n_mini
+        out["loss"] = sum(m["loss"] for m in all_metrics) / len(minis)
         return out
 
     def sft_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -295,6 +294,24 @@ class TrainEngine:
         metrics = self._accumulate(batch, loss_of, with_entropy=False)
         grad_norm = self._optimizer_step()
         return {"loss": sum(m["loss"] for m in metrics), "grad_norm": grad_norm, "tokens": num_tokens}
+
+
+def _mini_batches(batch: dict[str, torch.Tensor], mini_batches: int) -> list[dict[str, torch.Tensor]]:
+    """The batch's mini-batches in order: by its `mini_batch` column (rows of one mini-batch are adjacent, as
+    rlhf.batch lays a share out), else `mini_batches` contiguous near-equal slices."""
+    if "mini_batch" in batch:
+        which = batch["mini_batch"].tolist()
+        starts = [i for i in range(len(which)) if i == 0 or which[i] != which[i - 1]]
+        if [which[s] for s in starts] != list(range(len(starts))):  # every rank takes the same optimizer steps
+            raise ValueError("train batch: the mini_batch column must run 0, 1, … with each mini-batch's rows "
+                             f"adjacent; got {which}")
+        bounds = [*starts, len(which)]
+        part = {k: v for k, v in batch.items() if k != "mini_batch"}
+    else:
+        rows = batch["input_ids"].shape[0]
+        n = min(mini_batches, rows)
+        bounds, part = [round(i * rows / n) for i in range(n + 1)], batch
+    return [{k: v[lo:hi] for k, v in part.items()} for lo, hi in zip(bounds, bounds[1:])]
 
 
 def _weighted_mean(metrics: list[dict[str, float]]) -> dict[str, float]:

@@ -11,7 +11,7 @@ describes: 79 of 80 GB kept leaves 2,920 MB), and holds it until the fault is re
 process exits; the next allocation that does not fit, in any process on that card, fails with the
 allocator's own torch.OutOfMemoryError. A tiny model fits in what is left: `leak_mb` equal to
 `capacity_mb` keeps the whole card. On CPU it is EMULATED through the device ledger
-(rlhf.runtime.colocation): the leak is a record, and fresh allocations check it.
+(rlhf.services.colocation): the leak is a record, and fresh allocations check it.
 """
 
 from __future__ import annotations

@@ -138,7 +138,7 @@ class RolloutEngine(DecodeLoop, Forward, Attention, CudaGraphs, FusedWeights):
             self.weight_version = str(weight_version)
 
     def update_weights_from_pieces(self, shards: dict[str, tuple[dict, dict]], weight_version: str) -> None:
-        """Copy the train ranks' pieces (rlhf.runtime.metaserver.pull_pieces) straight into the parameters' slices;
+        """Copy the train ranks' pieces (rlhf.services.metaserver.pull_pieces) straight into the parameters' slices;
         every piece is checked to tile its parameter before the first copy (rlhf.weights.import_pieces)."""
         with self.lock:
             try:

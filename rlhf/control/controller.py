@@ -1,0 +1,268 @@
+"""The single controller: it alone decides the step, what each stage does, and when the run ends.
+
+    torchrun --nproc_per_node=N examples/grpo_trainer.py
+    │
+    ├─ rank 0 ─ Controller (this loop) ── MetaServer (HTTP, weight relay, in-process)
+    │          └ TrainWorker 0 (RPC server thread)          ┐ SPMD: one torch.distributed
+    ├─ rank 1 ─ TrainWorker 1 (RPC server)                  │ world (gloo on CPU, nccl on GPU),
+    ├─ …                                                    ┘ data parallel
+    │
+    └─ Scheduler service (own process, HTTP; stops its jobs when our lease lapses)
+        └─ RolloutServer 0 … M-1 (own processes, sglang-compatible HTTP API)
+
+One step, top to bottom (`Controller.step`):
+
+    weights_update → events(rollout_start) → rollout → events(rollout_end) → reward
+    → data split (global batch → mini-batches → each over the dp ranks, rlhf.batch) → reference → advantage → train → latest_recover_save → periodic_recover_save
+
+(with algorithm.resample_rounds, dynamic sampling: rollout → reward, then up to that many more rollout → reward
+rounds for the groups without advantage, all before events(rollout_end))
+
+Fan-out is explicit: `self.workers.call("train_step", ...)` calls the method on every rank. What
+each stage delegates lives in `control/` (weights_sync, events, rollout_fanout, reward_stage, survival, fleet); the
+run around the steps (startup, ledger, checkpoints, cleanup, summary) in `control/lifecycle.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+from rlhf import tracing
+from rlhf.algorithms.grpo import group_advantages
+from rlhf.checkpoint import slots as ckpt
+from rlhf.config import Config
+from rlhf.control.events import ColocationEvents, freed_mb
+from rlhf.control.fleet import RolloutServices
+from rlhf.control.lifecycle import RunLifecycle, TrackedClock
+from rlhf.control.reward_stage import RewardStage
+from rlhf.control.rollout_fanout import RolloutFanout, to_batch
+from rlhf.control.survival import RolloutSurvival
+from rlhf.control.weights_sync import WeightSync
+from rlhf.control.workers import merge_train_metrics
+from rlhf.data import PromptSampler
+from rlhf.faults import fault_point
+from rlhf.models import load_tokenizer, pad_token_id
+from rlhf.models.tokenizer import CharTokenizer
+from rlhf.tasks import build_task
+from rlhf.transport.client import Client
+
+log = logging.getLogger("rlhf.controller")
+
+STEP_COLUMNS = [
+    "step", "seconds", "reward_mean", "reward_std", "equal_reward_groups", "kl", "clip_fraction", "entropy",
+    "response_length", "loss", "grad_norm", "ratio_mean", "rollout_tokens", "rollout_tokens_per_s", "batch_size",
+    "dp_imbalance", "weights_update_s", "events_s", "rollout_s", "reward_s", "reference_s", "advantage_s", "train_s",
+    "latest_recover_save_s", "periodic_recover_save_s", "upload_s_max", "update_s_max", "weights_verified", "weights_fallback",
+    "train_offload_mb", "rollout_release_mb", "rollout_restarts", "rollout_migrated", "saves_failed", "eval_accuracy",
+    "resampled_groups", "resample_prompts", "equal_groups_trained",
+]
+
+
+class Controller(RunLifecycle):
+    columns = STEP_COLUMNS
+    label = "GRPO"
+
+    def __init__(self, cfg: Config, run_dir: str, worker_urls: list[str], token: str,
+                 nodes: list[int] | None = None) -> None:
+        """nodes: the node (torchrun's GROUP_RANK) of each train rank; rollout server r runs on train rank r's node,
+        under that node's scheduler."""
+        super().__init__(cfg, run_dir, worker_urls, token)
+        self.task = build_task(cfg.task)
+        # the controller needs only the tokenizer (prompts in, completions out), never the weights
+        self.tokenizer = load_tokenizer(cfg.model.path) if cfg.model.path else CharTokenizer()
+        self.sampler = PromptSampler(self.task.split("train"), seed=cfg.seed)
+        self.services = RolloutServices(cfg, run_dir, token, self.loop, len(self.workers), nodes,
+                                        self.workers.clients)
+        self.weights = WeightSync(cfg, run_dir, token, self.loop, self.workers, self.services)
+        self.events = ColocationEvents(cfg, self.loop, self.workers, self.services)
+        self.fanout = RolloutFanout(cfg, self.loop, self.services, self.tokenizer)
+        self.survival = RolloutSurvival(cfg.resilience, self.services)
+        self.rewards = RewardStage(cfg.task, cfg.reward, cfg.rollout.group_size, cfg.algorithm.resample_rounds,
+                                   self.loop, self.services)
+        self.columns = [*STEP_COLUMNS, *self.rewards.columns]
+        # the train layout: a batch is cut in layout.dp shares; the ranks of one TP group get the same share
+        self.layout = self.workers.layout
+        self.sft_result: dict[str, Any] = {}
+
+    def startup(self) -> None:
+        log.info("train layout: %s over %d rank%s", self.layout.describe(), len(self.workers),
+                 "s" * (len(self.workers) != 1))
+        self.services.start()
+        self.resumed = self.resume_or_warm_start()
+        self.weights.update(str(self.start_step), step=self.start_step)
+
+    def resume_or_warm_start(self) -> bool:
+        checkpoints = os.path.join(self.run_dir, "checkpoints")
+        found = ckpt.newest_checkpoint(checkpoints, check_sums=self.policy.atomic_checkpoints) \
+            if self.cfg.checkpoint.resume else None
+        if found is None:
+            self.where.update(step=-1, stage="sft warm start")
+            (result, _), *_ = self.workers.call("sft_warm_start", stage="sft")
+            self.sft_result = result
+            self.workers.call("begin_grpo", {"save_reference": True})
+            if result["sft_stopped"] != "skipped":
+                log.info("warm start: %s at sft step %d, val accuracy %.3f", result["sft_stopped"],
+                         result["sft_steps"], result["sft_val_accuracy"])
+            self.where.update(step=-1, stage="startup")
+            return False
+        path, meta = found
+        self.where.update(step=-1, stage="resume")
+        state = meta["controller"]
+        self.workers.call("begin_grpo", {"load_reference": True})
+        self.workers.call("load", {"path": path, "optimizer_steps": state["optimizer_steps"]})
+        self.sampler.load_state_dict(state["sampler"])
+        self.sft_result, self.start_step = state["sft"], int(meta["step"])
+        self.eval_before = state.get("eval_accuracy_before")  # the run's, not the resume's
+        rng = state.get("rollout_rng") or []
+        if not self.services.set_rng_states(rng):  # the rollouts then differ from the uninterrupted run's
+            log.info("rollout servers' sampling RNG: the checkpoint has %d state(s) for %d servers; the servers "
+                     "without theirs start from their seed", sum(s is not None for s in rng), len(self.services.rollout))
+        log.info("resumed from %s at step %d", path, self.start_step)
+        self.where.update(step=-1, stage="startup")
+        return True
+
+    def step(self, step: int) -> dict[str, Any]:
+        clock, t0, cfg = TrackedClock(step, self.where), time.perf_counter(), self.cfg
+        row: dict[str, Any] = {"step": step}
+        if (revived := self.survival.revive_dead(step)) is not None:
+            row["rollout_restarts"] = revived
+        with clock.stage("weights_update"):
+            self.survival.survive(step, row, "the weights update", lambda: self._update_weights(step, row))
+        with clock.stage("events"):
+            row["train_offload_mb"] = freed_mb(self.events.notify("rollout_start", step), "train")
+        with clock.stage("rollout"):
+            batch = self._generate(step, row, self.sampler.next(cfg.rollout.prompts_per_step))
+        first = None  # the first round's rewards, when more rounds replace groups (dynamic sampling)
+        if cfg.algorithm.resample_rounds:  # while the rollout servers hold the device (colocated: the lease)
+            with clock.stage("reward"):
+                first = batch["rewards"] = self.rewards.score(step, batch, row)
+            batch = self.rewards.resample(step, batch, row, self.sampler.next,
+                                          lambda examples: self._generate(step, row, examples), clock)
+        with clock.stage("events"):
+            row["rollout_release_mb"] = freed_mb(self.events.notify("rollout_end", step), "rollout")
+        with clock.stage("reward"):
+            if first is None:
+                batch["rewards"] = self.rewards.score(step, batch, row)
+            fault_point("data.split", step=step)
+            shares, split = batch.shares(self.layout.dp, cfg.train.mini_batches, tokens_key="num_tokens")
+        with clock.stage("reference"):
+            batches = self._reference_logprobs(step, shares)
+        with clock.stage("advantage"):
+            stats = self._advantages(batch, shares, batches, first)
+        with clock.stage("train"):
+            replies = self.workers.call("train_step", {"step": step}, self._per_rank(batches), step, "train")
+            metrics = [m for m, _ in replies[::self.layout.tp]]  # one rank of each TP group: their parts add up
+        row["saves_failed"] = self._save(step, clock)
+        tokens = int(sum(batch["num_tokens"]))
+        return {**row, **stats, **merge_train_metrics(metrics), "seconds": time.perf_counter() - t0,
+                "rollout_tokens": tokens, "rollout_tokens_per_s": tokens / clock.seconds["rollout"],
+                "batch_size": len(batch), "dp_imbalance": split["imbalance"],
+                **{f"{k}_s": v for k, v in clock.seconds.items()}}
+
+    def _generate(self, step: int, row: dict[str, Any], examples: list[Any]) -> Any:
+        """The rollout of `examples` (group_size samples each), surviving a lost rollout server; the samples it
+        moved to another server add up in rollout_migrated."""
+        batch = self.survival.survive(step, row, "the rollout", lambda: self.fanout.generate(step, examples),
+                                      resync=lambda: self._update_weights(step, row))
+        row["rollout_migrated"] = row.get("rollout_migrated", 0) + self.fanout.migrated
+        return batch
+
+    # ------------------------------------------------------------------ what the stages call
+
+    def _reference_logprobs(self, step: int, shares: list) -> list[dict[str, Any]]:
+        """Each data-parallel share's train batch, with reference logprobs (KL on) and recomputed old-policy ones
+        (if asked)."""
+        cfg = self.cfg
+        batches = [to_batch(s, pad_token_id(None, self.tokenizer)) for s in shares]  # built where first needed
+        for which, key, needed in (("reference", "ref_logprobs", cfg.algorithm.kl_coef > 0),
+                                   ("policy", "old_logprobs", cfg.algorithm.old_logprobs == "recompute")):
+            if needed:
+                replies = self.workers.call("compute_logprobs", {"which": which}, self._per_rank(batches), step,
+                                            "reference")
+                for batch, (_, out) in zip(batches, replies[::self.layout.tp]):
+                    batch[key] = out["logprobs"]
+        return batches
+
+    def _per_rank(self, batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Each train rank's batch: its data-parallel share's (the ranks of a TP group compute on the same one)."""
+        return [batches[self.layout.dp_rank(r)] for r in range(len(self.workers))]
+
+    def _advantages(self, batch: Any, shares: list, batches: list[dict[str, Any]],
+                    first: torch.Tensor | None = None) -> dict[str, Any]:
+        """Each share's advantages; the reward statistics of the step's first round (`first`, when dynamic
+        sampling replaced groups: what the policy itself drew), else of the batch."""
+        advantages, stats = group_advantages(batch["rewards"], self.cfg.rollout.group_size,
+                                             self.cfg.algorithm.scale_by_std)
+        if first is not None:
+            stats = group_advantages(first, self.cfg.rollout.group_size, self.cfg.algorithm.scale_by_std)[1]
+        for batch, share in zip(batches, shares):
+            batch["advantages"] = advantages[torch.tensor(share["sample_index"])]
+        return stats
+
+    def _save(self, step: int, clock: TrackedClock) -> int:
+        """latest_recover_save and periodic_recover_save when due; returns the saves that failed and were skipped."""
+        cfg = self.cfg
+        self.saves_failed = 0
+        if cfg.checkpoint.latest_every and step % cfg.checkpoint.latest_every == 0:
+            with clock.stage("latest_recover_save"):
+                self.checkpoint(ckpt.slot_for_step(step), step)
+                self.weights.latest_slot = ckpt.slot_for_step(step)  # in place, saved or not: what disk mode reads
+        if cfg.checkpoint.periodic_every and step % cfg.checkpoint.periodic_every == 0:
+            with clock.stage("periodic_recover_save"):
+                self.checkpoint(os.path.join("periodic", f"step_{step}"), step, background=cfg.checkpoint.periodic_async)
+        return self.saves_failed
+
+    def _update_weights(self, step: int, row: dict[str, Any]) -> None:
+        row.update(self.weights.update(str(step), step))
+        row["weights_fallback"] = self.weights.fell_back
+        if self.cfg.weights.verify:
+            row["weights_verified"] = self.weights.verify(str(step), step)
+
+    def after_step(self, step: int, row: dict[str, Any]) -> None:
+        if self.cfg.eval_every and step % self.cfg.eval_every == 0 and step < self.cfg.steps:
+            row["eval_accuracy"] = self.evaluate()
+        log.info("step %d/%d reward %.3f kl %.4f clip %.3f len %.2f %.2fs", step, self.cfg.steps, row["reward_mean"],
+                 row["kl"], row["clip_fraction"], row["response_length"], row["seconds"])
+
+    def evaluate(self) -> float:
+        """Greedy accuracy on the eval split, spread over the rollout servers."""
+        self.where.update(step=-1, stage="evaluate")
+        examples = self.task.split("eval")
+        with tracing.span("evaluate", new_trace=True) as sp:
+            self.events.notify("rollout_start", -1)
+            try:
+                completions = self.fanout.greedy(examples)
+            finally:
+                self.events.notify("rollout_end", -1)
+            rewards = self.rewards.rewards_of(completions, examples)
+            accuracy = sum(rewards) / len(rewards)
+            sp.set_attribute("rlhf.eval_accuracy", accuracy)
+            return accuracy
+
+    def eval_note(self) -> str:
+        return f" ({len(self.task.split('eval'))} problems, greedy)"
+
+    def checkpoint_state(self, step: int) -> dict[str, Any]:
+        return {"sampler": self.sampler.state_dict(), "sft": self.sft_result,
+                "optimizer_steps": step * self.cfg.train.mini_batches, "eval_accuracy_before": self.eval_before,
+                "rollout_rng": self.services.rng_states()}
+
+    def summary_extras(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        tokens, rollout_s = sum(r["rollout_tokens"] for r in rows), sum(r["rollout_s"] for r in rows)
+        return {"eval_problems": len(self.task.split("eval")),
+                "resumed_from_step": self.start_step if self.resumed else None,
+                "rollout_tokens_per_s": tokens / rollout_s if rollout_s else 0.0,
+                "rollout_servers": self.cfg.rollout.servers, "weights_mode": self.cfg.weights.mode,
+                "train_layout": self.layout.describe(),
+                "colocate": self.cfg.runtime.colocate, **self.sft_result}
+
+    def stop_services(self) -> None:
+        self.services.stop(self.cleanup_level)
+
+    def clients(self) -> list[Client]:
+        return super().clients() + self.services.clients()

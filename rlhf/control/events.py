@@ -1,0 +1,92 @@
+"""ColocationEvents: rollout_start / rollout_end to train rank r and rollout server r (colocated runs only).
+
+With the policy's acked_events every event must be acknowledged: a lost one is retried (the
+handlers are idempotent) and then fails the step, naming the peer. Without it (the seeds'
+system) events are fire and forget: an undelivered one is a WARNING and the step goes on, so the
+pair may disagree about who owns the device. Fault point: events.notify (controller side).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from tenacity import AsyncRetrying, RetryCallState, RetryError, retry_if_exception_type, stop_after_attempt
+
+from rlhf.config import Config
+from rlhf.control.fleet import RolloutServices
+from rlhf.control.workers import WorkerGroup
+from rlhf.errors import RpcConnectionError, RpcTimeout
+from rlhf.transport.client import Client, LoopThread
+
+log = logging.getLogger("rlhf.controller")
+
+EVENT_ATTEMPTS = 3  # acked_events: deliveries of one colocation event before the step fails
+LOST = (RpcTimeout, RpcConnectionError)  # an event that may not have arrived (any other error is the peer's reply)
+
+
+class EventNotDelivered(RuntimeError):
+    """acked_events: a colocation event was not acknowledged by its peer."""
+
+
+SGLANG_EVENT_ROUTES = {"rollout_start": "/resume_memory_occupation", "rollout_end": "/release_memory_occupation"}
+
+
+class ColocationEvents:
+    def __init__(self, cfg: Config, loop: LoopThread, workers: WorkerGroup, services: RolloutServices) -> None:
+        self.cfg, self.loop, self.workers, self.services = cfg, loop, workers, services
+
+    def notify(self, event: str, step: int) -> list[tuple[str, Any]]:
+        """(peer, reply) for every colocated peer; [] when not colocated."""
+        if not self.cfg.runtime.colocate:
+            return []
+        timeout = self.cfg.runtime.event_timeout_s
+        acked = self.cfg.resilience.acked_events
+
+        sglang = set(self.services.rollout) if self.cfg.rollout.backend == "sglang" else set()
+
+        async def send(client: Client) -> Any:
+            if client in sglang:  # sglang has no /events: rollout_start/_end are its resume/release routes
+                path = SGLANG_EVENT_ROUTES.get(event)
+                if path is not None:
+                    await client.call(path, {}, timeout_s=timeout, stage="events", step=step, points=("events.notify",))
+                return {"event": event, "ack": True, "step": step, "route": path}, {}
+            return await client.call("/events", {"event": event, "step": step}, timeout_s=timeout, stage="events",
+                                     step=step, points=("events.notify",))
+
+        def retrying(state: RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome else None
+            log.warning("step %d: event %s to %s: attempt %d failed (%s: %s); retrying", step, event,
+                        state.args[0].peer, state.attempt_number, type(exc).__name__, exc)
+
+        async def one(client: Client) -> Any:
+            if not acked:
+                try:
+                    return await send(client)
+                except LOST as exc:
+                    log.warning("step %d: event %s to %s not delivered (%s: %s); continuing (events are not "
+                                "acknowledged)", step, event, client.peer, type(exc).__name__, exc)
+                    return None
+            try:  # the handlers are idempotent: a repeated event is harmless
+                return await AsyncRetrying(stop=stop_after_attempt(EVENT_ATTEMPTS), retry=retry_if_exception_type(LOST),
+                                           before_sleep=retrying)(send, client)
+            except RetryError as err:
+                exc = err.last_attempt.exception()
+                raise EventNotDelivered(f"{event} to {client.peer} at step {step}: not acknowledged after "
+                                        f"{EVENT_ATTEMPTS} attempts of {timeout:g} s ({exc})") from exc
+
+        pairs = min(len(self.workers), len(self.services.rollout))
+        clients = [c for r in range(pairs) for c in (self.workers.clients[r], self.services.rollout[r])]
+
+        async def deliver_all() -> list[Any]:
+            return list(await asyncio.gather(*[one(c) for c in clients]))
+
+        return [(c.peer, reply) for c, reply in zip(clients, self.loop.run(deliver_all()))]
+
+
+def freed_mb(replies: list[tuple[str, Any]], role: str) -> float | str:
+    """Device memory (MB) the event freed on the `role` side, summed over pairs ('' on CPU)."""
+    freed = [r[0]["device_mb_before"] - r[0]["device_mb_after"] for peer, r in replies
+             if peer.startswith(role) and r and isinstance(r[0], dict) and "device_mb_before" in r[0]]
+    return round(sum(freed), 1) if freed else ""

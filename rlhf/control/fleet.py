@@ -1,0 +1,376 @@
+"""RolloutServices: what GRPO starts besides the train ranks, and stops again, whatever happened.
+
+    MetaServer       in this process (HTTP on its own thread): relays weight shards, train → rollout
+    Scheduler        its own process: starts the rollout server jobs, stops them when our lease lapses
+    RolloutServer r  one job each (sglang-compatible HTTP API), colocated with train rank r or not;
+                     with rollout.backend sglang, `python -m <rollout.sglang_launcher> --config FILE` instead
+                     (sglang's launch flags in a 0600 YAML file: the API key never shows in `ps`)
+    RewardServer     with reward.model_path: job reward-0 on this node (rlhf.services.reward_server), scoring each
+                     step's completions with the reward model; not started again when it dies (the step fails)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import yaml
+
+from rlhf import exits
+from rlhf.config import Config
+from rlhf.devices import rollout_device
+from rlhf.errors import HTTPStatusError, RpcConnectionError, RpcTimeout
+from rlhf.procs import wait_for_file
+from rlhf.services.metaserver import MetaServer
+from rlhf.services.scheduler import RemoteScheduler, SchedulerClient
+from rlhf.transport.client import Client, LoopThread
+from rlhf.transport.http import DEFAULT_HOST
+
+log = logging.getLogger("rlhf.controller")
+
+
+class RolloutServices:
+    def __init__(self, cfg: Config, run_dir: str, token: str, loop: LoopThread, train_ranks: int,
+                 nodes: list[int] | None = None, workers: list[Client] | None = None) -> None:
+        self.cfg, self.run_dir, self.token, self.loop, self.train_ranks = cfg, run_dir, token, loop, train_ranks
+        self.nodes = nodes or [0] * train_ranks  # each train rank's node; rollout server r runs on rank r's
+        self.workers = workers or []
+        self.metaserver: MetaServer | None = None
+        self.metaserver_url = ""
+        self.scheduler: SchedulerClient | None = None  # node 0's, the controller's own process
+        self.remote: dict[int, RemoteScheduler] = {}  # the other nodes', started by their first train rank
+        self.rollout: list[Client] = []
+        self.reward: Client | None = None  # the reward server (reward.model_path), else None
+        self.jobs: list[tuple[list[str], dict[str, str], str]] = []  # rollout server r's (command, env, ready file)
+
+    @property
+    def shm_dir(self) -> str:
+        return self.metaserver.shm_dir if self.metaserver else ""
+
+    def start(self) -> None:
+        cfg = self.cfg
+        self.metaserver = MetaServer(self.token, cfg.weights.max_versions, cfg.weights.max_bytes, cfg.resilience,
+                                     cfg.weights.transport)
+        self.metaserver_url = self.metaserver.start()
+        self.scheduler = self._start_scheduler()
+        threads = str(max(1, (os.cpu_count() or 2) // cfg.rollout.servers))
+        reward_ready = self._submit_reward_server()
+        if cfg.rollout.backend == "sglang":
+            urls = self._start_sglang(threads)
+            self.rollout = [Client(u, self.token, cfg.runtime.rollout_timeout_s, peer=f"rollout-{r}",
+                                   retries=cfg.resilience.retry_idempotent) for r, u in enumerate(urls)]
+            self._connect_reward_server(reward_ready)
+            log.info("services up: metaserver %s, scheduler %s, %d sglang servers (%s)%s, %d train ranks",
+                     self.metaserver_url, self.scheduler.url, len(urls), cfg.rollout.sglang_launcher,
+                     ", reward-0" if self.reward else "", self.train_ranks)
+            return
+        self._start_node_schedulers()
+        ready_files = []
+        for r in range(cfg.rollout.servers):
+            ready = os.path.join(self.run_dir, f"rollout-{r}.url")
+            cmd = [sys.executable, "-m", "rlhf.services.rollout_server", "--run-dir", self.run_dir, "--rank", str(r),
+                   "--config", os.path.join(self.run_dir, "config.yaml"), "--ready-file", ready]
+            if cfg.runtime.colocate:
+                cmd.append("--colocate")
+            cmd += ["--device", str(rollout_device(cfg.model.device, r, self.train_ranks, cfg.runtime.colocate))]
+            env = {"RLHF_TOKEN": self.token, "RLHF_ROLLOUT_THREADS": threads, "PYTHONPATH": _pythonpath()}
+            self.jobs.append((cmd, env, ready))
+            self._submit(r)
+            ready_files.append(ready)
+        urls = [wait_for_file(f, cfg.runtime.startup_timeout_s) for f in ready_files]
+        self.rollout = [Client(u, self.token, cfg.runtime.rollout_timeout_s, peer=f"rollout-{r}",
+                               retries=cfg.resilience.retry_idempotent)
+                        for r, u in enumerate(urls)]
+        self._connect_reward_server(reward_ready)
+        log.info("services up: metaserver %s, scheduler %s%s, %d rollout servers%s, %d train ranks",
+                 self.metaserver_url, self.scheduler.url,
+                 "".join(f" (+ {s.name} {s.url})" for s in self.remote.values()), len(urls),
+                 f", reward server {self.reward.base_url}" if self.reward else "", self.train_ranks)
+
+    def _submit_reward_server(self) -> str:
+        """reward.model_path: submit job reward-0 (role reward) to this node's scheduler; returns its ready file
+        ("" without a reward model). It loads while the rollout servers load."""
+        cfg = self.cfg
+        if not cfg.reward.model_path:
+            return ""
+        assert self.scheduler is not None
+        ready = os.path.join(self.run_dir, "reward-0.url")
+        if os.path.exists(ready):
+            os.remove(ready)
+        cmd = [sys.executable, "-m", "rlhf.services.reward_server", "--run-dir", self.run_dir,
+               "--config", os.path.join(self.run_dir, "config.yaml"), "--ready-file", ready]
+        env = {"RLHF_TOKEN": self.token, "RLHF_REWARD_THREADS": "1", "PYTHONPATH": _pythonpath()}
+        self.scheduler.submit("reward-0", "reward", cmd, env)
+        return ready
+
+    def _connect_reward_server(self, ready: str) -> None:
+        """Until reward-0's ready file appears; a job that ended first (a model it cannot load) fails at once,
+        with where its error is."""
+        if not ready:
+            return
+        deadline = time.monotonic() + self.cfg.runtime.startup_timeout_s
+        while not (os.path.exists(ready) and os.path.getsize(ready) > 0):
+            self._still_starting("reward-0", f"reward.model_path {self.cfg.reward.model_path}", "its ready file",
+                                 deadline, f"{self.run_dir}/logs/reward-0.log")
+            time.sleep(0.1)  # a poll interval: the condition is the ready file (or the job's end)
+        url = wait_for_file(ready, 1.0)
+        self.reward = Client(url, self.token, self.cfg.reward.timeout_s, peer="reward-0",
+                             retries=self.cfg.resilience.retry_idempotent)
+
+    def _start_scheduler(self) -> SchedulerClient:
+        cfg = self.cfg
+        scheduler = SchedulerClient(self.run_dir, self.token, cfg.runtime.scheduler_lease_s,
+                                    cfg.runtime.startup_timeout_s, self.loop)
+        if self._revivable():
+            scheduler.death_level = logging.WARNING  # revive() starts another: a death it survives
+        return scheduler
+
+    def _revivable(self) -> bool:
+        return self.cfg.resilience.restart_rollout and self.cfg.rollout.backend == "native" \
+            and not self.cfg.runtime.colocate
+
+    def _scheduler_ended(self) -> bool:
+        """Whether the scheduler process has ended (a call that just failed on it gets 2 s for the exit to show)."""
+        assert self.scheduler is not None
+        try:
+            self.scheduler.proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    def _restart_scheduler(self, step: int) -> None:
+        dead = self.scheduler
+        assert dead is not None
+        log.warning("step %d: scheduler-0 (pid %d) is gone (%s) and its rollout servers with it; starting a new "
+                    "scheduler (resilience.restart_rollout)", step, dead.proc.pid, exits.describe(dead.proc.returncode))
+        dead.close()
+        self.scheduler = self._start_scheduler()
+
+    def node_of(self, r: int) -> int:
+        """Rollout server r's node: that of train rank r (mod the train ranks), so a colocated pair shares a host."""
+        return self.nodes[r % len(self.nodes)]
+
+    def _start_node_schedulers(self) -> None:
+        """Multi-node: each other node that runs a rollout server gets a scheduler of its own, started by its first
+        train rank (the servers are processes of that host)."""
+        cfg = self.cfg
+        for node in sorted({self.node_of(r) for r in range(cfg.rollout.servers)} - {0}):
+            leader = self.nodes.index(node)
+            reply = self.loop.run(self.workers[leader].call("/start_scheduler", {
+                "node": node, "lease_s": cfg.runtime.scheduler_lease_s,
+                "startup_timeout_s": cfg.runtime.startup_timeout_s}, stage="startup"))[0]
+            self.remote[node] = RemoteScheduler(reply["url"], self.token, reply["name"], self.loop)
+
+    def _scheduler_of(self, r: int) -> Any:
+        node = self.node_of(r)
+        return self.scheduler if node == 0 else self.remote[node]
+
+    def _submit(self, r: int) -> None:
+        assert self.scheduler is not None
+        cmd, env, ready = self.jobs[r]
+        if os.path.exists(ready):
+            os.remove(ready)
+        self._scheduler_of(r).submit(f"rollout-{r}", "rollout", cmd, env,
+                                     colocate_with=f"train-{r}" if self.cfg.runtime.colocate else "")
+
+    def _down(self, step: int) -> dict[int, str]:
+        """The rollout servers to start again, each with why: its job has ended, or it does not answer GET /health
+        within 2 s (its job is stopped). A scheduler found dead on the way (killed between two of these calls) is
+        started again, and then every server of it is down: its jobs went with it (PDEATHSIG)."""
+        cfg = self.cfg
+        assert self.scheduler is not None
+        try:
+            states = {j["name"]: j["state"] for j in self.scheduler.jobs()}
+            if self.scheduler.proc.poll() is not None:  # it ended after answering
+                return self._after_scheduler_death(step)
+            states.update(self._remote_states())
+            down = {r: f"its job is {states.get(f'rollout-{r}', 'gone')}" for r in range(len(self.rollout))
+                    if states.get(f"rollout-{r}") != "running"}
+            running = [r for r in range(len(self.rollout)) if r not in down]
+            probes = self.loop.gather(*[self.rollout[r].call("/health", method="GET", timeout_s=2.0, traced=False)
+                                        for r in running], return_exceptions=True)  # side by side: 2 s at most
+            for r, probe in zip(running, probes):
+                if isinstance(probe, (RpcConnectionError, RpcTimeout, HTTPStatusError)):
+                    down[r] = f"it does not answer /health ({type(probe).__name__})"
+                    self.loop.run(self._scheduler_of(r).stop_job(f"rollout-{r}", cfg.runtime.cleanup_timeout_s, step))
+                elif isinstance(probe, BaseException):
+                    raise probe
+            return down
+        except (RpcConnectionError, RpcTimeout):
+            if not self._scheduler_ended():
+                raise
+            return self._after_scheduler_death(step)
+
+    def _remote_states(self) -> dict[str, str]:
+        """Job states on the other nodes' schedulers (each lives and dies with its node's first train rank)."""
+        return {j["name"]: j["state"] for remote in self.remote.values() for j in remote.jobs()}
+
+    def _after_scheduler_death(self, step: int) -> dict[int, str]:
+        """scheduler-0 is started again; its servers are down, another node's are down when their job is not running."""
+        self._restart_scheduler(step)
+        states = self._remote_states()
+        return {r: "its scheduler is gone" if self.node_of(r) == 0 else f"its job is {states.get(f'rollout-{r}', 'gone')}"
+                for r in range(len(self.rollout))
+                if self.node_of(r) == 0 or states.get(f"rollout-{r}") != "running"}
+
+    def revive(self, step: int) -> list[str]:
+        """The policy's restart_rollout: every rollout server whose job has ended, or that does not answer
+        GET /health within 2 s, is (stopped and) started again; returns their names. Native, not colocated
+        servers only (an sglang server's launch file is gone; a colocated one would need its lease handed over)."""
+        cfg = self.cfg
+        if self.scheduler is None or not self.jobs or not self._revivable():
+            return []
+        down = self._down(step)
+        for r, why in down.items():
+            log.warning("step %d: rollout-%d is down (%s); starting it again (resilience.restart_rollout); it gets step "
+                        "%d's weights before it is used", step, r, why, step)
+            self._submit(r)  # all of them first, then wait: they start side by side
+        restarted = list(down)
+        for r in restarted:
+            url = wait_for_file(self.jobs[r][2], cfg.runtime.startup_timeout_s)
+            self.loop.run(self.rollout[r].close())
+            self.rollout[r] = Client(url, self.token, cfg.runtime.rollout_timeout_s, peer=f"rollout-{r}",
+                                     retries=cfg.resilience.retry_idempotent)
+        return [f"rollout-{r}" for r in restarted]
+
+    def rng_states(self) -> list[str | None]:
+        """Every rollout server's sampling generator state (native backend; [] for sglang servers). A server that
+        does not answer (it died this step; the next step starts it again) gives None: the checkpoint does not
+        wait for it, and the resumed server starts from its seed."""
+        if self.cfg.rollout.backend != "native":
+            return []
+
+        async def get_all() -> list[Any]:
+            return await asyncio.gather(*[c.call("/rng_state", method="GET") for c in self.rollout],
+                                        return_exceptions=True)
+
+        states: list[str | None] = []
+        for r, reply in enumerate(self.loop.run(get_all())):
+            if isinstance(reply, (RpcConnectionError, RpcTimeout, HTTPStatusError)):
+                log.info("rollout-%d's sampling RNG is not in this checkpoint: %s", r, reply)
+                states.append(None)
+            elif isinstance(reply, BaseException):
+                raise reply
+            else:
+                states.append(reply[0]["state"])
+        return states
+
+    def set_rng_states(self, states: list[str | None]) -> bool:
+        """Give each rollout server back its generator state from a checkpoint; False when the server count changed
+        or a state is missing (those servers start from their seed; the samples then differ from the uninterrupted
+        run's, nothing else does)."""
+        if self.cfg.rollout.backend != "native" or len(states) != len(self.rollout):
+            return False
+
+        async def set_all() -> list[Any]:
+            return await asyncio.gather(*[c.call("/rng_state", {"state": s})
+                                          for c, s in zip(self.rollout, states) if s is not None])
+
+        self.loop.run(set_all())
+        return all(s is not None for s in states)
+
+    def _start_sglang(self, threads: str) -> list[str]:
+        """One sglang server job per rollout server, flags mapped from our config; waits for each /health."""
+        cfg, scheduler = self.cfg, self.scheduler
+        assert scheduler is not None
+        urls = []
+        for r in range(cfg.rollout.servers):
+            device = str(rollout_device(cfg.model.device, r, self.train_ranks, cfg.runtime.colocate))
+            kind, _, index = device.partition(":")
+            port = free_port()
+            flags = {"model_path": os.path.abspath(cfg.model.path), "host": DEFAULT_HOST, "port": port,
+                     "api_key": self.token, "dtype": cfg.model.dtype, "device": kind, "base_gpu_id": int(index or 0),
+                     "mem_fraction_static": cfg.rollout.mem_fraction, "tp_size": cfg.rollout.tp_size,
+                     "random_seed": (cfg.rollout.seed if cfg.rollout.seed >= 0 else cfg.seed + 17) + 1000 * r,
+                     "skip_server_warmup": True}
+            if cfg.resilience.shed_load and cfg.rollout.max_queued_requests:
+                flags["max_queued_requests"] = cfg.rollout.max_queued_requests
+            path = os.path.join(self.run_dir, f"rollout-{r}.sglang.yaml")
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                yaml.safe_dump(flags, f)
+            cmd = [sys.executable, "-m", cfg.rollout.sglang_launcher, "--config", path]
+            env = {"RLHF_RUN_DIR": self.run_dir, "RLHF_RANK": str(r), "RLHF_ROLLOUT_THREADS": threads,
+                   "PYTHONPATH": _pythonpath()}
+            scheduler.submit(f"rollout-{r}", "rollout", cmd, env,
+                                colocate_with=f"train-{r}" if cfg.runtime.colocate else "")
+            urls.append(f"http://{DEFAULT_HOST}:{port}")
+        for r, url in enumerate(urls):
+            self._wait_healthy(f"rollout-{r}", url)
+            os.remove(os.path.join(self.run_dir, f"rollout-{r}.sglang.yaml"))  # read at start only; it holds the key
+        return urls
+
+    def _wait_healthy(self, name: str, url: str) -> None:
+        """Until GET /health answers 200 (an sglang server loads its model first: minutes on a GPU), or the job
+        has ended, or runtime.startup_timeout_s."""
+        assert self.scheduler is not None
+        probe = Client(url, self.token, timeout_s=5, peer=name)
+        deadline = time.monotonic() + self.cfg.runtime.startup_timeout_s
+        try:
+            while True:
+                try:
+                    self.loop.run(probe.call("/health", method="GET", traced=False))
+                    return
+                except (RpcConnectionError, HTTPStatusError, RpcTimeout):
+                    pass
+                self._still_starting(name, self.cfg.rollout.sglang_launcher, f"GET {url}/health", deadline,
+                                     f"{self.run_dir}/logs/{name}.stdout")
+                time.sleep(0.2)  # a poll interval, not a wait for a result: the condition is /health's answer
+        finally:
+            self.loop.run(probe.close())
+
+    def _still_starting(self, name: str, what: str, waiting_for: str, deadline: float, output: str) -> None:
+        """While a job comes up: its job ended (a model it cannot load) or runtime.startup_timeout_s passed is one
+        error naming it and where its output is."""
+        assert self.scheduler is not None
+        job = next((j for j in self.scheduler.jobs() if j["name"] == name), None)
+        if job is None or job["state"] != "running":
+            raise RuntimeError(f"{name} ({what}) ended before {waiting_for} answered: "
+                               f"{job['state'] if job else 'no such job'}; its output is in {output}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name} ({what}): no {waiting_for} within runtime.startup_timeout_s "
+                               f"({self.cfg.runtime.startup_timeout_s:g} s); its output is in {output}")
+
+    def stop(self, level: int = logging.ERROR) -> None:
+        """The MetaServer, then every job through its scheduler (each error logged at `level` as it happens). The
+        MetaServer goes first: a rollout server waiting on it for shards that will not come (their uploader died)
+        is answered at once, and so stops at its SIGTERM instead of at the scheduler's SIGKILL."""
+        if self.metaserver is not None:
+            self.metaserver.stop()
+        for scheduler in [*self.remote.values(), *([self.scheduler] if self.scheduler is not None else [])]:
+
+            async def stop_all(scheduler: Any = scheduler) -> list[Any]:
+                jobs = (await scheduler.client.call("/jobs", method="GET", stage="cleanup"))[0]
+                return await asyncio.gather(*[scheduler.stop_job(j["name"], self.cfg.runtime.cleanup_timeout_s)
+                                              for j in jobs], return_exceptions=True)
+
+            try:
+                for result in self.loop.run(stop_all()):
+                    if isinstance(result, BaseException):
+                        log.log(level, "cleanup: stop job: %s: %s", type(result).__name__, result)
+            except (RuntimeError, OSError, TimeoutError) as exc:
+                log.log(level, "cleanup: %s: %s", type(exc).__name__, exc)
+            scheduler.close()  # another node's: its first train rank stops the scheduler itself at shutdown
+
+    def clients(self) -> list[Client]:
+        return self.rollout + ([self.reward] if self.reward else []) + \
+            ([self.scheduler.client] if self.scheduler else []) + \
+            [s.client for s in self.remote.values()]
+
+
+def free_port() -> int:
+    """A port free on this host's service address now (sglang takes its port as a flag, not 0)."""
+    with socket.socket() as sock:
+        sock.bind((DEFAULT_HOST, 0))
+        return sock.getsockname()[1]
+
+
+def _pythonpath() -> str:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    return os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])

@@ -1,0 +1,202 @@
+"""RolloutFanout: the rollout stage — prompts to the rollout servers by whole groups, results in one batch.
+
+Each server gets a contiguous chunk of the prompts with `n = group_size` (sglang's /generate), so
+a GRPO group never spans two servers.
+
+When a server fails or times out, the policy decides:
+  - migrate_requests: its groups are generated again on the servers that answered (whole groups, so
+    the batch keeps its size and group structure); samples a server returned aborted with tokens
+    (finish_reason abort: /abort_request, /pause_generation) continue from the tokens they have. A span `rollout.migrate` and the steps.csv column `rollout_migrated` record it.
+  - strict_rollout: what could not be migrated fails the step here, naming the server.
+  - neither (the seeds' system): a dead server's samples are dropped and a timed-out one's are kept as
+    aborted, with no tokens, as sglang reports aborted requests — and the step goes on until a later
+    stage trips over them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from rlhf import tracing
+from rlhf.batch import DistributedBatchMemory
+from rlhf.config import Config
+from rlhf.control.fleet import RolloutServices
+from rlhf.data import completion_text, encode_prompts, rl_batch
+from rlhf.errors import HTTPStatusError, RpcTimeout
+from rlhf.rollout.sglang_api import output_logprobs
+from rlhf.transport.client import Client, LoopThread
+
+log = logging.getLogger("rlhf.controller")
+
+ABORTED = "aborted"  # weight_version of a sample whose request timed out (strict_rollout off)
+
+def migratable(exc: BaseException) -> bool:
+    """A failure of the server, not of the request: another server may well answer the same request
+    (a 4xx would be refused by every server alike)."""
+    if isinstance(exc, HTTPStatusError):
+        return exc.status >= 500
+    return isinstance(exc, Exception)
+
+
+class RolloutFanout:
+    def __init__(self, cfg: Config, loop: LoopThread, services: RolloutServices, tokenizer: Any) -> None:
+        self.cfg, self.loop, self.services, self.tokenizer = cfg, loop, services, tokenizer
+        self.migrated = 0  # samples of the last call generated (or continued) on another server than planned
+
+    def _spread(self, step: int, prompt_ids: list[list[int]], params: dict[str, Any] | list[dict[str, Any]],
+                per: int, logprobs: bool) -> tuple[dict[int, list[dict]], list[tuple[int, list[int], BaseException]]]:
+        """Prompt i's `per` results (n = per) by prompt index, spread over the servers in chunks; params: one
+        sampling_params for all, or one per prompt. With the policy's migrate_requests the chunks of servers that
+        failed go once more to those that answered. Returns (results by prompt, [(server, its prompts, error)] for
+        what is still missing)."""
+        servers = self.services.rollout
+        chunks = chunk(list(range(len(prompt_ids))), len(servers))
+        done: dict[int, list[dict]] = {}
+
+        async def one(client: Client, idx: list[int]) -> None:
+            if not idx:
+                return
+            sampling = [{**params[i], "n": per} for i in idx] if isinstance(params, list) else {**params, "n": per}
+            body = {"input_ids": [prompt_ids[i] for i in idx], "sampling_params": sampling, "return_logprob": logprobs}
+            if logprobs and self.cfg.rollout.backend == "native":
+                body["return_logprob_packed"] = True  # our servers' extension: float32 logprobs, a third of the JSON
+            out = (await client.call("/generate", body, stage="rollout", step=step))[0]
+            if logprobs:
+                for res in out:
+                    res["logprobs"] = output_logprobs(res)
+            done.update((i, out[k * per:(k + 1) * per]) for k, i in enumerate(idx))
+
+        outcomes = self.loop.gather(*[one(c, idx) for c, idx in zip(servers, chunks)], return_exceptions=True)
+        failed: list[tuple[int, list[int], BaseException]] = []
+        for r, (idx, out) in enumerate(zip(chunks, outcomes)):
+            if isinstance(out, BaseException):
+                if not isinstance(out, Exception):
+                    raise out  # cancelled, interrupted: not a server's failure
+                failed.append((r, idx, out))
+        if not failed or not self.cfg.resilience.migrate_requests:
+            return done, failed
+        healthy = [r for r in range(len(servers)) if r not in {f[0] for f in failed}]
+        moving = [f for f in failed if migratable(f[2])]
+        if not healthy or not moving:
+            return done, failed
+        # a slow server need not finish what nobody waits for any more
+        self.loop.gather(*[servers[r].call("/abort_request", {"abort_all": True}, timeout_s=2.0, stage="rollout",
+                                           step=step) for r, _i, exc in moving if isinstance(exc, RpcTimeout)],
+                         return_exceptions=True)
+        moved = [i for _r, idx, _e in moving for i in idx]
+        parts = chunk(moved, len(healthy))
+        log.warning("step %d: migrating %d prompts (%d samples) of %s to %s", step, len(moved), len(moved) * per,
+                    ", ".join(f"rollout-{r} ({type(e).__name__}: {str(e)[:200]})" for r, _i, e in moving),
+                    ", ".join(f"rollout-{healthy[k]} ({len(p)})" for k, p in enumerate(parts) if p))
+        with tracing.span("rollout.migrate", stage="rollout", step=step, **{
+                "rlhf.from": ",".join(f"rollout-{r}" for r, _i, _e in moving),
+                "rlhf.to": ",".join(f"rollout-{r}" for r in healthy), "rlhf.prompts": len(moved)}):
+            again = self.loop.gather(*[one(servers[h], p) for h, p in zip(healthy, parts)], return_exceptions=True)
+        still = [f for f in failed if not migratable(f[2])]
+        for h, p, out in zip(healthy, parts, again):
+            if isinstance(out, BaseException):
+                log.warning("step %d: migration to rollout-%d failed: %s: %s", step, h, type(out).__name__, out)
+                first = next(f for f in moving if set(p) & set(f[1]))  # report the original failure first
+                still.append((first[0], p, first[2]))
+                continue
+            self.migrated += len(p) * per
+        return done, still
+
+    def _continue_aborted(self, step: int, prompt_ids: list[list[int]], done: dict[int, list[dict]],
+                          params: dict[str, Any]) -> None:
+        """Samples returned aborted continue from the tokens they have (prompt + tokens as the input, the rest
+        of max_new_tokens, n = 1; none: generated afresh), spread over the servers; the parts become one sample."""
+        todo = [(i, j) for i, rs in sorted(done.items()) for j, res in enumerate(rs)
+                if (res["meta_info"].get("finish_reason") or {}).get("type") == "abort"
+                and len(res["output_ids"]) < params["max_new_tokens"]]
+        if not todo:
+            return
+        heads = [done[i][j]["output_ids"] for i, j in todo]
+        log.warning("step %d: continuing %d aborted samples from their %d tokens on the servers", step, len(todo),
+                    sum(len(h) for h in heads))
+        with tracing.span("rollout.migrate", stage="rollout", step=step, **{"rlhf.continued": len(todo)}):
+            tails, failed = self._spread(step, [prompt_ids[i] + h for (i, _j), h in zip(todo, heads)],
+                                         [{**params, "max_new_tokens": params["max_new_tokens"] - len(h)} for h in heads],
+                                         1, True)
+        if failed:
+            log.warning("step %d: %d aborted samples could not be continued (%s); kept as they are", step,
+                        sum(len(f[1]) for f in failed), type(failed[0][2]).__name__)
+        for k, rs in tails.items():
+            i, j = todo[k]
+            head, tail = done[i][j], rs[0]
+            meta = {key: v for key, v in tail["meta_info"].items() if not key.startswith("output_token_logprobs")}
+            meta["completion_tokens"] = len(head["output_ids"]) + len(tail["output_ids"])
+            done[i][j] = {"output_ids": head["output_ids"] + tail["output_ids"], "meta_info": meta,
+                          "logprobs": head["logprobs"] + tail["logprobs"]}
+            self.migrated += 1
+
+    def generate(self, step: int, examples: list[Any]) -> DistributedBatchMemory:
+        """One GRPO batch: group_size samples of every example, with logprobs and decoded completions."""
+        cfg, g = self.cfg, self.cfg.rollout.group_size
+        self.migrated = 0
+        prompt_ids = encode_prompts(self.tokenizer, [e.prompt for e in examples], cfg.task.chat_template)
+        params = {"max_new_tokens": cfg.rollout.max_new_tokens, "temperature": cfg.rollout.temperature,
+                  "top_p": cfg.rollout.top_p, "top_k": cfg.rollout.top_k, "ignore_eos": cfg.rollout.ignore_eos}
+        done, failed = self._spread(step, prompt_ids, params, g, True)
+        if failed and cfg.resilience.strict_rollout:
+            raise failed[0][2]
+        if cfg.resilience.migrate_requests:
+            self._continue_aborted(step, prompt_ids, done, params)
+        for r, idx, exc in failed:
+            if isinstance(exc, RpcTimeout):  # in-flight requests are kept, aborted, with no tokens
+                log.warning("step %d: rollout-%d timed out (%s); keeping its %d samples as aborted (no tokens)",
+                            step, r, exc, len(idx) * g)
+                done.update((i, [{"output_ids": [], "meta_info": {"weight_version": ABORTED}, "logprobs": []}] * g)
+                            for i in idx)
+            else:  # the seeds' controller goes on with what it has
+                log.warning("step %d: rollout-%d failed (%s: %s); continuing with the samples of the other servers",
+                            step, r, type(exc).__name__, exc)
+        if not done:
+            raise RuntimeError(f"step {step}: every rollout server failed")
+        order = sorted(done)  # prompt order: a group's samples stay adjacent
+        rep = [i for i in order for _ in range(g)]
+        results = [res for i in order for res in done[i]]
+        memory = DistributedBatchMemory({
+            "sample_index": list(range(len(rep))),
+            "prompt_ids": [prompt_ids[i] for i in rep],
+            "output_ids": [r["output_ids"] for r in results],
+            "logprobs": [r["logprobs"] for r in results],
+            "num_tokens": [len(prompt_ids[i]) + len(r["output_ids"]) for i, r in zip(rep, results)],
+            "prompts": [examples[i].prompt for i in rep],
+            "answers": [examples[i].answer for i in rep],
+            "fields": [examples[i].fields for i in rep],  # each row's other columns, for the reward functions
+            "completions": [completion_text(self.tokenizer, r) for r in results],
+            "weight_version": [r["meta_info"]["weight_version"] for r in results],
+        }, g, strict=False)
+        stale = {v for v in memory["weight_version"] if v not in (str(step), ABORTED)}
+        if stale:
+            log.warning("step %d: samples from stale weight versions %s", step, sorted(stale))
+        return memory
+
+    def greedy(self, examples: list[Any]) -> list[str]:
+        """One greedy completion per example, in order (evaluation), spread over the rollout servers (migrated
+        like a step's when a server fails)."""
+        prompt_ids = encode_prompts(self.tokenizer, [e.prompt for e in examples], self.cfg.task.chat_template)
+        done, failed = self._spread(-1, prompt_ids, {"max_new_tokens": self.cfg.rollout.max_new_tokens,
+                                                     "temperature": 0.0}, 1, False)
+        if failed:
+            raise failed[0][2]
+        return [completion_text(self.tokenizer, done[i][0]) for i in range(len(examples))]
+
+
+def to_batch(share: DistributedBatchMemory, pad_id: int) -> dict[str, torch.Tensor]:
+    """A rank's share of the rollout batch as the train ranks' padded tensors (built where first needed), with
+    the mini-batch of each row (rlhf.batch)."""
+    batch = rl_batch(share["prompt_ids"], share["output_ids"], share["logprobs"], pad_id)
+    if "mini_batch" in share.keys():
+        batch["mini_batch"] = share["mini_batch"]
+    return batch
+
+
+def chunk(items: list[int], n: int) -> list[list[int]]:
+    """n contiguous, near-equal chunks."""
+    bounds = [round(i * len(items) / n) for i in range(n + 1)]
+    return [items[a:b] for a, b in zip(bounds, bounds[1:])]

@@ -1,0 +1,184 @@
+"""The stall watchdog: while the controller waits on the train ranks, it reads their heartbeats and names
+the rank that keeps the others waiting, in seconds instead of an RPC timeout (runtime.rpc_timeout_s, 600 s).
+
+    every 0.5 s once a call has run runtime.watchdog_stall_s / 2:   GET /heartbeat on every rank
+    │  rank: what it runs (request or SFT loop phase) at which step, the collective it is inside and since
+    │  when, its process CPU seconds and its threads in disk wait (a rank with neither is blocked, not working)
+    ├─ a rank inside a collective for >= watchdog_stall_s while another rank is not in it, and that rank is
+    │  blocked, inside another collective, or silent (no heartbeat reply)            → a stall
+    └─ a rank that has not answered the call 2 x watchdog_stall_s after another rank did, and has been
+       blocked (or silent) that long                                                  → a stall
+
+What a stall does is the policy's `stall_stops_run`: on (hardened), the call fails at once with SyncStall
+naming the missing rank; off (faithful, the seeds' system), the report and the live diagnosis are printed
+and the call goes on waiting for its timeout. A rank that is still computing, or waiting on its disk, is a
+straggler, not a stall: the watchdog leaves it to the call's timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from rlhf import exits, stacks
+from rlhf.analysis import WATCHDOG_REPORT_ONLY
+from rlhf.errors import SyncStall
+from rlhf.transport.client import Client
+
+log = logging.getLogger("rlhf.controller")
+
+BLOCKED_CORES = 0.25  # below this CPU use (in cores), with no thread in disk wait, a rank is not working
+POLL_S = 0.5
+
+
+@dataclass
+class RankView:
+    """What the watchdog knows of one rank: its last heartbeat and how much it worked between heartbeats."""
+
+    rank: int
+    beat: dict[str, Any] | None = None
+    silent: bool = False  # its heartbeat did not answer
+    idle_since: float | None = None  # monotonic time since which it used no CPU and had no thread in disk wait
+    last: tuple[float, float] | None = None  # (time, cpu_s) of the previous heartbeat
+
+    def update(self, beat: dict[str, Any] | None, now: float) -> None:
+        self.beat, self.silent = (beat, False) if beat is not None else (self.beat, True)
+        if beat is None:
+            return
+        cpu = float(beat.get("cpu_s", 0.0))
+        if self.last is not None:
+            t0, cpu0 = self.last
+            working = (cpu - cpu0) / max(now - t0, 1e-3) >= BLOCKED_CORES or beat.get("disk_wait_threads", 0) > 0
+            if working:
+                self.idle_since = None
+            elif self.idle_since is None:
+                self.idle_since = t0
+        self.last = (now, cpu)
+
+    def blocked_for(self, now: float) -> float:
+        return now - self.idle_since if self.idle_since is not None else 0.0
+
+    def where(self, now: float) -> str:
+        """'POST /train_step at its step 2 (blocked: no CPU use or disk wait for 4.5 s)'."""
+        b = self.beat or {}
+        if self.silent and not b:
+            return "an unknown place (its heartbeat does not answer)"
+        text = f"{b.get('phase', '?')} at its step {b.get('step', -1)}"
+        if b.get("collective"):
+            text += f" ({b['collective']} for {b['collective_s']:.1f} s)"
+        if self.silent:
+            return text + " (its heartbeat stopped answering)"
+        if self.idle_since is not None:
+            return text + f" (blocked: no CPU use or disk wait for {self.blocked_for(now):.1f} s)"
+        return text + " (computing)"
+
+
+class Finding(str):
+    """The watchdog's sentence, and the rank it names as missing."""
+
+    missing: int = -1
+
+    @classmethod
+    def of(cls, text: str, missing: int) -> Finding:
+        found = cls(text)
+        found.missing = missing
+        return found
+
+
+def find_stall(views: list[RankView], stall_s: float, now: float, answered: dict[int, float] | None = None,
+               method: str = "") -> Finding | None:
+    """The stall in these heartbeats, as a sentence naming the missing rank; None when there is none yet.
+
+    answered: rank -> monotonic time it answered the current call (ranks that have left it)."""
+    answered = answered or {}
+    inside = [v for v in views if v.beat and v.beat.get("collective") and v.beat["collective_s"] >= stall_s]
+    if inside:
+        waiter = max(inside, key=lambda v: v.beat["collective_s"])
+        what = waiter.beat["collective"]
+        missing = [v for v in views if v is not waiter and (not v.beat or v.beat.get("collective") != what)]
+        stuck = [v for v in missing if v.silent or (v.beat and v.beat.get("collective")) or v.blocked_for(now) >= 1.0]
+        if stuck:
+            m, w = stuck[0], waiter.beat
+            return Finding.of(f"train-{waiter.rank} has been inside {what} for {w['collective_s']:.1f} s at its "
+                              f"step {w.get('step', -1)} ({w.get('phase', '?')}), while train-{m.rank} is in "
+                              f"{m.where(now)}; train-{m.rank} is missing from {what}", m.rank)
+    if answered and len(answered) < len(views):
+        first_rank, first = min(answered.items(), key=lambda kv: kv[1])
+        for v in views:
+            if v.rank in answered:
+                continue
+            waited = now - first
+            if waited >= 2 * stall_s and (v.silent or v.blocked_for(now) >= 2 * stall_s):
+                return Finding.of(f"train-{first_rank} answered {method} {waited:.1f} s ago, while train-{v.rank} is "
+                                  f"in {v.where(now)}: train-{v.rank} is stuck", v.rank)
+    return None
+
+
+class StallWatchdog:
+    """Supervises one fan-out call to the train ranks (see the module docstring)."""
+
+    def __init__(self, clients: list[Client], stall_s: float, stops_run: bool, run_dir: str = "",
+                 on_report: Callable[[str], None] | None = None) -> None:
+        """run_dir: where every live process dumps its stacks when a stall is found (rlhf.stacks); '' skips it."""
+        self.clients, self.stall_s, self.stops_run, self.on_report = clients, stall_s, stops_run, on_report
+        self.run_dir = run_dir
+
+    async def _beat(self, client: Client) -> dict[str, Any] | None:
+        try:
+            beat, _ = await client.call("/heartbeat", method="GET", timeout_s=2.0, traced=False)
+            return beat
+        except Exception:  # noqa: BLE001 — a rank that cannot answer its heartbeat is evidence, not an error here
+            return None
+
+    async def _stacks(self, found: Finding) -> str:
+        """Every live process dumps its Python stacks; the stuck rank's file is named in the finding."""
+        if not self.run_dir:
+            return ""
+        written = await asyncio.get_running_loop().run_in_executor(None, stacks.dump, self.run_dir,
+                                                                   f"stall watchdog: {found}",
+                                                                   exits.all_lives(self.run_dir))
+        if not written:
+            return ""
+        stuck = written.get(f"train-{found.missing}")
+        return (f"; its stacks: {stuck}" if stuck else "") + f" ({len(written)} processes dumped theirs to " \
+            f"{os.path.dirname(next(iter(written.values())))})"
+
+    async def supervise(self, calls: list[asyncio.Future], method: str, step: int, stage: str) -> list[Any]:
+        """The calls' results in rank order, as asyncio.gather would give them, unless a stall is found first."""
+        gathered = asyncio.gather(*calls)
+        if not self.stall_s:
+            return await gathered
+        start = time.monotonic()
+        views = [RankView(r) for r in range(len(calls))]
+        answered: dict[int, float] = {}
+        reported = False
+        while True:
+            done, _ = await asyncio.wait([gathered], timeout=POLL_S)
+            if done:
+                return gathered.result()
+            now = time.monotonic()
+            for r, c in enumerate(calls):
+                if c.done() and not c.cancelled() and c.exception() is None and r not in answered:
+                    answered[r] = now
+            if reported or now - start < self.stall_s / 2:
+                continue
+            beats = await asyncio.gather(*[self._beat(c) for c in self.clients])
+            now = time.monotonic()
+            for view, beat in zip(views, beats):
+                view.update(beat, now)
+            found = find_stall(views, self.stall_s, now, answered, method)
+            if found is None:
+                continue
+            where = f"step {step}, stage {stage}" if step >= 0 else f"stage {stage}"
+            found = Finding.of(found + await self._stacks(found), found.missing)
+            if self.stops_run:
+                gathered.cancel()
+                raise SyncStall(f"stall watchdog ({where}, {method}): {found}")
+            log.error("stall watchdog (%s, %s): %s; %s", where, method, found, WATCHDOG_REPORT_ONLY)
+            reported = True
+            if self.on_report is not None:
+                self.on_report(found)

@@ -1,0 +1,240 @@
+"""/generate and its queue: calls wait for the engine (503 + Retry-After past the limit), run one at a time on
+the engine's thread, stream or answer at once; abort, pause and continue between decode steps."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+import logging
+import time
+from typing import Any, Callable
+
+from aiohttp import web
+
+from rlhf import tracing
+from rlhf.errors import BadRequest, Overloaded
+from rlhf.faults import fault_point
+from rlhf.rollout.sglang_api import GenerateCall, RequestControl, output_id, parse_generate
+from rlhf.rollout.sglang_api import decode_text as sglang_decode
+from rlhf.rollout.sglang_api import reply as sglang_reply
+from rlhf.services.colocation import DeviceBusy
+from rlhf.transport.http import STAGE_HEADER
+
+log = logging.getLogger("rlhf.rollout_server")
+
+
+class GenerateRoutes:
+    """The rollout server's /generate, abort, pause and continue (a part of RolloutServer)."""
+
+    # ------------------------------------------------------------------ /generate
+
+    async def generate_http(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        try:
+            args = json.loads(body) if body else None
+        except ValueError as exc:
+            raise BadRequest(f"the /generate body is not JSON: {exc}") from None
+        call = parse_generate(args, self.engine.tokenizer)
+        if self.draining:
+            raise Overloaded(f"rollout-{self.rank} is draining (SIGTERM): it takes no new calls", 1.0)
+        with self._state:
+            waiting = len(self.queued)
+            if self.policy.shed_load and self.max_queued and waiting >= self.max_queued:
+                self.shed += 1
+                # the queue ahead drains one engine call at a time: about that many call lengths
+                raise Overloaded(f"rollout-{self.rank} has {waiting} calls waiting (rollout.max_queued_requests "
+                                 f"{self.max_queued}); retry later", waiting * self.call_seconds)
+            self.queued.append(call)
+            self.calls += 1
+        try:
+            return await self._serve_call(request, call)
+        finally:
+            with self._state:
+                self.calls -= 1
+
+    async def _serve_call(self, request: web.Request, call: GenerateCall) -> web.StreamResponse:
+        await self.unpaused.wait()  # /pause_generation: new calls wait for /continue_generation
+        loop = asyncio.get_running_loop()
+        ctx = contextvars.copy_context()  # the server span follows the work onto the engine thread
+        if not call.stream:
+            outputs = await loop.run_in_executor(self.service.executor, ctx.run, self._run_call, call, None)
+            return web.json_response(outputs if call.batch else outputs[0])
+        return await self._stream(request, call, loop, ctx)
+
+    async def _stream(self, request: web.Request, call: GenerateCall, loop: asyncio.AbstractEventLoop,
+                      ctx: contextvars.Context) -> web.StreamResponse:
+        """Server-sent events as sglang sends them: one `data: {json}` per output every stream_interval tokens
+        (text and output_ids so far), the final outputs, then `data: [DONE]`."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        queue: asyncio.Queue = asyncio.Queue()
+        work = loop.run_in_executor(self.service.executor, ctx.run, self._run_call, call,
+                                    lambda chunk: loop.call_soon_threadsafe(queue.put_nowait, chunk))
+        work.add_done_callback(lambda _f: queue.put_nowait(None))
+        gone = False
+        while True:
+            chunk = await queue.get()
+            if chunk is None:
+                break
+            if not gone:
+                try:
+                    await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                except (ConnectionError, RuntimeError):  # the client left: abort its call, as sglang does
+                    gone = True
+                    self._abort(call.prompts, "the client disconnected")
+        try:
+            outputs = work.result()
+        except Exception as exc:
+            status = int(getattr(exc, "http_status", 500))
+            outputs = [{"error": {"message": f"{type(exc).__name__}: {exc}", "code": status}}]
+            if status == 500:
+                self.service._log_error(exc, "POST", "/generate", request.headers.get(STAGE_HEADER, ""), -1)
+        if not gone:
+            for index, out in enumerate(outputs):
+                await response.write(b"data: " + json.dumps({**out, "index": index}).encode() + b"\n\n")
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        return response
+
+    def _run_call(self, call: GenerateCall, on_chunk: Callable[[dict], None] | None) -> list[dict]:
+        """One /generate call on the engine thread: prompts with equal sampling in one engine call each."""
+        started = time.monotonic()
+        try:
+            return self._run_call_now(call, on_chunk)
+        finally:
+            self.call_seconds = time.monotonic() - started
+
+    def _run_call_now(self, call: GenerateCall, on_chunk: Callable[[dict], None] | None) -> list[dict]:
+        with self._state:
+            self.queued.remove(call)
+        self._check_lease()
+        fault_point("rollout.generate")
+        engine, tok = self.engine, self.engine.tokenizer
+        offsets, total = [], 0
+        for p in call.prompts:
+            offsets.append(total)
+            total += p.sampling.n
+        outputs: list[dict | None] = [None] * total
+        groups: dict[tuple, list[int]] = {}
+        for i, p in enumerate(call.prompts):
+            with self._state:
+                aborted = p.rid in self.pending_aborts
+                self.pending_aborts.discard(p.rid)
+            if aborted or p.prefill_only:
+                finish = {"type": "abort", "message": "aborted before it started"} if aborted else None
+                extra = None  # max_new_tokens 0 scores the prompt: its logprobs, if asked for
+                if not aborted and p.return_logprob and p.logprob_start_len >= 0:
+                    extra = engine.prompt_logprobs([p.ids], p.logprob_start_len, p.top_logprobs_num)[0]
+                for j in range(p.sampling.n):
+                    result = {"output_ids": [], "meta_info": {"finish_reason": finish}} if finish else None
+                    outputs[offsets[i] + j] = sglang_reply(p, j, result, engine.weight_version, call.started, tok,
+                                                           extra, call.return_text_in_logprobs, call.packed_logprobs)
+                continue
+            groups.setdefault(p.engine_key(), []).append(i)
+        n_samples = sum(call.prompts[i].sampling.n for idx in groups.values() for i in idx)
+        with tracing.span("generate", prompts=len(call.prompts), n=call.prompts[0].sampling.n) as sp:
+            before = engine.tokens_generated
+            for idx in groups.values():
+                prompts = [call.prompts[i] for i in idx]
+                rows = [(i, j) for i in idx for j in range(call.prompts[i].sampling.n)]
+                control = RequestControl(prompts, tok, self._chunker(call, rows, offsets, on_chunk) if on_chunk else None)
+                with self._state:
+                    self.active.append(control)
+                try:
+                    results = engine.generate([p.ids for p in prompts], prompts[0].sampling, prompts[0].return_logprob,
+                                              prompts[0].top_logprobs_num, control, detokenize=False)
+                finally:
+                    with self._state:
+                        self.active.remove(control)
+                extra = {}
+                for i in idx:
+                    p = call.prompts[i]
+                    if p.return_logprob and p.logprob_start_len >= 0:
+                        extra[i] = engine.prompt_logprobs([p.ids], p.logprob_start_len, p.top_logprobs_num)[0]
+                for (i, j), result in zip(rows, results):
+                    outputs[offsets[i] + j] = sglang_reply(call.prompts[i], j, result, result["meta_info"]["weight_version"],
+                                                           call.started, tok, extra.get(i), call.return_text_in_logprobs,
+                                                           call.packed_logprobs)
+            sp.set_attribute("rlhf.tokens", engine.tokens_generated - before)
+            sp.set_attribute("rlhf.samples", n_samples)
+        return [o for o in outputs if o is not None]
+
+    def _chunker(self, call: GenerateCall, rows: list[tuple[int, int]], offsets: list[int],
+                 emit: Callable[[dict], None]) -> Callable:
+        """The stream's per-step chunks for one engine call: each running output every stream_interval tokens."""
+        tok = self.engine.tokenizer
+
+        def on_tokens(control: RequestControl, t: int, computed: list[int], finished: dict[int, dict]) -> None:
+            for r in computed:
+                i, j = rows[r]
+                p = call.prompts[i]
+                ids = control.generated[r]
+                if r in finished or len(ids) % p.stream_interval:
+                    continue  # a finished output's last chunk is its final reply
+                emit({"text": sglang_decode(tok, ids, p, None), "output_ids": list(ids), "index": offsets[i] + j,
+                              "meta_info": {"id": output_id(p, j), "finish_reason": None,
+                                            "prompt_tokens": len(p.ids), "completion_tokens": len(ids),
+                                            "weight_version": self.engine.weight_version}})
+
+        return on_tokens
+
+    def _check_lease(self) -> None:
+        if self.lease is not None and not self.lease.held:
+            if not self.policy.device_busy_fails_fast:
+                self._wait_for_device()
+            else:
+                raise DeviceBusy(f"rollout server {self.rank}: generate without the device lease (device "
+                                 f"{self.lease.device} is held by {self.lease.current_holder() or 'the train side'}; "
+                                 "was rollout_start delivered?)")
+
+    def _abort(self, prompts: list[Any] | None, message: str) -> int:
+        """Abort the running calls of these prompts (None: every call, running or queued); returns how many."""
+        with self._state:
+            active, queued = list(self.active), list(self.queued)
+            if prompts is None:
+                self.pending_aborts.update(p.rid for call in queued for p in call.prompts)
+        hits = 0
+        for control in active:
+            for rid in ([p.rid for p in prompts] if prompts is not None else ["*"]):
+                hits += control.abort(rid, message)
+        return hits
+
+    def abort_request(self, args: dict, tensors: dict) -> Any:
+        """sglang's /abort_request: {"rid": ...} finishes that request's outputs with finish_reason abort (a
+        queued request is answered at once, without tokens); {"abort_all": true} aborts every request."""
+        if args.get("abort_all"):
+            self._abort(None, "aborted by /abort_request (abort_all)")
+            return web.Response(status=200)
+        rid = str(args.get("rid") or "")
+        if not rid:
+            raise BadRequest("/abort_request needs rid or abort_all")
+        with self._state:
+            active = list(self.active)
+            queued = any(p.rid == rid for call in self.queued for p in call.prompts)
+            if queued:
+                self.pending_aborts.add(rid)
+        if not [c for c in active if c.abort(rid)] and not queued:
+            log.info("abort_request: no running or queued request %r", rid)
+        return web.Response(status=200)
+
+    async def pause_generation(self, args: dict, tensors: dict) -> dict:
+        """sglang's /pause_generation. mode abort (default): running requests end now with finish_reason abort;
+        in_place and retract: running engine calls finish (the native engine does not preempt a call), and the
+        reply comes once they have. New requests wait for /continue_generation in every mode."""
+        mode = args.get("mode", "abort")
+        if mode not in ("abort", "in_place", "retract"):
+            raise BadRequest(f"pause_generation: mode {mode!r}; valid: abort, in_place, retract")
+        self.unpaused.clear()
+        if mode == "abort":
+            self._abort(None, "aborted by /pause_generation")
+        while True:  # the engine thread empties; what is queued stays queued (it waits on the pause)
+            with self._state:
+                if not self.active:
+                    break
+            await asyncio.sleep(0.02)
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    def continue_generation(self, args: dict, tensors: dict) -> dict:
+        self.unpaused.set()
+        return {"message": "Generation continued successfully.", "status": "ok"}
