@@ -79,6 +79,9 @@ def test_the_readme_tour_scenario2_then_its_trace_diagnosis_report_and_benchmark
     table = benchmark("diagnosis.py", "--rescore", scored, "--scenarios", "2", "--resilience", "faithful",
                       "--random", "0", "--sharded")
     assert "| scenarios, faithful | 1 | 100% |" in table
+    # benchmarks/runtime.py's stage table of that run (--from-run: read a run instead of starting two)
+    stages = benchmark("runtime.py", "--part", "stages", "--from-run", run_dir, "--skip", "0")
+    assert "| weights_update |" in stages and "| step (median) |" in stages
 
 
 def test_rollout_benchmark_runs_every_workload_and_its_warm_up(tmp_path):
@@ -106,9 +109,25 @@ def test_learning_benchmark_runs_a_seed_and_scores_it(tmp_path):
     assert "| default | 1 |" in table and "≥ +0.15" in table and "failed" not in table
 
 
-@pytest.mark.slow(reason="the layouts' memory and time on a 0.5 B model; the layouts' exactness runs by default in "
-                         "tests/test_sharding.py")
-def test_sharding_benchmark_layouts():
+SLOW = "suite time: its smallest run still starts a process per weights mode or a whole run; -m slow runs it"
+
+
+@pytest.mark.slow(reason=SLOW)
+def test_sharding_benchmark_layouts_at_the_smallest_size():
     table = benchmark("sharding.py", "--part", "layouts", "--model", "tiny-llama", "--worlds", "2",
                       "--layouts", "dp,fsdp", "--steps", "1", "--rows", "4", "--tokens", "16")
-    assert "fsdp" in table
+    assert "| fsdp" in table and "| dp" in table
+
+
+@pytest.mark.slow(reason=SLOW)
+def test_runtime_benchmark_moves_the_weights_every_way():
+    table = benchmark("runtime.py", "--part", "bandwidth", "--model", "tiny-llama", "--repeats", "1", "--warmup", "0",
+                      "--ranks", "1", "--servers", "1")
+    for mode in ("meta (shm)", "meta (http)", "distributed (gloo broadcast)", "disk"):
+        assert f"| {mode} |" in table
+
+
+@pytest.mark.slow(reason=SLOW)
+def test_overhead_benchmark_counts_and_times_the_disarmed_fault_points():
+    table = benchmark("overhead.py", "--part", "points")
+    assert "| one disarmed point, sync |" in table and "| points hit per step" in table

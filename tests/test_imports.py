@@ -155,3 +155,19 @@ def test_the_layout_page_names_every_layer_and_the_largest_rooms():
         listed = re.search(rf"{re.escape(rel)} (\d+)\b", layout)
         assert listed, f"docs/layout.md should list {rel} ({lines} lines) among the largest rooms"
         assert abs(int(listed.group(1)) - lines) <= 0.1 * lines, f"{rel} has {lines} lines; the README says {listed.group(1)}"
+
+
+def test_every_call_to_the_train_ranks_goes_through_the_worker_group():
+    """The control layer calls the train ranks only through WorkerGroup (control/workers.py), so one place fans a
+    call out and the stall watchdog watches every call made on all ranks. Its clients are read only where the
+    group's own machinery is built and closed (lifecycle: the watchdog's heartbeats, cleanup)."""
+    allowed = {"rlhf/control/workers.py": None, "rlhf/control/lifecycle.py": 2}
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).as_posix()
+        hits = re.findall(r"workers\.clients|workers\[\w+\]\.call", path.read_text(encoding="utf-8"))
+        if hits and rel not in allowed:
+            found[rel] = len(hits)
+        elif rel in allowed and allowed[rel] is not None:
+            assert len(hits) <= allowed[rel], f"{rel} reads workers.clients {len(hits)} times"
+    assert not found, f"calls to the train ranks outside WorkerGroup: {found}"

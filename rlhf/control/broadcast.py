@@ -55,23 +55,23 @@ class BroadcastUpdate:
         members = [c.base_url for c in self.services.rollout]
         if self.group is not None and self.group["members"] == members:
             return self.group["buckets"]
-        cfg, source = self.cfg, self.workers.clients[0]
+        cfg = self.cfg
         timeout = cfg.weights.update_timeout_s
         if self.group is not None:  # leave the old one (its members that are still up); a failure is no error here
             self.group = None
-            await asyncio.gather(source.call("/weights_group", {"action": "destroy"}, stage="weights_update",
-                                             step=step),
+            await asyncio.gather(self.workers.acall("weights_group", {"action": "destroy"}, stage="weights_update",
+                                                    step=step, ranks=[0]),
                                  *[c.call("/destroy_weights_update_group", {"group_name": GROUP},
                                           stage="weights_update", step=step) for c in self.services.rollout],
                                  return_exceptions=True)
         with tracing.span("weights.group_form", stage="weights_update", step=step, servers=len(members)):
-            opened, _ = await source.call("/weights_group", {"action": "open", "timeout_s": timeout},
-                                          stage="weights_update", step=step)
+            [(opened, _)] = await self.workers.acall("weights_group", {"action": "open", "timeout_s": timeout},
+                                                     stage="weights_update", step=step, ranks=[0])
             world, backend = 1 + len(members), self._backend()
             await asyncio.gather(
-                source.call("/weights_group", {"action": "join", "world_size": world, "backend": backend,
-                                               "group_name": GROUP, "timeout_s": timeout},
-                            timeout_s=timeout + OUTER_MARGIN_S, stage="weights_update", step=step),
+                self.workers.acall("weights_group", {"action": "join", "world_size": world, "backend": backend,
+                                                     "group_name": GROUP, "timeout_s": timeout},
+                                   timeout_s=timeout + OUTER_MARGIN_S, stage="weights_update", step=step, ranks=[0]),
                 *[c.call("/init_weights_update_group", {
                     "master_address": opened["master_address"], "master_port": opened["master_port"],
                     "rank_offset": 1 + i, "world_size": world, "group_name": GROUP, "backend": backend},
@@ -112,10 +112,10 @@ class BroadcastUpdate:
                     "weight_version": version if last else None},
                     timeout_s=cfg.weights.update_timeout_s + OUTER_MARGIN_S, stage="weights_update", step=step)
 
-        senders = self.workers.clients if sharded else self.workers.clients[:1]
-        sends = [asyncio.ensure_future(timed(c.call("/broadcast_weights", {"buckets": [b["names"] for b in buckets]},
-                                                    timeout_s=cfg.weights.update_timeout_s + OUTER_MARGIN_S,
-                                                    stage="weights_update", step=step))) for c in senders]
+        sends = [asyncio.ensure_future(timed(call)) for call in self.workers.start(
+            "broadcast_weights", {"buckets": [b["names"] for b in buckets]},
+            timeout_s=cfg.weights.update_timeout_s + OUTER_MARGIN_S, stage="weights_update", step=step,
+            ranks=None if sharded else [0])]
         receives = [asyncio.ensure_future(timed(receive(c))) for c in self.services.rollout]
         watch = asyncio.ensure_future(self._watch_broadcast(sends[0], step))
         await asyncio.wait(sends + receives + [watch], return_when=asyncio.FIRST_EXCEPTION)
@@ -144,11 +144,10 @@ class BroadcastUpdate:
         stall_s = self.cfg.runtime.watchdog_stall_s
         if not stall_s:
             return
-        source = self.workers.clients[0]
         while not sending.done():
             await asyncio.wait([sending], timeout=POLL_S)
             try:
-                beat, _ = await source.call("/heartbeat", method="GET", timeout_s=2.0, traced=False)
+                beat, _ = await self.workers.heartbeat(0)
             except Exception:  # noqa: BLE001 — the send's own error says more
                 continue
             if not str(beat.get("collective", "")).startswith("broadcast") or beat["collective_s"] < stall_s:

@@ -77,7 +77,7 @@ class Controller(RunLifecycle):
         self.tokenizer = load_tokenizer(cfg.model.path) if cfg.model.path else CharTokenizer()
         self.sampler = PromptSampler(self.task.split("train"), seed=cfg.seed)
         self.services = RolloutServices(cfg, run_dir, token, self.loop, len(self.workers), nodes,
-                                        self.workers.clients)
+                                        self.workers)
         self.weights = WeightSync(cfg, run_dir, token, self.loop, self.workers, self.services)
         self.events = ColocationEvents(cfg, self.loop, self.workers, self.services)
         self.fanout = RolloutFanout(cfg, self.loop, self.services, self.tokenizer)

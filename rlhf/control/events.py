@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from tenacity import AsyncRetrying, RetryCallState, RetryError, retry_if_exception_type, stop_after_attempt
 
@@ -44,45 +44,58 @@ class ColocationEvents:
         timeout = self.cfg.runtime.event_timeout_s
         acked = self.cfg.resilience.acked_events
 
-        sglang = set(self.services.rollout) if self.cfg.rollout.backend == "sglang" else set()
+        sglang = self.cfg.rollout.backend == "sglang"
+        body = {"event": event, "step": step}
 
-        async def send(client: Client) -> Any:
-            if client in sglang:  # sglang has no /events: rollout_start/_end are its resume/release routes
-                path = SGLANG_EVENT_ROUTES.get(event)
-                if path is not None:
-                    await client.call(path, {}, timeout_s=timeout, stage="events", step=step, points=("events.notify",))
-                return {"event": event, "ack": True, "step": step, "route": path}, {}
-            return await client.call("/events", {"event": event, "step": step}, timeout_s=timeout, stage="events",
-                                     step=step, points=("events.notify",))
+        def to_rollout(client: Client) -> Callable[[], Awaitable[Any]]:
+            async def send() -> Any:
+                if sglang:  # sglang has no /events: rollout_start/_end are its resume/release routes
+                    path = SGLANG_EVENT_ROUTES.get(event)
+                    if path is not None:
+                        await client.call(path, {}, timeout_s=timeout, stage="events", step=step,
+                                          points=("events.notify",))
+                    return {"event": event, "ack": True, "step": step, "route": path}, {}
+                return await client.call("/events", body, timeout_s=timeout, stage="events", step=step,
+                                         points=("events.notify",))
+            return send
 
-        def retrying(state: RetryCallState) -> None:
-            exc = state.outcome.exception() if state.outcome else None
-            log.warning("step %d: event %s to %s: attempt %d failed (%s: %s); retrying", step, event,
-                        state.args[0].peer, state.attempt_number, type(exc).__name__, exc)
+        def to_train(rank: int) -> Callable[[], Awaitable[Any]]:
+            async def send() -> Any:
+                (answer,) = await self.workers.acall("events", body, timeout_s=timeout, stage="events", step=step,
+                                                    ranks=[rank], points=("events.notify",))
+                return answer
+            return send
 
-        async def one(client: Client) -> Any:
+        async def one(peer: str, send: Callable[[], Awaitable[Any]]) -> Any:
             if not acked:
                 try:
-                    return await send(client)
+                    return await send()
                 except LOST as exc:
                     log.warning("step %d: event %s to %s not delivered (%s: %s); continuing (events are not "
-                                "acknowledged)", step, event, client.peer, type(exc).__name__, exc)
+                                "acknowledged)", step, event, peer, type(exc).__name__, exc)
                     return None
+
+            def retrying(state: RetryCallState) -> None:
+                exc = state.outcome.exception() if state.outcome else None
+                log.warning("step %d: event %s to %s: attempt %d failed (%s: %s); retrying", step, event, peer,
+                            state.attempt_number, type(exc).__name__, exc)
+
             try:  # the handlers are idempotent: a repeated event is harmless
                 return await AsyncRetrying(stop=stop_after_attempt(EVENT_ATTEMPTS), retry=retry_if_exception_type(LOST),
-                                           before_sleep=retrying)(send, client)
+                                           before_sleep=retrying)(send)
             except RetryError as err:
                 exc = err.last_attempt.exception()
-                raise EventNotDelivered(f"{event} to {client.peer} at step {step}: not acknowledged after "
+                raise EventNotDelivered(f"{event} to {peer} at step {step}: not acknowledged after "
                                         f"{EVENT_ATTEMPTS} attempts of {timeout:g} s ({exc})") from exc
 
         pairs = min(len(self.workers), len(self.services.rollout))
-        clients = [c for r in range(pairs) for c in (self.workers.clients[r], self.services.rollout[r])]
+        targets = [t for r in range(pairs) for t in ((self.workers.peer(r), to_train(r)),
+                                                     (self.services.rollout[r].peer, to_rollout(self.services.rollout[r])))]
 
         async def deliver_all() -> list[Any]:
-            return list(await asyncio.gather(*[one(c) for c in clients]))
+            return list(await asyncio.gather(*[one(peer, send) for peer, send in targets]))
 
-        return [(c.peer, reply) for c, reply in zip(clients, self.loop.run(deliver_all()))]
+        return [(peer, reply) for (peer, _), reply in zip(targets, self.loop.run(deliver_all()))]
 
 
 def freed_mb(replies: list[tuple[str, Any]], role: str) -> float | str:

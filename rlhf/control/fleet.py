@@ -24,6 +24,7 @@ import yaml
 
 from rlhf import exits
 from rlhf.config import Config
+from rlhf.control.workers import WorkerGroup
 from rlhf.devices import rollout_device
 from rlhf.errors import HTTPStatusError, RpcConnectionError, RpcTimeout
 from rlhf.procs import wait_for_file
@@ -37,10 +38,10 @@ log = logging.getLogger("rlhf.controller")
 
 class RolloutServices:
     def __init__(self, cfg: Config, run_dir: str, token: str, loop: LoopThread, train_ranks: int,
-                 nodes: list[int] | None = None, workers: list[Client] | None = None) -> None:
+                 nodes: list[int] | None = None, workers: WorkerGroup | None = None) -> None:
         self.cfg, self.run_dir, self.token, self.loop, self.train_ranks = cfg, run_dir, token, loop, train_ranks
         self.nodes = nodes or [0] * train_ranks  # each train rank's node; rollout server r runs on rank r's
-        self.workers = workers or []
+        self.workers = workers  # the train ranks: the first of each other node starts that node's scheduler
         self.metaserver: MetaServer | None = None
         self.metaserver_url = ""
         self.scheduler: SchedulerClient | None = None  # node 0's, the controller's own process
@@ -162,9 +163,10 @@ class RolloutServices:
         cfg = self.cfg
         for node in sorted({self.node_of(r) for r in range(cfg.rollout.servers)} - {0}):
             leader = self.nodes.index(node)
-            reply = self.loop.run(self.workers[leader].call("/start_scheduler", {
+            assert self.workers is not None, "a multi-node run needs the train ranks to start its schedulers"
+            [(reply, _)] = self.workers.call("start_scheduler", {
                 "node": node, "lease_s": cfg.runtime.scheduler_lease_s,
-                "startup_timeout_s": cfg.runtime.startup_timeout_s}, stage="startup"))[0]
+                "startup_timeout_s": cfg.runtime.startup_timeout_s}, stage="startup", ranks=[leader])
             self.remote[node] = RemoteScheduler(reply["url"], self.token, reply["name"], self.loop)
 
     def _scheduler_of(self, r: int) -> Any:

@@ -93,11 +93,11 @@ class WeightSync(BroadcastUpdate):
             await coro
             return time.perf_counter() - t
 
-        uploads = [asyncio.ensure_future(timed(c.call(
-            "/upload_weights", {"metaserver_url": url, "version": version, "timeout_s": cfg.weights.upload_timeout_s,
-                                "shm_dir": self.services.shm_dir, "transport": cfg.weights.transport,
-                                "consumers": len(self.services.rollout), "keep": cfg.weights.max_versions},
-            timeout_s=cfg.weights.upload_timeout_s, stage="weights_update", step=step))) for c in self.workers.clients]
+        uploads = [asyncio.ensure_future(timed(call)) for call in self.workers.start(
+            "upload_weights", {"metaserver_url": url, "version": version, "timeout_s": cfg.weights.upload_timeout_s,
+                               "shm_dir": self.services.shm_dir, "transport": cfg.weights.transport,
+                               "consumers": len(self.services.rollout), "keep": cfg.weights.max_versions},
+            timeout_s=cfg.weights.upload_timeout_s, stage="weights_update", step=step)]
         updates = [asyncio.ensure_future(timed(c.call(
             "/update_weights_from_meta", {"metaserver_url": url, "weight_version": version, "consumer": r,
                                           "wait_s": cfg.weights.update_timeout_s,
@@ -138,9 +138,8 @@ class WeightSync(BroadcastUpdate):
         with tracing.span("weights.fallback", stage="weights_update", step=step,
                           **{"rlhf.writer": f"train-{writer}", "rlhf.error": what}):
             try:
-                writing = self.workers.clients if sharded else [self.workers.clients[writer]]
-                await asyncio.gather(*[c.call("/save_weights_dir", {"path": path, "writer": writer},
-                                              stage="weights_update", step=step) for c in writing])
+                await self.workers.acall("save_weights_dir", {"path": path, "writer": writer}, stage="weights_update",
+                                         step=step, ranks=None if sharded else [writer])
                 upload = time.perf_counter() - t0
                 t1 = time.perf_counter()
                 await asyncio.gather(*self._load_from_disk(path, version, step))
@@ -154,8 +153,7 @@ class WeightSync(BroadcastUpdate):
     def _verify_pieces(self, version: str, step: int) -> int:
         """A sharded layout, piece by piece: every train rank gives a digest of each piece it holds (nothing is
         gathered), every rollout server a digest of the same slices of its model; each must match."""
-        ranks = self.loop.gather(*[c.call("/weights_checksum", {"pieces": True}, stage="weights_update", step=step)
-                                   for c in self.workers.clients])
+        ranks = self.workers.call("weights_checksum", {"pieces": True}, stage="weights_update", step=step)
         owner: dict[str, tuple[int, str]] = {}
         where: dict[str, dict] = {}
         for r, (reply, _) in enumerate(ranks):
@@ -194,8 +192,8 @@ class WeightSync(BroadcastUpdate):
         if self.workers.layout.sharded:
             return self._verify_pieces(version, step)
         # every rank holds the same weights: one rank's checksum (the fallback writer's, when a rank was stuck)
-        (trainer, _), replies = self.loop.gather(
-            self.workers.clients[self.source].call("/weights_checksum", stage="weights_update", step=step),
+        [(trainer, _)], replies = self.loop.gather(
+            self.workers.acall("weights_checksum", stage="weights_update", step=step, ranks=[self.source]),
             self._rollout_checksums(step))
         wrong = [f"rollout-{r}: version {rep['weight_version']} checksum {rep['checksum'][:12]}"
                  for r, (rep, _) in enumerate(replies)

@@ -11,7 +11,8 @@ from rlhf.transport.client import Client, LoopThread
 
 
 class WorkerGroup:
-    """RPC clients for every train rank; `call` runs a method on all of them concurrently."""
+    """RPC clients for every train rank; `call` runs a method on all of them concurrently. Every call the control
+    layer makes to a train rank goes through here (`call`/`acall`, `start`), also those to one rank."""
 
     def __init__(self, urls: list[str], token: str, loop: LoopThread, timeout_s: float, checksums: bool = False,
                  retries: bool = False) -> None:
@@ -26,19 +27,44 @@ class WorkerGroup:
     def __len__(self) -> int:
         return len(self.clients)
 
+    def peer(self, rank: int) -> str:
+        return self.clients[rank].peer
+
+    async def heartbeat(self, rank: int, timeout_s: float = 2.0) -> tuple[Any, dict]:
+        """What `rank` is doing now (GET /heartbeat, untraced): the watchdogs' evidence."""
+        return await self.clients[rank].call("/heartbeat", method="GET", timeout_s=timeout_s, traced=False)
+
+    def _start(self, method: str, args: Any, tensors: list[dict] | None, step: int, stage: str,
+               timeout_s: float | None, ranks: list[int] | None, **options: Any) -> tuple[list[int], list[asyncio.Future]]:
+        ranks = list(range(len(self.clients))) if ranks is None else list(ranks)
+        per_rank_args = args if isinstance(args, list) else [args or {}] * len(ranks)
+        per_rank_tensors = tensors or [None] * len(ranks)
+        return ranks, [asyncio.ensure_future(self.clients[r].call(f"/{method}", a, t, timeout_s=timeout_s, stage=stage,
+                                                                  step=step, **options))
+                       for r, a, t in zip(ranks, per_rank_args, per_rank_tensors)]
+
     async def acall(self, method: str, args: Any = None, tensors: list[dict] | None = None, step: int = -1,
-                    stage: str = "", timeout_s: float | None = None) -> list[tuple[Any, dict]]:
-        per_rank_args = args if isinstance(args, list) else [args or {}] * len(self.clients)
-        per_rank_tensors = tensors or [None] * len(self.clients)
-        calls = [asyncio.ensure_future(c.call(f"/{method}", a, t, timeout_s=timeout_s, stage=stage, step=step))
-                 for c, a, t in zip(self.clients, per_rank_args, per_rank_tensors)]
-        if self.watchdog is None or stage == "cleanup":
+                    stage: str = "", timeout_s: float | None = None, ranks: list[int] | None = None,
+                    **options: Any) -> list[tuple[Any, dict]]:
+        """`method` on every rank (or on `ranks`), concurrently; the replies in rank order. A call on every rank runs
+        under the stall watchdog (a rank inside a collective the others wait for is named in seconds); `options`
+        go to Client.call (method, points, traced)."""
+        ranks, calls = self._start(method, args, tensors, step, stage, timeout_s, ranks, **options)
+        if self.watchdog is None or stage == "cleanup" or len(ranks) != len(self.clients):
             return list(await asyncio.gather(*calls))
         return list(await self.watchdog.supervise(calls, f"/{method}", step, stage))
 
+    def start(self, method: str, args: Any = None, tensors: list[dict] | None = None, step: int = -1,
+              stage: str = "", timeout_s: float | None = None, ranks: list[int] | None = None,
+              **options: Any) -> list[asyncio.Future]:
+        """`method` started on every rank (or on `ranks`) and not awaited: for a caller that waits for them beside
+        other calls (a weights update's uploads beside the rollout servers' updates). The stall watchdog does not
+        watch them: their timeout bounds them, and the broadcast has its own watchdog (control/broadcast.py)."""
+        return self._start(method, args, tensors, step, stage, timeout_s, ranks, **options)[1]
+
     def call(self, method: str, args: Any = None, tensors: list[dict] | None = None, step: int = -1, stage: str = "",
-             timeout_s: float | None = None) -> list[tuple[Any, dict]]:
-        return self.loop.run(self.acall(method, args, tensors, step, stage, timeout_s))
+             timeout_s: float | None = None, ranks: list[int] | None = None, **options: Any) -> list[tuple[Any, dict]]:
+        return self.loop.run(self.acall(method, args, tensors, step, stage, timeout_s, ranks, **options))
 
 
 def merge_train_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
