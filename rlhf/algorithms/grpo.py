@@ -35,6 +35,8 @@ if TYPE_CHECKING:  # the math uses tensor methods only: config validation reads 
 
 from rlhf.algorithms.base import AGGREGATIONS, register_aggregation, register_loss
 
+ADVANTAGE_COLUMNS = ("reward_mean", "reward_std", "equal_reward_groups")  # the stats steps.csv keeps a step
+
 
 def group_advantages(
     rewards: torch.Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-6

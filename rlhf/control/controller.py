@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from rlhf import tracing
-from rlhf.algorithms.grpo import group_advantages
+from rlhf.algorithms.grpo import ADVANTAGE_COLUMNS, group_advantages
 from rlhf.checkpoint import slots as ckpt
 from rlhf.config import Config
 from rlhf.control.events import ColocationEvents, freed_mb
@@ -43,28 +43,22 @@ from rlhf.control.reward_stage import RewardStage
 from rlhf.control.rollout_fanout import RolloutFanout, to_batch
 from rlhf.control.survival import RolloutSurvival
 from rlhf.control.weights_sync import WeightSync
-from rlhf.control.workers import merge_train_metrics
+from rlhf.control.workers import TRAIN_COLUMNS, merge_train_metrics
 from rlhf.data import PromptSampler
 from rlhf.faults import fault_point
 from rlhf.models import load_tokenizer, pad_token_id
 from rlhf.models.tokenizer import CharTokenizer
+from rlhf.stages import STAGES
 from rlhf.tasks import build_task
 from rlhf.transport.client import Client
 
 log = logging.getLogger("rlhf.controller")
 
-STEP_COLUMNS = [
-    "step", "seconds", "reward_mean", "reward_std", "equal_reward_groups", "kl", "clip_fraction", "entropy",
-    "response_length", "loss", "grad_norm", "ratio_mean", "rollout_tokens", "rollout_tokens_per_s", "batch_size",
-    "dp_imbalance", "weights_update_s", "events_s", "rollout_s", "reward_s", "reference_s", "advantage_s", "train_s",
-    "latest_recover_save_s", "periodic_recover_save_s", "upload_s_max", "update_s_max", "weights_verified", "weights_fallback",
-    "train_offload_mb", "rollout_release_mb", "rollout_restarts", "rollout_migrated", "saves_failed", "eval_accuracy",
-    "resampled_groups", "resample_prompts", "equal_groups_trained",
-]
+STEP_COLUMNS = ("step", "seconds")  # the rest of a steps.csv row: each stage's own columns (Controller.__init__)
+ROLLOUT_COLUMNS = ("rollout_tokens", "rollout_tokens_per_s", "batch_size", "dp_imbalance")
 
 
 class Controller(RunLifecycle):
-    columns = STEP_COLUMNS
     label = "GRPO"
 
     def __init__(self, cfg: Config, run_dir: str, worker_urls: list[str], token: str,
@@ -84,7 +78,10 @@ class Controller(RunLifecycle):
         self.survival = RolloutSurvival(cfg.resilience, self.services)
         self.rewards = RewardStage(cfg.task, cfg.reward, cfg.rollout.group_size, cfg.algorithm.resample_rounds,
                                    self.loop, self.services)
-        self.columns = [*STEP_COLUMNS, *self.rewards.columns]
+        self.columns = [*STEP_COLUMNS, *ADVANTAGE_COLUMNS, *TRAIN_COLUMNS, *ROLLOUT_COLUMNS,
+                        *(f"{stage}_s" for stage in STAGES if stage != "cleanup"), *WeightSync.columns,
+                        *ColocationEvents.columns, *RolloutSurvival.columns, "saves_failed", "eval_accuracy",
+                        *self.rewards.columns]
         # the train layout: a batch is cut in layout.dp shares; the ranks of one TP group get the same share
         self.layout = self.workers.layout
         self.sft_result: dict[str, Any] = {}

@@ -34,6 +34,7 @@ SGLANG_EVENT_ROUTES = {"rollout_start": "/resume_memory_occupation", "rollout_en
 
 
 class ColocationEvents:
+    columns = ("train_offload_mb", "rollout_release_mb")  # what each step's events freed (steps.csv)
     def __init__(self, cfg: Config, loop: LoopThread, workers: WorkerGroup, services: RolloutServices) -> None:
         self.cfg, self.loop, self.workers, self.services = cfg, loop, workers, services
 

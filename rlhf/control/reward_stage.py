@@ -29,7 +29,9 @@ class RewardStage:
         self.model_weight = reward_cfg.weight
         self.group_size, self.resample_rounds = group_size, resample_rounds
         self.loop, self.fleet = loop, fleet
-        self.columns = [*self.reward.labels, *(["reward_model"] if reward_cfg.model_path else [])]
+        # steps.csv: what dynamic sampling did, then each reward function's mean (and the reward model's)
+        self.columns = ["resampled_groups", "resample_prompts", "equal_groups_trained", *self.reward.labels,
+                        *(["reward_model"] if reward_cfg.model_path else [])]
 
     def score(self, step: int, batch: StepBatch, row: dict[str, Any] | None) -> torch.Tensor:
         """Every sample's reward: the reward functions (and the reward model's weighted score). Each function's

@@ -22,6 +22,8 @@ log = logging.getLogger("rlhf.controller")
 
 
 class RolloutSurvival:
+    columns = ("rollout_restarts", "rollout_migrated")  # what a step survived (steps.csv)
+
     def __init__(self, policy: Policy, services: RolloutServices) -> None:
         self.policy, self.services = policy, services
 

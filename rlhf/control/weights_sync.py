@@ -42,6 +42,7 @@ class WeightsMismatch(RuntimeError):
 
 
 class WeightSync(BroadcastUpdate):
+    columns = ("upload_s_max", "update_s_max", "weights_verified", "weights_fallback")  # a step's update (steps.csv)
     def __init__(self, cfg: Config, run_dir: str, token: str, loop: LoopThread, workers: WorkerGroup,
                  services: RolloutServices) -> None:
         self.cfg, self.run_dir, self.token, self.loop = cfg, run_dir, token, loop

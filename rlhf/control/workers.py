@@ -67,8 +67,11 @@ class WorkerGroup:
         return self.loop.run(self.acall(method, args, tensors, step, stage, timeout_s, ranks, **options))
 
 
+TRAIN_COLUMNS = ("kl", "clip_fraction", "entropy", "response_length", "loss", "grad_norm", "ratio_mean")
+
+
 def merge_train_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    """One row from every rank's train_step reply: token-weighted means; the loss parts add up."""
+    """One row from every rank's train_step reply (TRAIN_COLUMNS): token-weighted means; the loss parts add up."""
     total = sum(m["tokens"] for m in per_rank) or 1.0
     out = {}
     for key in ("kl", "clip_fraction", "entropy", "response_length", "ratio_mean"):
