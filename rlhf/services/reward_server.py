@@ -13,7 +13,6 @@ Fault point `reward_model.score`: before a /score batch runs on the model (a han
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import math
@@ -24,15 +23,13 @@ from typing import Any
 
 import torch
 
-from rlhf import exits, faults
-from rlhf.config import build_config
 from rlhf.errors import BadRequest
 from rlhf.faults import fault_point
 from rlhf.models.reward_model import RewardModel
-from rlhf.procs import bound_heap, own_threads, release_freed_memory, set_pdeathsig, write_atomic
-from rlhf.run_dir import setup_logging
-from rlhf.tracing.setup import start_process_telemetry, stop_process_telemetry
-from rlhf.transport.http import DEFAULT_HOST, Service, exit_now, run_process_loop, serve_forever
+from rlhf.procs import release_freed_memory
+from rlhf.services.boot import announce, boot, service_parser
+from rlhf.tracing.setup import stop_process_telemetry
+from rlhf.transport.http import Service, exit_now, run_process_loop, serve_forever
 
 log = logging.getLogger("rlhf.reward_server")
 
@@ -67,25 +64,9 @@ class RewardServer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run-dir", required=True)
-    parser.add_argument("--config", required=True, help="resolved run config YAML")
-    parser.add_argument("--ready-file", required=True, help="written with the URL once listening")
-    parser.add_argument("--host", default=DEFAULT_HOST)
-    parser.add_argument("--port", type=int, default=0)
+    parser = service_parser(__doc__, rank=False, config=True)
     args = parser.parse_args(argv)
-    set_pdeathsig()
-    token = os.environ.get("RLHF_TOKEN")
-    if not token:
-        parser.error("RLHF_TOKEN is not set (the run token is passed in the environment)")
-    setup_logging(args.run_dir, "reward", 0, console=False)
-    exits.record_start(args.run_dir, "reward-0")  # its end: the scheduler records its exit status
-    own_threads(1)
-    cfg = build_config(config_file=args.config)
-    bound_heap(cfg.runtime.heap_mmap_threshold_mb)
-    start_process_telemetry(args.run_dir, "reward", 0, cfg.tracing)
-    if cfg.faults:
-        faults.arm(args.run_dir, cfg.faults)
+    token, cfg = boot(parser, args, "reward", 0)  # the scheduler records its exit status
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -96,10 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("reward server: %s (%s, %s on %s)", rc.model_path, type(model.model).__name__, rc.dtype, model.device)
     server = RewardServer(model, token, cfg.resilience, threads=int(os.environ.get("RLHF_REWARD_THREADS", "1")))
 
-    def ready(port: int) -> None:
-        url = f"http://{args.host}:{port}"
-        write_atomic(args.ready_file, url)
-        log.info("reward server listening on %s (pid %d)", url, os.getpid())
+    ready = announce(args.ready_file, args.host, "reward server", log)
 
     def on_term() -> None:  # at once: a score call in flight is the controller's to retry or fail
         raise SystemExit(128 + signal.SIGTERM)

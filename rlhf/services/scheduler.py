@@ -16,7 +16,6 @@ hang instead, stops every job once `lease_s` passes without a heartbeat. No orph
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -28,14 +27,14 @@ from typing import Any
 
 from aiohttp import web
 
-from rlhf import exits, faults, tracing
+from rlhf import exits, tracing
 from rlhf.config import Config, build_config
 from rlhf.config.resilience import HARDENED, Policy
-from rlhf.procs import set_pdeathsig, spawn, stop_group, wait_for_file, write_atomic
-from rlhf.run_dir import setup_logging
-from rlhf.tracing.setup import start_process_telemetry, stop_process_telemetry, tracing_config_of_run
+from rlhf.procs import spawn, stop_group, wait_for_file
+from rlhf.services.boot import announce, boot, service_parser
+from rlhf.tracing.setup import stop_process_telemetry
 from rlhf.transport.client import Client, LoopThread
-from rlhf.transport.http import DEFAULT_HOST, Service, serve_forever
+from rlhf.transport.http import Service, serve_forever
 from rlhf.transport.shm import sweep_stale_shm
 
 log = logging.getLogger("rlhf.scheduler")
@@ -168,24 +167,15 @@ def _sweep_shm() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run-dir", required=True)
-    parser.add_argument("--ready-file", required=True)
+    parser = service_parser(__doc__, rank=False, config=False)
     parser.add_argument("--lease-s", type=float, default=10.0)
-    parser.add_argument("--host", default=DEFAULT_HOST)
     parser.add_argument("--rank", type=int, default=0, help="the node whose rollout servers it starts (scheduler-N)")
     args = parser.parse_args(argv)
     me = f"scheduler-{args.rank}"
-    set_pdeathsig(signal.SIGTERM)  # the controller died: stop the jobs and clean up (on_term), then exit
-    token = os.environ.get("RLHF_TOKEN")
-    if not token:
-        parser.error("RLHF_TOKEN is not set")
-    setup_logging(args.run_dir, "scheduler", args.rank, console=False)
-    exits.record_start(args.run_dir, me)  # its end: the process that started it records its exit status
-    start_process_telemetry(args.run_dir, "scheduler", args.rank, tracing_config_of_run(args.run_dir))
-    cfg = _run_config(args.run_dir)
-    if cfg is not None and cfg.faults:
-        faults.arm(args.run_dir, cfg.faults)
+    # the controller died: SIGTERM stops the jobs and cleans up (on_term), then exits; it never loads torch (compute
+    # off) and reads the run's config.yaml when there is one; the process that started it records its exit status
+    token, cfg = boot(parser, args, "scheduler", args.rank, load_config=lambda: _run_config(args.run_dir),
+                      deathsig=signal.SIGTERM, compute=False)
     scheduler = Scheduler(args.run_dir, token, args.lease_s, cfg.resilience if cfg is not None else HARDENED,
                           args.rank)
 
@@ -203,12 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     async def run() -> None:
         watchers = [asyncio.create_task(scheduler.watch_lease()), asyncio.create_task(scheduler.watch_jobs())]
 
-        def ready(port: int) -> None:
-            write_atomic(args.ready_file, f"http://{args.host}:{port}")
-            log.info("scheduler listening on port %d (pid %d, lease %.1f s)", port, os.getpid(), args.lease_s)
-
+        ready = announce(args.ready_file, args.host, "scheduler", log, f", lease {args.lease_s:.1f} s")
         try:
-            await serve_forever(scheduler.service, args.host, 0, ready)
+            await serve_forever(scheduler.service, args.host, args.port, ready)
         finally:
             for watcher in watchers:
                 watcher.cancel()

@@ -12,7 +12,6 @@ extensions: /update_weights_from_meta (pull a version from the MetaServer), /eve
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import logging
@@ -25,21 +24,19 @@ from typing import Any, Callable
 import torch
 from aiohttp import web
 
-from rlhf import exits, faults
-from rlhf.config import build_config
 from rlhf.config.resilience import HARDENED, Policy
 from rlhf.errors import BadRequest
 from rlhf.models import build_model_and_tokenizer
 from rlhf.pieces import slice_digests
-from rlhf.procs import bound_heap, own_threads, release_freed_memory, set_pdeathsig, write_atomic
+from rlhf.procs import release_freed_memory
 from rlhf.rollout.engine import RolloutEngine
 from rlhf.rollout.sglang_api import SGLANG_VERSION, GenerateCall, RequestControl
-from rlhf.run_dir import setup_logging
+from rlhf.services.boot import announce, boot, service_parser
 from rlhf.services.colocation import DeviceLease, device_name
 from rlhf.services.rollout_server.distributed import DistributedWeights
 from rlhf.services.rollout_server.generate import GenerateRoutes
 from rlhf.services.rollout_server.memory import WeightsAndMemory
-from rlhf.tracing.setup import start_process_telemetry, stop_process_telemetry
+from rlhf.tracing.setup import stop_process_telemetry
 from rlhf.transport.http import DEFAULT_HOST, Service, exit_now, run_process_loop, serve_forever
 
 log = logging.getLogger("rlhf.rollout_server")
@@ -194,28 +191,12 @@ class RolloutServer(GenerateRoutes, WeightsAndMemory, DistributedWeights):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run-dir", required=True)
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--config", required=True, help="resolved run config YAML")
-    parser.add_argument("--ready-file", required=True, help="written with the URL once listening")
-    parser.add_argument("--host", default=DEFAULT_HOST)
-    parser.add_argument("--port", type=int, default=0)
+    parser = service_parser(__doc__, rank=True, config=True)
     parser.add_argument("--colocate", action="store_true", help="generate only while holding device <rank>'s lease")
     parser.add_argument("--device", default="", help="torch device of this server (default: from model.device)")
     args = parser.parse_args(argv)
-    set_pdeathsig()
-    token = os.environ.get("RLHF_TOKEN")
-    if not token:
-        parser.error("RLHF_TOKEN is not set (the run token is passed in the environment)")
-    setup_logging(args.run_dir, "rollout", args.rank, console=False)
-    exits.record_start(args.run_dir, f"rollout-{args.rank}")  # its end: the scheduler records its exit status
-    own_threads(1)  # the engine computes on its service's thread with RLHF_ROLLOUT_THREADS; the rest stays serial
-    cfg = build_config(config_file=args.config)
-    bound_heap(cfg.runtime.heap_mmap_threshold_mb)
-    start_process_telemetry(args.run_dir, "rollout", args.rank, cfg.tracing)
-    if cfg.faults:
-        faults.arm(args.run_dir, cfg.faults)
+    # the engine computes on its service's thread with RLHF_ROLLOUT_THREADS; the scheduler records its exit status
+    token, cfg = boot(parser, args, "rollout", args.rank)
     model, tok = build_model_and_tokenizer(cfg.model, seed=cfg.seed, device=args.device or None)
     release_freed_memory()  # a low-precision model is built in fp32 first: give those pages back
     log.info("rollout server %d: %s on %s", args.rank, cfg.model.dtype, next(model.parameters()).device)
@@ -228,11 +209,11 @@ def main(argv: list[str] | None = None) -> int:
 
     server.host = args.host
 
+    announced = announce(args.ready_file, args.host, f"rollout server {args.rank}", log, f", colocate={args.colocate}")
+
     def ready(port: int) -> None:
         server.port = port
-        url = f"http://{args.host}:{port}"
-        write_atomic(args.ready_file, url)
-        log.info("rollout server %d listening on %s (pid %d, colocate=%s)", args.rank, url, os.getpid(), args.colocate)
+        announced(port)
 
     return serve(server, args.host, args.port, ready, cfg.resilience.graceful_drain, cfg.runtime.drain_timeout_s,
                  stop_process_telemetry)
