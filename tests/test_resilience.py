@@ -52,12 +52,27 @@ def test_config_yaml_records_the_resolved_policy_and_reads_back_the_same(tmp_pat
     (["--resilience.preset", "strict"], "resilience.preset: 'strict' is not valid; choose one of: faithful, hardened"),
     (["--resilience.first_failure", "true"], "did you mean 'resilience.first_failure_ledger'"),
     (["--resilience.typed_errors", "maybe"], "resilience.typed_errors: expected a boolean"),
-    (["--runtime.resilience", "faithful"], "has moved: use resilience.preset"),
+    (["--runtime.resilience", "faithful", "--resilience.preset", "hardened"],
+     "'runtime.resilience' has moved to 'resilience.preset', and both are given"),
 ])
 def test_bad_resilience_input_names_the_key_and_the_choices(argv, message, capsys):
     with pytest.raises(SystemExit):
         parse(*argv)
     assert message in capsys.readouterr().err
+
+
+def test_a_moved_key_still_works_with_one_deprecation_line(tmp_path, caplog):
+    """An old name (flag or YAML) is read in its new place, saying so once; the file it came from is not changed."""
+    with caplog.at_level("WARNING", logger="rlhf.config"):
+        assert parse("--runtime.resilience", "faithful").resilience == FAITHFUL
+    moved = [r.getMessage() for r in caplog.records if "has moved" in r.getMessage()]
+    assert moved == ["config key runtime.resilience has moved to resilience.preset: read as resilience.preset "
+                     "faithful (the old name will go)"]
+    path = tmp_path / "old.yaml"
+    path.write_text("runtime: {resilience: faithful, rpc_timeout_s: 7}\n")
+    cfg = build_config(config_file=str(path))
+    assert cfg.resilience == FAITHFUL and cfg.runtime.rpc_timeout_s == 7
+    assert "resilience: faithful" in path.read_text()
 
 
 def test_help_lists_every_behaviour_with_its_doc(capsys):

@@ -4,10 +4,12 @@ from the field docstrings."""
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import difflib
 import functools
 import inspect
+import logging
 import textwrap
 import typing
 from typing import Any
@@ -18,7 +20,10 @@ from rlhf.config.checks import ConfigError, _choice
 from rlhf.config.presets import PRESETS
 from rlhf.config.sections import Config
 
-MOVED_KEYS = {"runtime.resilience": "resilience.preset (or --resilience faithful|hardened)"}
+# an old dotted key -> where it lives now: a file or flag that still uses the old name keeps working, with one
+# deprecation line (a section that moves lists each of its keys here)
+MOVED_KEYS = {"runtime.resilience": "resilience.preset"}
+log = logging.getLogger("rlhf.config")
 
 
 @functools.cache
@@ -97,8 +102,6 @@ def _merge(cls: type, base: Any, updates: dict[str, Any], prefix: str = "") -> A
         kwargs[f.name] = getattr(base, f.name)
     for key, value in updates.items():
         full = prefix + str(key)
-        if full in MOVED_KEYS:
-            raise ConfigError(f"config key {full!r} has moved: use {MOVED_KEYS[full]}")
         if key not in types:
             valid = [f.name for f in dataclasses.fields(cls)]
             hint = difflib.get_close_matches(str(key), valid, n=1)
@@ -119,8 +122,33 @@ def _merge(cls: type, base: Any, updates: dict[str, Any], prefix: str = "") -> A
 
 
 def apply_overrides(cfg: Config, updates: dict[str, Any]) -> Config:
-    """Return a validated copy of `cfg` with nested `updates` applied."""
-    return _merge(Config, cfg, updates)
+    """Return a validated copy of `cfg` with nested `updates` applied (old keys read in their new places)."""
+    return _merge(Config, cfg, moved_to_their_places(updates) if isinstance(updates, dict) else updates)
+
+
+def moved_to_their_places(updates: dict[str, Any]) -> dict[str, Any]:
+    """A copy of nested `updates` with every key of MOVED_KEYS under its new name, each with one deprecation line;
+    the old and the new name both given is an error."""
+    out = copy.deepcopy(updates)
+    for old, new in MOVED_KEYS.items():
+        *path, leaf = old.split(".")
+        node: Any = out
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or leaf not in node:
+            continue
+        value = node.pop(leaf)
+        *new_path, new_leaf = new.split(".")
+        target = out
+        for part in new_path:
+            target = target.setdefault(part, {})
+            if not isinstance(target, dict):
+                raise ConfigError(f"{new}: {part!r} is a value, not a section")
+        if new_leaf in target:
+            raise ConfigError(f"config key {old!r} has moved to {new!r}, and both are given: keep {new}")
+        target[new_leaf] = value
+        log.warning("config key %s has moved to %s: read as %s %s (the old name will go)", old, new, new, value)
+    return out
 
 
 def dotted_to_nested(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
