@@ -43,6 +43,10 @@ def _size(value: Any) -> int:
     return int(value.shape[0]) if isinstance(value, torch.Tensor) else len(value)
 
 
+def _as_list(value: Any) -> list:
+    return value.tolist() if isinstance(value, torch.Tensor) else list(value)
+
+
 def _take(value: Any, index: list[int]) -> Any:
     if isinstance(value, torch.Tensor):
         return value[torch.tensor(index, dtype=torch.long)] if index else value[:0]
@@ -105,8 +109,7 @@ class StepBatch:
         return StepBatch({k: _take(v, rows) for k, v in self.data.items()}, g, strict=False)
 
     def group_tokens(self, tokens_key: str) -> list[int]:
-        tokens = self.data[tokens_key]
-        tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+        tokens = _as_list(self.data[tokens_key])
         g = self.group_size
         return [int(sum(tokens[i : i + g])) for i in range(0, len(tokens), g)]
 
@@ -118,9 +121,8 @@ class StepBatch:
         """Each data-parallel rank's share (module docstring), with a `mini_batch` column; stats: tokens_per_rank,
         imbalance (max rank's tokens over the mean, minus 1), mini_batches (how many the batch was cut into)."""
         self.validate("shares")
-        tokens = self.data[tokens_key]
-        tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
-        rows, minis = plan_shares([int(t) for t in tokens], mini_batches, dp)
+        tokens = [int(t) for t in _as_list(self.data[tokens_key])]
+        rows, minis = plan_shares(tokens, mini_batches, dp)
         out = []
         for index, mini in zip(rows, minis):
             share = self.rows(index)

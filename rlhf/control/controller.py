@@ -45,6 +45,7 @@ from rlhf.control.survival import RolloutSurvival
 from rlhf.control.weights_sync import WeightSync
 from rlhf.control.workers import TRAIN_COLUMNS, merge_train_metrics
 from rlhf.data import PromptSampler
+from rlhf.evaluation import accuracy
 from rlhf.faults import fault_point
 from rlhf.models import load_tokenizer, pad_token_id
 from rlhf.models.tokenizer import CharTokenizer
@@ -197,8 +198,8 @@ class Controller(RunLifecycle):
                                              self.cfg.algorithm.scale_by_std)
         if first is not None:
             stats = group_advantages(first, self.cfg.rollout.group_size, self.cfg.algorithm.scale_by_std)[1]
-        for batch, share in zip(batches, shares):
-            batch["advantages"] = advantages[torch.tensor(share["sample_index"])]
+        for rank_batch, share in zip(batches, shares):
+            rank_batch["advantages"] = advantages[torch.tensor(share["sample_index"])]
         return stats
 
     def _save(self, step: int, clock: TrackedClock) -> int:
@@ -236,10 +237,9 @@ class Controller(RunLifecycle):
                 completions = self.fanout.greedy(examples)
             finally:
                 self.events.notify("rollout_end", -1)
-            rewards = self.rewards.rewards_of(completions, examples)
-            accuracy = sum(rewards) / len(rewards)
-            sp.set_attribute("rlhf.eval_accuracy", accuracy)
-            return accuracy
+            score = accuracy(completions, examples, self.rewards.reward)
+            sp.set_attribute("rlhf.eval_accuracy", score)
+            return score
 
     def eval_note(self) -> str:
         return f" ({len(self.task.split('eval'))} problems, greedy)"

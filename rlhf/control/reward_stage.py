@@ -93,8 +93,3 @@ class RewardStage:
         row["resampled_groups"], row["resample_prompts"] = replaced, drawn
         row["equal_groups_trained"] = len(equal_groups(batch["rewards"], g))
         return batch
-
-    def rewards_of(self, completions: list[str], examples: list[Any]) -> list[float]:
-        """The reward functions on completions of `examples` (evaluation: no reward model, no row)."""
-        return self.reward(completions, [e.answer for e in examples], [e.prompt for e in examples],
-                           row_fields([e.fields for e in examples]))

@@ -178,8 +178,9 @@ class TrainEngine:
         return self.layout is not None and self.layout.fsdp
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Batches arrive on the host (from the wire); the model may live on a GPU."""
-        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        """Batches arrive on the host (from the wire); the model may live on a GPU. The `mini_batch` column stays on
+        the host: only its cut is read (a GPU copy would cost a sync to read it back)."""
+        return {k: v if k == "mini_batch" else v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def current_lr(self) -> float:
         """Linear warmup over train.warmup_steps optimizer steps, then constant."""
