@@ -20,7 +20,7 @@ mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 ALL="info tests tests-oom megatron rollout rollout-attn gloo-probe sharded-diag grpo-110m grpo-tiny grpo-tiny-heap sharding-run sharding-run-tiny sharding-run1 sharding-layouts"
-REMAINING="info tests-ipc grpo-110m-ipc tests-oom megatron sharding-layouts sharding-run grpo-110m tests-kernel grpo-tiny"
+REMAINING="info megatron sharding-run sharding-layouts grpo-tiny tests-kernel tests"
 PARTS=${*:-$ALL}
 PARTS=${PARTS//remaining/$REMAINING}
 go() {  # seconds, command...: the part $name under its limit, its output in $OUT/$name.log
@@ -35,7 +35,7 @@ run() {
     case $name in
         info) go 60 bash -c 'nvidia-smi; python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"; python3 -m pip list 2>/dev/null | grep -i -E "^(trl|megatron|datasets|opentelemetry-sdk|tenacity|pyarrow|accelerate) "' ;;
         tests-ipc) go 150 python3 -m pytest -m gpu tests/test_gpu.py -k cuda_ipc -p no:cacheprovider -q -s ;;
-        grpo-110m-ipc) go 150 bash -c 'python3 benchmarks/gpu_grpo.py --micro-batch 256 --steps 6 -- --weights.transport cuda_ipc' ;;
+        grpo-110m-ipc) go 120 bash -c 'python3 benchmarks/gpu_grpo.py --micro-batch 256 --steps 6 -- --weights.transport cuda_ipc' ;;
         tests-sharded) go 120 python3 -m pytest -m gpu tests/test_gpu.py -k sharded -p no:cacheprovider -q -s ;;
         tests-kernel) go 120 python3 -m pytest -m gpu tests/test_gpu.py -k "${KTESTS:-decode_kernel}" -p no:cacheprovider -q -s ;;
         tests) go 180 python3 -m pytest -m gpu tests/test_gpu.py -k "not scenario3 and not scenario6 and not megatron" -n 4 -p no:cacheprovider -q -s ;;
@@ -50,7 +50,7 @@ run() {
         grpo-110m) go 120 python3 benchmarks/gpu_grpo.py --micro-batch 256 --peer trl --steps 6 ;;
         grpo-tiny) go 80 python3 benchmarks/gpu_grpo.py --tiny --peer trl --steps 8 ;;
         grpo-tiny-heap) go 100 bash -c 'for mb in 4 0; do echo "== runtime.heap_mmap_threshold_mb $mb"; python3 benchmarks/gpu_grpo.py --tiny --steps 8 -- --runtime.heap_mmap_threshold_mb $mb; done' ;;
-        sharding-run) go 150 python3 benchmarks/sharding.py --part run --device cuda --model qwen2-1.5b --run-world 2 --run-steps 3 ;;
+        sharding-run) go 300 python3 benchmarks/sharding.py --part run --device cuda --model qwen2-1.5b --run-world 2 --run-steps 3 ;;
         sharding-run-tiny) go 100 python3 benchmarks/sharding.py --part run --device cuda --model tiny-qwen2-gqa --run-world 2 --run-steps 3 ;;
         sharding-run1) go 200 python3 benchmarks/sharding.py --part run --device cuda --model qwen2-1.5b --run-world 1 --run-steps 3 ;;
         sharding-layouts) go 240 python3 benchmarks/sharding.py --part layouts --device cuda --model llama-500m --worlds 2 --layouts dp,fsdp,tp,fsdp+tp ;;
