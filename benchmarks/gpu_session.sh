@@ -7,7 +7,8 @@
 # Parts run in the order named. Default (all): info tests tests-oom megatron rollout rollout-attn gloo-probe sharded-diag
 # grpo-110m grpo-tiny grpo-tiny-heap sharding-run sharding-run-tiny sharding-run1 sharding-layouts; `remaining` names
 # those the last GPU session did not run on the current code, most wanted first. By name only: tests-ipc and grpo-110m-ipc
-# (weights.transport cuda_ipc: its GPU test, the 110 M step with it), tests-sharded (the sharded GPU test alone),
+# (weights.transport cuda_ipc: its GPU test, the 110 M step with it), async-110m and async-tiny (sync against
+# rollout.mode async K = 1, one after the other), tests-sharded (the sharded GPU test alone),
 # tests-kernel (the decode kernel's GPU test), rollout-bf16 (the bf16 rollout with its profile), rollout-tiles (the Triton
 # decode kernel's tiles, TILES="32x4 64x8 ..."). ATTN="sdpa triton ..." picks rollout-attn's decode attentions. KTESTS
 # picks tests-kernel's tests (-k). The peers (trl)
@@ -20,7 +21,7 @@ mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 ALL="info tests tests-oom megatron rollout rollout-attn gloo-probe sharded-diag grpo-110m grpo-tiny grpo-tiny-heap sharding-run sharding-run-tiny sharding-run1 sharding-layouts"
-REMAINING="info megatron sharding-run sharding-layouts grpo-tiny tests-kernel tests"
+REMAINING="info async-110m async-tiny megatron sharding-run sharding-layouts grpo-tiny tests-kernel tests"
 PARTS=${*:-$ALL}
 PARTS=${PARTS//remaining/$REMAINING}
 go() {  # seconds, command...: the part $name under its limit, its output in $OUT/$name.log
@@ -48,13 +49,15 @@ run() {
         gloo-probe) go 120 python3 benchmarks/gloo_cuda.py --logs "$OUT/gloo-probe" ;;
         sharded-diag) go 90 bash -c 'for l in fsdp tp2; do echo "== $l"; python3 -m torch.distributed.run --nproc_per_node=2 tests/sharded_steps.py --model tiny-qwen2-gqa --layouts $l --steps 3 --out /tmp/sd-$l.json --device cuda; cat /tmp/sd-$l.json | head -c 1500; done' ;;
         grpo-110m) go 120 python3 benchmarks/gpu_grpo.py --micro-batch 256 --peer trl --steps 6 ;;
+        async-110m) go 150 bash -c 'for a in "" "--rollout.mode async --rollout.max_staleness 1"; do echo "== ${a:-sync}"; python3 benchmarks/gpu_grpo.py --micro-batch 256 --steps 5 --warmup 2 -- --weights.transport cuda_ipc $a | grep -E "^[|] |^GRPO|cost"; done' ;;
+        async-tiny) go 80 bash -c 'for a in "" "--rollout.mode async --rollout.max_staleness 1"; do echo "== ${a:-sync}"; python3 benchmarks/gpu_grpo.py --tiny --steps 8 -- $a | grep -E "^[|] |^GRPO|cost"; done' ;;
         grpo-tiny) go 80 python3 benchmarks/gpu_grpo.py --tiny --peer trl --steps 8 ;;
         grpo-tiny-heap) go 100 bash -c 'for mb in 4 0; do echo "== runtime.heap_mmap_threshold_mb $mb"; python3 benchmarks/gpu_grpo.py --tiny --steps 8 -- --runtime.heap_mmap_threshold_mb $mb; done' ;;
         sharding-run) go 300 python3 benchmarks/sharding.py --part run --device cuda --model qwen2-1.5b --run-world 2 --run-steps 3 ;;
         sharding-run-tiny) go 100 python3 benchmarks/sharding.py --part run --device cuda --model tiny-qwen2-gqa --run-world 2 --run-steps 3 ;;
         sharding-run1) go 200 python3 benchmarks/sharding.py --part run --device cuda --model qwen2-1.5b --run-world 1 --run-steps 3 ;;
         sharding-layouts) go 240 python3 benchmarks/sharding.py --part layouts --device cuda --model llama-500m --worlds 2 --layouts dp,fsdp,tp,fsdp+tp ;;
-        *) echo "part $name: unknown; parts: $ALL tests-ipc grpo-110m-ipc tests-sharded tests-kernel rollout-bf16 rollout-tiles (or remaining)" | tee -a "$OUT/summary.log"
+        *) echo "part $name: unknown; parts: $ALL async-110m async-tiny tests-ipc grpo-110m-ipc tests-sharded tests-kernel rollout-bf16 rollout-tiles (or remaining)" | tee -a "$OUT/summary.log"
            return 2 ;;
     esac
 }

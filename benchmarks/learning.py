@@ -9,8 +9,10 @@ all got the same reward (they carry no advantage), and a summary per setup:
   2-rank    torchrun --nproc_per_node=2 examples/grpo_trainer.py --seed S
   hf-dir    the same on an HF directory (rlhf.models.hf_dir: another character tokenizer, a 0.8 M Llama) and the
             addition set as JSONL: --model.path DIR --task.name jsonl --task.path add.jsonl --seed S
+  async-k1  python examples/grpo_trainer.py --rollout.mode async --rollout.max_staleness 1 --seed S
+  async-k2  the same with --rollout.max_staleness 2
 
-    python benchmarks/learning.py                                   # default at seeds 1-5, 2-rank and hf-dir at 1-3
+    python benchmarks/learning.py                                   # default at seeds 1-5, the others at 1-3
     python benchmarks/learning.py --setups default --seeds 2 -- --train.lr 2e-4      # one seed, one override
 """
 
@@ -29,7 +31,9 @@ import time
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-GOALS = {"default": 0.15, "2-rank": 0.15, "hf-dir": 0.10}
+GOALS = {"default": 0.15, "2-rank": 0.15, "hf-dir": 0.10, "async-k1": 0.15, "async-k2": 0.15}
+ASYNC = {"async-k1": ["--rollout.mode", "async", "--rollout.max_staleness", "1"],
+         "async-k2": ["--rollout.mode", "async", "--rollout.max_staleness", "2"]}
 
 
 def command(setup: str, seed: int, run_dir: str, work: str, extra: list[str]) -> list[str]:
@@ -37,7 +41,7 @@ def command(setup: str, seed: int, run_dir: str, work: str, extra: list[str]) ->
     base = [sys.executable, script] if setup != "2-rank" else \
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
          f"--master_port={29600 + seed}", script]
-    args = ["--seed", str(seed), "--run-dir", run_dir]
+    args = ["--seed", str(seed), "--run-dir", run_dir, *ASYNC.get(setup, [])]
     if setup == "hf-dir":
         from rlhf.models.hf_dir import write_addition_jsonl, write_model_dir
 
@@ -68,7 +72,7 @@ def one(setup: str, seed: int, work: str, extra: list[str]) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--setups", default="default,2-rank,hf-dir", help=f"of: {', '.join(GOALS)}")
+    ap.add_argument("--setups", default="default,2-rank,hf-dir,async-k1,async-k2", help=f"of: {', '.join(GOALS)}")
     ap.add_argument("--seeds", default="", help="comma-separated (default: 1-5 for default, 1-3 for the others)")
     ap.add_argument("--out", default="", help="keep the runs here (default: a temporary folder, removed)")
     ap.add_argument("extra", nargs="*", help="dotted overrides for every run, after --")

@@ -85,6 +85,13 @@ def own_threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
+def cpu_share(processes: int, beside: int = 0) -> int:
+    """Intra-op threads for each of `processes` computing processes of one kind: the machine's CPUs over them, and
+    over the `beside` others that compute at the same time (async GRPO: the train ranks and the rollout servers
+    compute at once; more threads than CPUs make each OpenMP pool sleep between ops, own_threads). At least 1."""
+    return max(1, (os.cpu_count() or 2) // (processes + beside))
+
+
 def set_pdeathsig(sig: int = signal.SIGKILL) -> None:
     """Ask the kernel to send `sig` to this process when its parent dies (no-op off Linux)."""
     if not sys.platform.startswith("linux"):

@@ -104,9 +104,17 @@ def test_gloo_cuda_benchmark_probes_on_host_tensors():
 
 
 def test_learning_benchmark_runs_a_seed_and_scores_it(tmp_path):
-    table = benchmark("learning.py", "--setups", "default", "--seeds", "1", "--", "--steps", "2",
+    table = benchmark("learning.py", "--setups", "async-k1", "--seeds", "1", "--", "--steps", "2",
                       "--sft.max_steps", "10", "--sft.eval_every", "10")
-    assert "| default | 1 |" in table and "≥ +0.15" in table and "failed" not in table
+    assert "| async-k1 | 1 |" in table and "≥ +0.15" in table and "failed" not in table
+
+
+def test_async_benchmark_compares_sync_and_async_and_draws_the_figure(tmp_path):
+    fig = tmp_path / "async.png"
+    table = benchmark("async.py", "--steps", "2", "--modes", "sync,async-k1", "--eval-every", "1", "--figure", fig,
+                      "--", "--preset", "smoke")
+    assert "| 1+1 | sync |" in table and "| 1+1 | async-k1 |" in table and "failed" not in table
+    assert "| 1.00x |" in table and fig.stat().st_size > 10_000
 
 
 SLOW = "suite time: its smallest run still starts a process per weights mode or a whole run; -m slow runs it"

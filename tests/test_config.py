@@ -33,6 +33,9 @@ def test_dotted_overrides_convert_types():
     ([("weights.transport", "cuda_ipc"), ("model.device", "cuda"), ("weights.mode", "disk")],
      "'cuda_ipc' is how the MetaServer's shards travel; weights.mode is 'disk'"),
     ([("weights.transport", "cuda_ipc"), ("weights.checksum", "crc32")], "weights.checksum: 'crc32' digests bytes in transit"),
+    ([("rollout.mode", "asynch")], "rollout.mode: 'asynch' is not valid \\(did you mean 'async'\\?\\); choose one of: sync, async"),
+    ([("rollout.max_staleness", "-1")], "rollout.max_staleness: must be >= 0"),
+    ([("rollout.mode", "async"), ("runtime.colocate", "true")], "rollout.mode: 'async' generates while the train ranks"),
 ])
 def test_bad_values_name_the_key_and_the_valid_choices(pairs, message):
     with pytest.raises(ConfigError, match=message):

@@ -69,6 +69,9 @@ class Config:
                 raise ConfigError("model.path: rollout.backend sglang loads a Hugging Face model directory; the "
                                   f"embedded {self.model.name!r} has no tokenizer sglang can read")
 
+        if self.rollout.mode == "async" and self.runtime.colocate:
+            raise ConfigError("rollout.mode: 'async' generates while the train ranks train; runtime.colocate makes "
+                              "them take turns on one device (choose rollout.mode sync, or leave runtime.colocate off)")
         if self.weights.transport == "cuda_ipc":
             if self.weights.mode != "meta":
                 raise ConfigError(f"weights.transport: 'cuda_ipc' is how the MetaServer's shards travel; weights.mode "

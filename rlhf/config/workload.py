@@ -153,9 +153,21 @@ class RolloutConfig:
     """With backend sglang: --mem-fraction-static, the share of GPU memory sglang takes for weights and KV cache."""
     tp_size: int = 1
     """With backend sglang: --tp-size, GPUs per rollout server (tensor parallel)."""
+    mode: str = "sync"
+    """'sync': each step generates its batch with the step's weights, then trains on it (the seeds' system). 'async':
+    a producer generates the next steps' batches while the train ranks train, each sample at most
+    rollout.max_staleness weights versions older than the step that trains on it (docs/async.md)."""
+    max_staleness: int = 1
+    """rollout.mode async: K, how many weights versions a trained-on sample may lag the step's (a sample generated
+    by version v is trained at a step <= v + K); 0 is the synchronous run through the async path."""
     max_queued_requests: int = 16
     """Calls a rollout server lets wait for its engine; with the policy's shed_load on, one more is answered 503
     with Retry-After and the client sends it again after that (sglang's --max-queued-requests); 0: no limit."""
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether the rollout servers generate while the train ranks train (async with K >= 1; K = 0 takes turns)."""
+        return self.mode == "async" and self.max_staleness > 0
 
     def __post_init__(self) -> None:
         _choice("rollout.backend", self.backend, ("native", "sglang"))
@@ -163,6 +175,8 @@ class RolloutConfig:
             logging.getLogger("rlhf.config").warning(
                 "rollout.sglang_launcher rlhf.runtime.sglang_launch has moved: use rlhf.services.sglang_launch")
             self.sglang_launcher = "rlhf.services.sglang_launch"
+        _choice("rollout.mode", self.mode, ("sync", "async"))
+        _positive("rollout.max_staleness", self.max_staleness, allow_zero=True)
         _positive("rollout.tp_size", self.tp_size)
         _positive("rollout.max_queued_requests", self.max_queued_requests, allow_zero=True)
         if not 0 < self.mem_fraction <= 1:

@@ -16,7 +16,9 @@ One step, top to bottom (`Controller.step`):
     → data split (global batch → mini-batches → each over the dp ranks, rlhf.batch) → reference → advantage → train → latest_recover_save → periodic_recover_save
 
 (with algorithm.resample_rounds, dynamic sampling: rollout → reward, then up to that many more rollout → reward
-rounds for the groups without advantage, all before events(rollout_end))
+rounds for the groups without advantage, all before events(rollout_end)). The rollout side up to
+events(rollout_end) is control/rollout_stage.py: synchronous, or with rollout.mode async a batch generated ahead
+within rollout.max_staleness weights versions (control/async_rollout.py).
 
 Fan-out is explicit: `self.workers.call("train_step", ...)` calls the method on every rank. What
 each stage delegates lives in `control/` (weights_sync, events, rollout_fanout, reward_stage, survival, fleet); the
@@ -36,14 +38,16 @@ from rlhf import tracing
 from rlhf.algorithms.grpo import ADVANTAGE_COLUMNS, group_advantages
 from rlhf.checkpoint import slots as ckpt
 from rlhf.config import Config
-from rlhf.control.events import ColocationEvents, freed_mb
+from rlhf.control.async_rollout import ASYNC_COLUMNS, staleness_columns
+from rlhf.control.events import ColocationEvents
 from rlhf.control.fleet import RolloutServices
 from rlhf.control.lifecycle import RunLifecycle, TrackedClock
 from rlhf.control.reward_stage import RewardStage
 from rlhf.control.rollout_fanout import RolloutFanout, to_batch
+from rlhf.control.rollout_stage import RolloutStage
 from rlhf.control.survival import RolloutSurvival
 from rlhf.control.weights_sync import WeightSync
-from rlhf.control.workers import TRAIN_COLUMNS, merge_train_metrics
+from rlhf.control.workers import TRAIN_COLUMNS, logprob_diff, merge_train_metrics
 from rlhf.data import PromptSampler
 from rlhf.evaluation import accuracy
 from rlhf.faults import fault_point
@@ -82,10 +86,12 @@ class Controller(RunLifecycle):
         self.columns = [*STEP_COLUMNS, *ADVANTAGE_COLUMNS, *TRAIN_COLUMNS, *ROLLOUT_COLUMNS,
                         *(f"{stage}_s" for stage in STAGES if stage != "cleanup"), *WeightSync.columns,
                         *ColocationEvents.columns, *RolloutSurvival.columns, "saves_failed", "eval_accuracy",
-                        *self.rewards.columns]
+                        *self.rewards.columns, *ASYNC_COLUMNS]
         # the train layout: a batch is cut in layout.dp shares; the ranks of one TP group get the same share
         self.layout = self.workers.layout
         self.sft_result: dict[str, Any] = {}
+        self.rollout = RolloutStage(cfg, self.sampler, self.fanout, self.survival, self.rewards, self.events,
+                                    self._update_weights)
 
     def startup(self) -> None:
         log.info("train layout: %s over %d rank%s", self.layout.describe(), len(self.workers),
@@ -93,6 +99,7 @@ class Controller(RunLifecycle):
         self.services.start()
         self.resumed = self.resume_or_warm_start()
         self.weights.update(str(self.start_step), step=self.start_step)
+        self.rollout.start(self.start_step)
 
     def resume_or_warm_start(self) -> bool:
         checkpoints = os.path.join(self.run_dir, "checkpoints")
@@ -129,52 +136,36 @@ class Controller(RunLifecycle):
         row: dict[str, Any] = {"step": step}
         if (revived := self.survival.revive_dead(step)) is not None:
             row["rollout_restarts"] = revived
-        with clock.stage("weights_update"):
-            self.survival.survive(step, row, "the weights update", lambda: self._update_weights(step, row))
-        with clock.stage("events"):
-            row["train_offload_mb"] = freed_mb(self.events.notify("rollout_start", step), "train")
-        with clock.stage("rollout"):
-            batch = self._generate(step, row, self.sampler.next(cfg.rollout.prompts_per_step))
-        first = None  # the first round's rewards, when more rounds replace groups (dynamic sampling)
-        if cfg.algorithm.resample_rounds:  # while the rollout servers hold the device (colocated: the lease)
-            with clock.stage("reward"):
-                first = batch["rewards"] = self.rewards.score(step, batch, row)
-            batch = self.rewards.resample(step, batch, row, self.sampler.next,
-                                          lambda examples: self._generate(step, row, examples), clock)
-        with clock.stage("events"):
-            row["rollout_release_mb"] = freed_mb(self.events.notify("rollout_end", step), "rollout")
+        produced = self.rollout.batch(step, row, clock)
+        batch, first = produced.batch, produced.first
         with clock.stage("reward"):
             if first is None:
                 batch["rewards"] = self.rewards.score(step, batch, row)
             fault_point("data.split", step=step)
             shares, split = batch.shares(self.layout.dp, cfg.train.mini_batches, tokens_key="num_tokens")
         with clock.stage("reference"):
-            batches = self._reference_logprobs(step, shares)
+            batches = self._reference_logprobs(step, shares, row)
         with clock.stage("advantage"):
             stats = self._advantages(batch, shares, batches, first)
         with clock.stage("train"):
             replies = self.workers.call("train_step", {"step": step}, self._per_rank(batches), step, "train")
             metrics = [m for m, _ in replies[::self.layout.tp]]  # one rank of each TP group: their parts add up
         row["saves_failed"] = self._save(step, clock)
-        tokens = int(sum(batch["num_tokens"]))
-        return {**row, **stats, **merge_train_metrics(metrics), "seconds": time.perf_counter() - t0,
-                "rollout_tokens": tokens, "rollout_tokens_per_s": tokens / clock.seconds["rollout"],
-                "batch_size": len(batch), "dp_imbalance": split["imbalance"],
+        tokens, seconds = int(sum(batch["num_tokens"])), time.perf_counter() - t0
+        generating = produced.seconds.get("rollout") or clock.seconds["rollout"]
+        row.setdefault("train_idle_s", clock.seconds["rollout"])  # sync: the train ranks wait out the rollout
+        row.setdefault("rollout_idle_s", seconds - clock.seconds["rollout"])  # and the servers the rest
+        row.setdefault("buffer_groups", 0)
+        return {**row, **stats, **merge_train_metrics(metrics), "seconds": seconds, "rollout_tokens": tokens,
+                "rollout_tokens_per_s": tokens / generating, "batch_size": len(batch),
+                "dp_imbalance": split["imbalance"], **staleness_columns(step, batch["weight_version"]),
                 **{f"{k}_s": v for k, v in clock.seconds.items()}}
-
-    def _generate(self, step: int, row: dict[str, Any], examples: list[Any]) -> Any:
-        """The rollout of `examples` (group_size samples each), surviving a lost rollout server; the samples it
-        moved to another server add up in rollout_migrated."""
-        batch = self.survival.survive(step, row, "the rollout", lambda: self.fanout.generate(step, examples),
-                                      resync=lambda: self._update_weights(step, row))
-        row["rollout_migrated"] = row.get("rollout_migrated", 0) + self.fanout.migrated
-        return batch
 
     # ------------------------------------------------------------------ what the stages call
 
-    def _reference_logprobs(self, step: int, shares: list) -> list[dict[str, Any]]:
+    def _reference_logprobs(self, step: int, shares: list, row: dict[str, Any]) -> list[dict[str, Any]]:
         """Each data-parallel share's train batch, with reference logprobs (KL on) and recomputed old-policy ones
-        (if asked)."""
+        (if asked: then they, the first forward under the rollout's weights, give rollout_train_logprob_diff)."""
         cfg = self.cfg
         batches = [to_batch(s, pad_token_id(None, self.tokenizer)) for s in shares]  # built where first needed
         for which, key, needed in (("reference", "ref_logprobs", cfg.algorithm.kl_coef > 0),
@@ -182,6 +173,9 @@ class Controller(RunLifecycle):
             if needed:
                 replies = self.workers.call("compute_logprobs", {"which": which}, self._per_rank(batches), step,
                                             "reference")
+                if key == "old_logprobs":
+                    row.update(logprob_diff([(b["old_logprobs"], out["logprobs"], b["response_mask"])
+                                             for b, (_, out) in zip(batches, replies[::self.layout.tp])]))
                 for batch, (_, out) in zip(batches, replies[::self.layout.tp]):
                     batch[key] = out["logprobs"]
         return batches
@@ -245,12 +239,15 @@ class Controller(RunLifecycle):
         return f" ({len(self.task.split('eval'))} problems, greedy)"
 
     def checkpoint_state(self, step: int) -> dict[str, Any]:
-        return {"sampler": self.sampler.state_dict(), "sft": self.sft_result,
+        """What a resume needs. Async: the sampler's state after this step's batch (not after the batches drawn
+        ahead, which a resume draws again); the rollout servers' RNG only at K = 0 (else it is mid-batch)."""
+        return {"sampler": self.rollout.sampler_state(step), "sft": self.sft_result,
                 "optimizer_steps": step * self.cfg.train.mini_batches, "eval_accuracy_before": self.eval_before,
-                "rollout_rng": self.services.rng_states()}
+                "rollout_rng": self.services.rng_states() if self.rollout.exact_rng else []}
 
     def summary_extras(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
-        tokens, rollout_s = sum(r["rollout_tokens"] for r in rows), sum(r["rollout_s"] for r in rows)
+        tokens = sum(r["rollout_tokens"] for r in rows)  # over the seconds spent generating (async: ahead)
+        rollout_s = sum(r["rollout_tokens"] / r["rollout_tokens_per_s"] for r in rows if r["rollout_tokens_per_s"])
         return {"eval_problems": len(self.task.split("eval")),
                 "resumed_from_step": self.start_step if self.resumed else None,
                 "rollout_tokens_per_s": tokens / rollout_s if rollout_s else 0.0,
@@ -259,7 +256,9 @@ class Controller(RunLifecycle):
                 "colocate": self.cfg.runtime.colocate, **self.sft_result}
 
     def stop_services(self) -> None:
+        self.rollout.close()  # async: no batch starts now; one in flight ends as its servers stop
         self.services.stop(self.cleanup_level)
+        self.rollout.close(wait_s=5.0)
 
     def clients(self) -> list[Client]:
         return super().clients() + self.services.clients()

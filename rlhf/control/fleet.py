@@ -27,7 +27,7 @@ from rlhf.config import Config
 from rlhf.control.workers import WorkerGroup
 from rlhf.devices import rollout_device
 from rlhf.errors import HTTPStatusError, RpcConnectionError, RpcTimeout
-from rlhf.procs import wait_for_file
+from rlhf.procs import cpu_share, wait_for_file
 from rlhf.services.metaserver import MetaServer
 from rlhf.services.scheduler import RemoteScheduler, SchedulerClient
 from rlhf.transport.client import Client, LoopThread
@@ -60,7 +60,8 @@ class RolloutServices:
                                      cfg.weights.transport)
         self.metaserver_url = self.metaserver.start()
         self.scheduler = self._start_scheduler()
-        threads = str(max(1, (os.cpu_count() or 2) // cfg.rollout.servers))
+        # async GRPO: the rollout servers generate while the train ranks train, so they share the CPUs
+        threads = str(cpu_share(cfg.rollout.servers, self.train_ranks if cfg.rollout.overlaps else 0))
         reward_ready = self._submit_reward_server()
         if cfg.rollout.backend == "sglang":
             urls = self._start_sglang(threads)

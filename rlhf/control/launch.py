@@ -24,7 +24,7 @@ from rlhf import exits, faults, tracing
 from rlhf.config import Config
 from rlhf.control.controller import Controller
 from rlhf.control.sft_controller import SFTController
-from rlhf.procs import bound_heap, freeze_gc, own_threads, second_sigterm_stops, set_pdeathsig
+from rlhf.procs import bound_heap, cpu_share, freeze_gc, own_threads, second_sigterm_stops, set_pdeathsig
 from rlhf.run_dir import default_run_dir, make_run_dir, setup_logging
 from rlhf.services.train_worker import TrainWorker
 from rlhf.tracing import metrics
@@ -112,7 +112,7 @@ def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
     exits.record_start(run_dir, f"train-{rank}")
     log.info("train-%d on %s, %s collectives (%s)", rank, info.device, info.backend, info.why)
     worker = TrainWorker(cfg, run_dir, rank, world, token, device=info.device,
-                         threads=max(1, (os.cpu_count() or 2) // world), grpo=mode != "sft")
+                         threads=cpu_share(world), grpo=mode != "sft")
     server = ServiceThread(worker.service)
     server.start()
     freeze_gc()  # the model, the worker and the imports are never garbage

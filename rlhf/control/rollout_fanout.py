@@ -171,9 +171,13 @@ class RolloutFanout:
             "completions": [completion_text(self.tokenizer, r) for r in results],
             "weight_version": [r["meta_info"]["weight_version"] for r in results],
         }, g, strict=False)
-        stale = {v for v in memory["weight_version"] if v not in (str(step), ABORTED)}
+        # sync: every sample is the step's version; async: no older than the bound (rollout.max_staleness)
+        oldest = step - (cfg.rollout.max_staleness if cfg.rollout.mode == "async" else 0)
+        stale = {v for v in memory["weight_version"] if v != ABORTED and not (v.lstrip("-").isdigit() and
+                                                                              oldest <= int(v) <= step)}
         if stale:
-            log.warning("step %d: samples from stale weight versions %s", step, sorted(stale))
+            log.warning("step %d: samples from stale weight versions %s (expected %s)", step, sorted(stale),
+                        str(step) if oldest == step else f"{oldest} to {step}")
         return memory
 
     def greedy(self, examples: list[Any]) -> list[str]:

@@ -67,15 +67,32 @@ class WorkerGroup:
         return self.loop.run(self.acall(method, args, tensors, step, stage, timeout_s, ranks, **options))
 
 
-TRAIN_COLUMNS = ("kl", "clip_fraction", "entropy", "response_length", "loss", "grad_norm", "ratio_mean")
+TRAIN_COLUMNS = ("kl", "clip_fraction", "entropy", "response_length", "loss", "grad_norm", "ratio_mean",
+                 "rollout_train_logprob_diff", "rollout_train_logprob_diff_max")
 
 
 def merge_train_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    """One row from every rank's train_step reply (TRAIN_COLUMNS): token-weighted means; the loss parts add up."""
+    """One row from every rank's train_step reply (TRAIN_COLUMNS): token-weighted means; the loss parts add up; the
+    rollout-vs-train logprob difference from each rank's sums (absent when the old logprobs were recomputed: the
+    controller takes it from that pass)."""
     total = sum(m["tokens"] for m in per_rank) or 1.0
     out = {}
     for key in ("kl", "clip_fraction", "entropy", "response_length", "ratio_mean"):
         out[key] = sum(m[key] * m["tokens"] for m in per_rank) / total
     out["loss"] = sum(m["loss"] for m in per_rank)  # each rank's part is normalised by the global count
     out["grad_norm"] = per_rank[0]["grad_norm"]
+    if all("lp_diff_tokens" in m for m in per_rank):
+        out["rollout_train_logprob_diff"] = sum(m["lp_diff_sum"] for m in per_rank) / max(
+            sum(m["lp_diff_tokens"] for m in per_rank), 1.0)
+        out["rollout_train_logprob_diff_max"] = max(m["lp_diff_max"] for m in per_rank)
     return out
+
+
+def logprob_diff(parts: list[tuple[Any, Any, Any]]) -> dict[str, float]:
+    """rollout_train_logprob_diff (mean) and _max: |rollout - train| logprob over the response tokens of
+    (rollout logprobs, train logprobs, response mask) tensors."""
+    total = count = top = 0.0
+    for rollout, train, mask in parts:
+        d = (train.float() - rollout.float()).abs() * mask
+        total, count, top = total + float(d.sum()), count + float(mask.sum()), max(top, float(d.max()))
+    return {"rollout_train_logprob_diff": total / max(count, 1.0), "rollout_train_logprob_diff_max": top}

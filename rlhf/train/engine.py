@@ -263,12 +263,20 @@ class TrainEngine:
         all_metrics: list[dict] = []
         grad_norms = []
         minis = _mini_batches(batch, self.cfg.mini_batches)
-        for mini in minis:
+        # |train - rollout| logprob of the first mini-batch's tokens, before its optimizer step: the same weights
+        # (sync), so a difference beyond numerics is wrong weights on one side (sum, max, tokens)
+        diff = [0.0, 0.0, 0.0] if self.algorithm.old_logprobs == "rollout" else None
+        for i, mini in enumerate(minis):
             rows = int(mini["input_ids"].shape[0])
             num_tokens = self._global(float(mini["response_mask"].sum()))
             num_sequences = self._global(float(rows))
 
-            def loss_of(part, logprobs, entropy):
+            def loss_of(part, logprobs, entropy, first=i == 0):
+                if first and diff is not None:
+                    mask = part["response_mask"]
+                    d = (logprobs.detach() - part["old_logprobs"]).abs() * mask
+                    diff[0], diff[1] = diff[0] + d.sum().item(), max(diff[1], d.max().item())
+                    diff[2] += mask.sum().item()
                 return loss_fn(
                     logprobs, part["old_logprobs"], part.get("ref_logprobs"), part["advantages"],
                     part["response_mask"], self.algorithm, num_tokens, num_sequences, entropy,
@@ -281,6 +289,8 @@ class TrainEngine:
         out = _weighted_mean(all_metrics)
         out["grad_norm"] = sum(grad_norms) / len(grad_norms)
         out["loss"] = sum(m["loss"] for m in all_metrics) / len(minis)
+        if diff is not None:
+            out["lp_diff_sum"], out["lp_diff_max"], out["lp_diff_tokens"] = diff
         return out
 
     def sft_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -24,7 +24,7 @@ from rlhf.config import Config
 from rlhf.devices import relocate
 from rlhf.faults import fault_point
 from rlhf.models import build_model_and_tokenizer, stop_token_ids, torch_dtype
-from rlhf.procs import release_freed_memory
+from rlhf.procs import cpu_share, own_threads, release_freed_memory
 from rlhf.services.colocation import DeviceLease, device_name
 from rlhf.services.scheduler import SchedulerClient
 from rlhf.services.train_worker.baseline import SftAndPreflight
@@ -157,6 +157,8 @@ class TrainWorker(SftAndPreflight, WeightsAndCheckpoints):
         """GRPO engine with the current weights as KL reference; `reference` tensors override it (resume)."""
         cfg = self.cfg
         policy = self.model
+        if cfg.rollout.overlaps:  # the rollout servers generate while this rank trains: share the CPUs
+            own_threads(cpu_share(self.world_size, cfg.rollout.servers))
         if cfg.train.engine == "megatron":  # trains megatron-core's GPTModel; self.model stays the HF twin it syncs
             from rlhf.train.megatron import MegatronCausalLM, init_parallel
 

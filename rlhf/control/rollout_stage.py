@@ -1,0 +1,125 @@
+"""The rollout side of a step: the step's weights to the rollout servers and its batch from them, synchronous or
+generated ahead (rollout.mode async).
+
+    stage = RolloutStage(cfg, sampler, fanout, survival, rewards, events, update_weights)
+    stage.start(start_step)                       # after the startup's weights update
+    produced = stage.batch(step, row, clock)      # weights_update, events, rollout (+ dynamic sampling's rounds)
+
+sync   weights_update → events(rollout_start) → rollout → [reward → more rounds] → events(rollout_end): the batch
+       is generated now with the step's weights (the seeds' system).
+async  the producer (control/async_rollout.py) generated the batch ahead, within rollout.max_staleness versions;
+       the step's weights go out before the batch is taken when the batch waits for them (K = 0: the sync run),
+       else after it, and the producer starts the next batches with them while this one trains.
+
+Dynamic sampling (algorithm.resample_rounds) scores the batch and replaces its groups without advantage where the
+batch is produced: in the step (sync) or in the producer (async), so a batch in the buffer is already scored.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from rlhf import tracing
+from rlhf.config import Config
+from rlhf.control.async_rollout import Produced, ProducerClock, RolloutPipeline
+from rlhf.control.events import ColocationEvents, freed_mb
+from rlhf.control.reward_stage import RewardStage
+from rlhf.control.rollout_fanout import RolloutFanout
+from rlhf.control.survival import RolloutSurvival
+from rlhf.data import PromptSampler
+
+log = logging.getLogger("rlhf.controller")
+
+
+class RolloutStage:
+    def __init__(self, cfg: Config, sampler: PromptSampler, fanout: RolloutFanout, survival: RolloutSurvival,
+                 rewards: RewardStage, events: ColocationEvents,
+                 update_weights: Callable[[int, dict[str, Any]], None]) -> None:
+        self.cfg, self.sampler, self.fanout, self.survival = cfg, sampler, fanout, survival
+        self.rewards, self.events, self.update_weights = rewards, events, update_weights
+        self.pipeline = RolloutPipeline(self._produce_ahead, cfg.rollout.max_staleness, cfg.steps,
+                                        cfg.rollout.group_size, sampler.state_dict) \
+            if cfg.rollout.mode == "async" else None
+
+    def start(self, start_step: int) -> None:
+        """After the startup's weights update (version start_step): async, the producer starts."""
+        if self.pipeline is not None:
+            log.info("rollout mode async: batches generated ahead, at most %d weights version(s) behind the step "
+                     "that trains on them", self.cfg.rollout.max_staleness)
+            self.pipeline.start(start_step + 1, start_step)
+
+    def batch(self, step: int, row: dict[str, Any], clock: Any) -> Produced:
+        """The step's weights to the rollout servers and its batch from them (module docstring)."""
+        pipeline = self.pipeline
+        ahead = pipeline is not None and pipeline.admitted(step)
+        if not ahead:
+            self._weights(step, row, clock)
+        with clock.stage("events"):
+            row["train_offload_mb"] = freed_mb(self.events.notify("rollout_start", step), "train")
+        if pipeline is None:  # while the rollout servers hold the device (colocated: the lease)
+            produced = self._produce(step, row, clock, lambda: self.sampler.next(self.cfg.rollout.prompts_per_step))
+        else:
+            with clock.stage("rollout"):
+                produced, waits = pipeline.take(step)
+            row.update(produced.row, **waits)
+        if ahead:
+            self._weights(step, row, clock)
+        with clock.stage("events"):
+            row["rollout_release_mb"] = freed_mb(self.events.notify("rollout_end", step), "rollout")
+        return produced
+
+    def _weights(self, step: int, row: dict[str, Any], clock: Any) -> None:
+        with clock.stage("weights_update"):
+            self.survival.survive(step, row, "the weights update", lambda: self.update_weights(step, row))
+        if self.pipeline is not None:
+            self.pipeline.loaded(step)
+
+    def _produce(self, step: int, row: dict[str, Any], clock: Any, draw: Callable[[], list[Any]]) -> Produced:
+        """Step `step`'s batch: its prompts' rollout, then, with algorithm.resample_rounds (dynamic sampling), its
+        rewards and the rounds that replace the groups without advantage."""
+        with clock.stage("rollout"):
+            batch = self._generate(step, row, draw())
+        first = None  # the first round's rewards, when more rounds replace groups (dynamic sampling)
+        if self.cfg.algorithm.resample_rounds:
+            with clock.stage("reward"):
+                first = batch["rewards"] = self.rewards.score(step, batch, row)
+            batch = self.rewards.resample(step, batch, row, self.sampler.next,
+                                          lambda examples: self._generate(step, row, examples), clock)
+        return Produced(batch, first, seconds=clock.seconds)
+
+    def _produce_ahead(self, step: int) -> Produced:
+        """The producer thread's batch for `step` (async), in a trace of its own."""
+        assert self.pipeline is not None
+        pipeline, row, clock = self.pipeline, {}, ProducerClock(step)
+        with tracing.span("rollout.ahead", new_trace=True, step=step):
+            produced = self._produce(step, row, clock, lambda: pipeline.draw(
+                step, lambda: self.sampler.next(self.cfg.rollout.prompts_per_step)))
+        produced.row = row
+        return produced
+
+    def _generate(self, step: int, row: dict[str, Any], examples: list[Any]) -> Any:
+        """The rollout of `examples` (group_size samples each), surviving a lost rollout server (sync; async: the
+        step that takes the batch fails); the samples it moved to another server add up in rollout_migrated."""
+        if self.pipeline is None:
+            batch = self.survival.survive(step, row, "the rollout", lambda: self.fanout.generate(step, examples),
+                                          resync=lambda: self.update_weights(step, row))
+        else:
+            batch = self.fanout.generate(step, examples)
+        row["rollout_migrated"] = row.get("rollout_migrated", 0) + self.fanout.migrated
+        return batch
+
+    def sampler_state(self, step: int) -> dict:
+        """The prompt sampler's state a checkpoint after `step` keeps: after the step's batch, not after the batches
+        drawn ahead (a resume draws them again)."""
+        return self.pipeline.sampler_state_after(step) if self.pipeline is not None else self.sampler.state_dict()
+
+    @property
+    def exact_rng(self) -> bool:
+        """Whether the rollout servers' sampling RNG can be saved between batches (not with a batch in flight)."""
+        return self.pipeline is None or self.cfg.rollout.max_staleness == 0
+
+    def close(self, wait_s: float = 0.0) -> None:
+        """No batch starts after this; one in flight ends as its servers stop (wait_s: for the producer to end)."""
+        if self.pipeline is not None:
+            self.pipeline.close(wait_s)
