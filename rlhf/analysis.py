@@ -30,10 +30,11 @@ import re
 from typing import Any
 
 POINT_STAGE = [
-    ("weights_update.", "weights_update"), ("metaserver.", "weights_update"), ("rollout.", "rollout"),
+    ("weights_update.", "weights_update"), ("metaserver.", "weights_update"), ("rollout.pause", "weights_update"),
+    ("rollout.continue", "weights_update"), ("rollout.", "rollout"),
     ("reference.", "reference"), ("train.", "train"), ("collective.", "train"), ("sft.", "train"),
     ("checkpoint.", "latest_recover_save"), ("events.", "events"), ("scheduler.", "cleanup"),
-    ("data.split", "reward"), ("reward.", "reward"), ("reward_model.", "reward"), ("step.begin", "step"), ("rpc.", "rpc"),
+    ("data.split", "reward"), ("buffer.", "rollout"), ("reward.", "reward"), ("reward_model.", "reward"), ("step.begin", "step"), ("rpc.", "rpc"),
 ]
 
 DIAGNOSIS = " rlhf.diagnosis: "  # our root-cause line: not one of the errors the seeds' system would have logged

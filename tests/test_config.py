@@ -35,6 +35,8 @@ def test_dotted_overrides_convert_types():
     ([("weights.transport", "cuda_ipc"), ("weights.checksum", "crc32")], "weights.checksum: 'crc32' digests bytes in transit"),
     ([("rollout.mode", "asynch")], "rollout.mode: 'asynch' is not valid \\(did you mean 'async'\\?\\); choose one of: sync, async"),
     ([("rollout.max_staleness", "-1")], "rollout.max_staleness: must be >= 0"),
+    ([("algorithm.off_policy", "tis")], "algorithm.off_policy: 'tis' .*set algorithm.old_logprobs recompute"),
+    ([("rollout.interrupt", "pause")], "rollout.interrupt: 'pause' is not valid; choose one of: retract, in_place, abort"),
     ([("rollout.mode", "async"), ("runtime.colocate", "true")], "rollout.mode: 'async' generates while the train ranks"),
 ])
 def test_bad_values_name_the_key_and_the_valid_choices(pairs, message):

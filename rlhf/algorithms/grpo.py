@@ -81,7 +81,8 @@ def clipped_surrogate(
     `clipped` marks tokens where the clipped branch won the min, i.e. where the gradient is 0.
     """
     ratio = (logprobs - old_logprobs).exp()  # (B, T)
-    adv = advantages.unsqueeze(-1)  # (B, 1), one outcome advantage for every token
+    # (B, 1): one outcome advantage for every token; (B, T) when each token's is weighted (off-policy correction)
+    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
     unclipped = ratio * adv  # (B, T)
     clipped = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high) * adv  # (B, T)
     return -unclipped.minimum(clipped), clipped < unclipped

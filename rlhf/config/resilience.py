@@ -61,6 +61,8 @@ class Policy:
     """SIGTERM to a rollout server (the scheduler stopping its job, an operator): it stops taking calls (/generate answers 503 with Retry-After, /ready 503), finishes the running and queued ones, and exits 0 — within runtime.drain_timeout_s, else exits 1 naming what was left; off: it exits at once and in-flight calls lose their replies."""
     verify_release: bool = True
     """After release_memory_occupation the rollout server checks the device memory was freed (DeviceMemoryNotReleased); off: a leak shows at the peer's next allocation."""
+    detect_weights_drift: bool = True
+    """When a step's rollout_train_logprob_diff (the rollout's and the trainer's logprobs of the same tokens under the same weights version) passes weights.drift_threshold, the controller compares every rollout server's weights checksum with the trainer's and names the servers whose weights differ, a WARNING each time and the steps.csv column `weights_drift` (sync, and async at K = 0: with K >= 1 the difference includes the policy's change); the next weights update replaces them; off: only the column shows it."""
 
     def __post_init__(self) -> None:
         if self.preset not in PRESET_NAMES:

@@ -160,6 +160,11 @@ class RolloutConfig:
     max_staleness: int = 1
     """rollout.mode async: K, how many weights versions a trained-on sample may lag the step's (a sample generated
     by version v is trained at a step <= v + K); 0 is the synchronous run through the async path."""
+    interrupt: str = "retract"
+    """rollout.mode async: how each weights update pauses the rollout servers (sglang's /pause_generation mode,
+    then /continue_generation after the update). retract and in_place: running engine calls finish first (the native
+    engine does not preempt a call yet) and queued ones wait; abort: running requests end now with their tokens
+    (finish_reason abort) and, with resilience.migrate_requests, continue from them under the new weights."""
     max_queued_requests: int = 16
     """Calls a rollout server lets wait for its engine; with the policy's shed_load on, one more is answered 503
     with Retry-After and the client sends it again after that (sglang's --max-queued-requests); 0: no limit."""
@@ -177,6 +182,7 @@ class RolloutConfig:
             self.sglang_launcher = "rlhf.services.sglang_launch"
         _choice("rollout.mode", self.mode, ("sync", "async"))
         _positive("rollout.max_staleness", self.max_staleness, allow_zero=True)
+        _choice("rollout.interrupt", self.interrupt, ("retract", "in_place", "abort"))
         _positive("rollout.tp_size", self.tp_size)
         _positive("rollout.max_queued_requests", self.max_queued_requests, allow_zero=True)
         if not 0 < self.mem_fraction <= 1:
@@ -257,6 +263,14 @@ class AlgorithmConfig:
     """Divide group-centred advantages by the group's reward std (the paper); False = Dr. GRPO style."""
     old_logprobs: str = "rollout"
     """Ratio denominator: 'rollout' uses the rollout engine's logprobs, 'recompute' runs the train engine."""
+    off_policy: str = "none"
+    """Off-policy correction of the ratio's denominator (asynchronous GRPO, or any rollout whose logprobs are not the
+    train engine's): none; tis: each token's loss weighted by min(pi_prox / pi_rollout, is_cap) (truncated
+    importance sampling); decoupled: AReaL's decoupled objective, the same ratio clipped around pi_prox, tokens
+    whose weight passes is_cap left out. pi_prox is the train engine's recomputed logprob (needs old_logprobs
+    recompute)."""
+    is_cap: float = 2.0
+    """algorithm.off_policy: the importance weight's cap (tis: truncated at it; decoupled: tokens above it masked)."""
     resample_rounds: int = 2
     """Dynamic sampling (DAPO): up to this many more rollout rounds a step, each replacing the groups whose samples all got one reward (no advantage) with groups of fresh prompts that did not; 0 = off. steps.csv's reward columns stay those of the step's first round."""
 
@@ -267,6 +281,12 @@ class AlgorithmConfig:
         _positive("algorithm.clip_eps_high", self.clip_eps_high, allow_zero=True)
         _positive("algorithm.kl_coef", self.kl_coef, allow_zero=True)
         _choice("algorithm.old_logprobs", self.old_logprobs, ["rollout", "recompute"])
+        _choice("algorithm.off_policy", self.off_policy, ["none", "tis", "decoupled"])
+        _positive("algorithm.is_cap", self.is_cap)
+        if self.off_policy != "none" and self.old_logprobs != "recompute":
+            raise ConfigError(f"algorithm.off_policy: {self.off_policy!r} weighs each token by pi_prox / pi_rollout, "
+                              "and pi_prox is the train engine's recomputed logprob: set algorithm.old_logprobs "
+                              "recompute (or algorithm.off_policy none)")
         _positive("algorithm.resample_rounds", self.resample_rounds, allow_zero=True)
 
 

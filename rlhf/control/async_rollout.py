@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from rlhf import tracing
+from rlhf.faults import fault_point
 from rlhf.stages import STAGES, StageClock
 
 log = logging.getLogger("rlhf.controller")
@@ -111,6 +112,7 @@ class RolloutPipeline:
         """The batch, once produced (the producer's error, if it failed on it), and the wait: train_idle_s (how long
         the train side waited for it), rollout_idle_s (how long the producer waited for admission since the last
         take) and buffer_groups (the groups produced ahead, still waiting)."""
+        fault_point("buffer.get", step=batch)
         t0 = time.perf_counter()
         with self.cond:
             while batch not in self.ready and self.error is None and not self.closed:
@@ -145,6 +147,7 @@ class RolloutPipeline:
                     return
             try:
                 produced = self.produce(batch)
+                fault_point("buffer.put", step=batch)
             except BaseException as exc:  # noqa: BLE001 — the train side raises it when it takes the batch
                 with self.cond:
                     self.error = (batch, exc)

@@ -150,13 +150,18 @@ class Controller(RunLifecycle):
         with clock.stage("train"):
             replies = self.workers.call("train_step", {"step": step}, self._per_rank(batches), step, "train")
             metrics = [m for m, _ in replies[::self.layout.tp]]  # one rank of each TP group: their parts add up
+        merged = merge_train_metrics(metrics)
+        row["weights_drift"] = self.weights.drift(step, row.get("rollout_train_logprob_diff",
+                                                                 merged.get("rollout_train_logprob_diff")),
+                                                  row.get("rollout_train_logprob_diff_max",
+                                                          merged.get("rollout_train_logprob_diff_max")))
         row["saves_failed"] = self._save(step, clock)
         tokens, seconds = int(sum(batch["num_tokens"])), time.perf_counter() - t0
         generating = produced.seconds.get("rollout") or clock.seconds["rollout"]
         row.setdefault("train_idle_s", clock.seconds["rollout"])  # sync: the train ranks wait out the rollout
         row.setdefault("rollout_idle_s", seconds - clock.seconds["rollout"])  # and the servers the rest
         row.setdefault("buffer_groups", 0)
-        return {**row, **stats, **merge_train_metrics(metrics), "seconds": seconds, "rollout_tokens": tokens,
+        return {**row, **stats, **merged, "seconds": seconds, "rollout_tokens": tokens,
                 "rollout_tokens_per_s": tokens / generating, "batch_size": len(batch),
                 "dp_imbalance": split["imbalance"], **staleness_columns(step, batch["weight_version"]),
                 **{f"{k}_s": v for k, v in clock.seconds.items()}}
@@ -174,6 +179,9 @@ class Controller(RunLifecycle):
                 replies = self.workers.call("compute_logprobs", {"which": which}, self._per_rank(batches), step,
                                             "reference")
                 if key == "old_logprobs":
+                    if cfg.algorithm.off_policy != "none":  # the behaviour policy's, for the importance weight
+                        for b in batches:
+                            b["rollout_logprobs"] = b["old_logprobs"]
                     row.update(logprob_diff([(b["old_logprobs"], out["logprobs"], b["response_mask"])
                                              for b, (_, out) in zip(batches, replies[::self.layout.tp])]))
                 for batch, (_, out) in zip(batches, replies[::self.layout.tp]):

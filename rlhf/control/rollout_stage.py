@@ -28,6 +28,7 @@ from rlhf.control.reward_stage import RewardStage
 from rlhf.control.rollout_fanout import RolloutFanout
 from rlhf.control.survival import RolloutSurvival
 from rlhf.data import PromptSampler
+from rlhf.faults import afault_point
 
 log = logging.getLogger("rlhf.controller")
 
@@ -70,10 +71,24 @@ class RolloutStage:
         return produced
 
     def _weights(self, step: int, row: dict[str, Any], clock: Any) -> None:
+        """The step's weights update; async: inside a pause of every rollout server (rollout.interrupt), continued
+        after it (sglang's /pause_generation and /continue_generation)."""
         with clock.stage("weights_update"):
+            if self.pipeline is not None:
+                self._every_server(step, "/pause_generation", {"mode": self.cfg.rollout.interrupt}, "rollout.pause")
             self.survival.survive(step, row, "the weights update", lambda: self.update_weights(step, row))
+            if self.pipeline is not None:
+                self._every_server(step, "/continue_generation", {}, "rollout.continue")
         if self.pipeline is not None:
             self.pipeline.loaded(step)
+
+    def _every_server(self, step: int, route: str, body: dict[str, Any], point: str) -> None:
+        """One call on every rollout server at once (fault point `point` before each, peer rollout-R)."""
+        async def one(r: int, client: Any) -> Any:
+            await afault_point(point, step=step, peer=f"rollout-{r}")
+            return await client.call(route, body, stage="weights_update", step=step)
+
+        self.fanout.loop.gather(*[one(r, c) for r, c in enumerate(self.fanout.services.rollout)])
 
     def _produce(self, step: int, row: dict[str, Any], clock: Any, draw: Callable[[], list[Any]]) -> Produced:
         """Step `step`'s batch: its prompts' rollout, then, with algorithm.resample_rounds (dynamic sampling), its

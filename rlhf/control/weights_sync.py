@@ -42,7 +42,7 @@ class WeightsMismatch(RuntimeError):
 
 
 class WeightSync(BroadcastUpdate):
-    columns = ("upload_s_max", "update_s_max", "weights_verified", "weights_fallback")  # a step's update (steps.csv)
+    columns = ("upload_s_max", "update_s_max", "weights_verified", "weights_fallback", "weights_drift")  # steps.csv
     def __init__(self, cfg: Config, run_dir: str, token: str, loop: LoopThread, workers: WorkerGroup,
                  services: RolloutServices) -> None:
         self.cfg, self.run_dir, self.token, self.loop = cfg, run_dir, token, loop
@@ -150,6 +150,28 @@ class WeightSync(BroadcastUpdate):
                 raise exc from disk_exc
         self.source, self.fell_back = writer, 1
         return {"upload_s_max": upload, "update_s_max": time.perf_counter() - t1}
+
+    def drift(self, step: int, diff: float | None, top: float | None) -> int | None:
+        """resilience.detect_weights_drift: when the step's rollout_train_logprob_diff passes weights.drift_threshold
+        under the same weights version (sync, or async at K = 0), every rollout server's checksum against the
+        trainer's names the servers whose weights differ (a WARNING); 1 then, 0 if not, None when not checked."""
+        cfg = self.cfg
+        if not cfg.resilience.detect_weights_drift or not cfg.weights.drift_threshold or cfg.rollout.overlaps \
+                or diff is None:
+            return None
+        if diff <= cfg.weights.drift_threshold:
+            return 0
+        try:
+            self.verify(str(step), step)
+            why = ("every rollout server's weights checksum equals the trainer's: not the weights (the rollout's "
+                   "numerics or sampling settings)")
+        except WeightsMismatch as exc:
+            why = f"weights differ: {exc}"
+        log.warning("step %d: rollout and train logprobs differ by %.3g on average (max %.3g) under the same weights "
+                    "version %d (weights.drift_threshold %g): %s; the next weights update replaces them (stage "
+                    "weights_update)", step, diff,
+                    top or 0.0, step, cfg.weights.drift_threshold, why)
+        return 1
 
     def _verify_pieces(self, version: str, step: int) -> int:
         """A sharded layout, piece by piece: every train rank gives a digest of each piece it holds (nothing is

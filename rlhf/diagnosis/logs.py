@@ -3,9 +3,12 @@ background checkpoint writes that started and never finished."""
 
 from __future__ import annotations
 
+import csv
 import glob
 import os
 import re
+
+import yaml
 
 from rlhf.diagnosis.report import Evidence, stamp
 from rlhf.diagnosis.rules import (
@@ -90,3 +93,52 @@ def _unfinished_writes(run_dir: str, evidence: list[Evidence]) -> list[Evidence]
                                 f"({broken[0].message[-90:]})", f"{os.path.relpath(path, run_dir)}:{line_no}",
                                 "unfinished", True))
     return out
+
+
+def _drift_evidence(run_dir: str, logs: list[Evidence]) -> list[Evidence]:
+    """Weights that drifted silently: the first step whose rollout_train_logprob_diff (steps.csv) passed the run's
+    weights.drift_threshold (config.yaml) under the same weights version, when no log line reported it (a run with
+    no error at all). Not with async K >= 1, where the difference holds the policy's change too."""
+    if any(e.category == "weights_drift" for e in logs):
+        return []
+    try:
+        with open(os.path.join(run_dir, "config.yaml"), encoding="utf-8") as fh:
+            cfg = yaml.safe_load(fh) or {}
+        with open(os.path.join(run_dir, "steps.csv"), encoding="utf-8") as fh:
+            rows = list(csv.DictReader(fh))
+    except (OSError, yaml.YAMLError, csv.Error):
+        return []
+    rollout, threshold = cfg.get("rollout") or {}, float((cfg.get("weights") or {}).get("drift_threshold") or 0)
+    if not threshold or (rollout.get("mode") == "async" and int(rollout.get("max_staleness") or 0) > 0):
+        return []
+    for line, row in enumerate(rows, 2):
+        try:
+            diff, top, step = float(row["rollout_train_logprob_diff"]), float(row.get("rollout_train_logprob_diff_max")
+                                                                               or 0), int(row["step"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        if diff <= threshold:
+            continue
+        servers = int(rollout.get("servers") or 1)
+        subject = "rollout-0" if servers == 1 else f"rollout-0..{servers - 1}"
+        t = _step_end(run_dir, step)
+        msg = (f"step {step}: rollout and train logprobs differ by {diff:.3g} on average (max {top:.3g}) under the "
+               f"same weights version, past weights.drift_threshold {threshold:g}: the weights {subject} generated "
+               "with are not the trainer's, and nothing reported it (stage weights_update)")
+        return [Evidence(t, t, "controller-0", subject, "weights_drift", "weights_update", step, msg,
+                         f"steps.csv:{line}", "warning", False)]
+    return []
+
+
+def _step_end(run_dir: str, step: int) -> float:
+    """When the controller logged the end of `step` (its "step N/M" line), else when steps.csv was last written."""
+    pattern = re.compile(rf" step {step}/\d+ ")
+    try:
+        with open(os.path.join(run_dir, "logs", "controller-0.log"), encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                m = LOG_LINE.match(line.rstrip("\n"))
+                if m and pattern.search(" " + m.group("msg") + " "):
+                    return stamp(m.group("ts"))
+        return os.path.getmtime(os.path.join(run_dir, "steps.csv"))
+    except OSError:
+        return 0.0

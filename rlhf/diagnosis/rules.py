@@ -6,7 +6,8 @@ from __future__ import annotations
 import re
 
 # CPU or IO starvation refines a timeout or hang: the subject's heartbeat shows it starved meanwhile
-CATEGORIES = ("process_death", "oom_device", "oom_host", "disk", "hang", "timeout", "network", "data_mismatch",
+CATEGORIES = ("process_death", "oom_device", "oom_host", "disk", "hang", "timeout", "network", "weights_drift",
+              "data_mismatch",
               "exception", "cpu_starvation", "io_starvation")
 STARVED_CPU_WAIT = 60.0  # % of wall time a process's threads waited runnable for a CPU (run-queue wait)
 STARVED_IO_PRESSURE = 10.0  # % of time some task waited for IO (PSI), with a thread of the subject in disk wait
@@ -19,6 +20,7 @@ _RULES = [  # first match wins; applied to the message and its traceback's last 
     ("disk", r"No space left|ENOSPC|Errno 28|Disk quota|Read-only file system|Input/output error|SafetensorError|"
              r"incomplete metadata|not fully covered|IncompleteCheckpoint|never finished"),
     ("hang", r"SyncStall|has been inside|\bstuck\b|lease lapsed|never left"),
+    ("weights_drift", r"logprobs differ by|rollout_train_logprob_diff"),
     ("data_mismatch", r"Mismatch|InvalidTensorShape|CorruptPayload|must match the size|has shape|checksum"),
     ("timeout", r"RpcTimeout|timed out|no reply from|within [\d.]+ ?s\b|TimeoutError|HTTP 504|\"incomplete\""),
     ("network", r"cannot reach|Connect call failed|Connection reset|[Ss]erver ?[Dd]isconnected|Connection refused|"
@@ -29,7 +31,8 @@ LOG_LINE = re.compile(  # one line of logs/<role>-<rank>.log
     r"^(?P<ts>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}) (?P<proc>[a-z]+-\d+) (?P<level>[A-Z]+) "
     r"(?P<logger>[\w.]+): (?P<msg>.*)$")
 _PROC = re.compile(r"\b(train|rollout|reward|scheduler|metaserver|controller)-(\d+)\b")
-_FAILURE_WARNING = re.compile(r"failed|timed out|not delivered|\bdied\b|lapsed|cannot reach|unreachable|[Ee]rror|^retrying |: migrating |falling back to disk")
+_FAILURE_WARNING = re.compile(r"failed|timed out|not delivered|\bdied\b|lapsed|cannot reach|unreachable|[Ee]rror|^retrying |: migrating |falling back to disk|"
+                              r"logprobs differ by")
 _NOT_EVIDENCE = re.compile(r"^first failure of this run|^diagnosis failed|^fault \S+ never fired|^fault audit:|^stopping job|still running|^removed shared-memory|"
                            r"^interrupted ")
 _EXC_LINE = re.compile(r"^(?:[\w.]+\.)?(?P<cls>[A-Z]\w*(?:Error|Exception|Mismatch|Timeout|Stall|Payload|Released|"

@@ -34,6 +34,13 @@ POINTS: dict[str, str] = {
     "checkpoint.load": "train rank, before a checkpoint is loaded (resume)",
     "scheduler.stop_job": "controller, before it asks the scheduler to stop a job (peer: scheduler)",
     "data.split": "controller, before DistributedBatchMemory splits the batch across ranks",
+    "rollout.pause": "controller (rollout.mode async), before it asks a rollout server to pause for a weights update "
+                     "(peer: rollout-R)",
+    "rollout.continue": "controller (rollout.mode async), before it asks a rollout server to continue after a "
+                        "weights update (peer: rollout-R)",
+    "buffer.put": "controller's rollout producer (rollout.mode async), before a produced batch enters the buffer "
+                  "(an error there is raised by the step that takes the batch)",
+    "buffer.get": "controller (rollout.mode async), before a step takes its batch from the buffer",
     "step.begin": "controller, at the start of every step (for faults that should start at a step)",
     "preflight.check": "train rank, in the pre-flight check (--preflight), pinned to its own CPU, before it times its matmul",
 }
@@ -50,6 +57,8 @@ POINT_ROLES: dict[str, tuple[str, ...]] = {
     "metaserver.get": ("metaserver",), "events.notify": _CONTROLLER, "events.handle": ("train", "rollout"),
     "checkpoint.write": _TRAIN, "checkpoint.fsync": _TRAIN, "checkpoint.load": _TRAIN,
     "scheduler.stop_job": _CONTROLLER, "data.split": _CONTROLLER, "step.begin": _CONTROLLER,
+    "buffer.put": _CONTROLLER, "buffer.get": _CONTROLLER, "rollout.pause": _CONTROLLER,
+    "rollout.continue": _CONTROLLER,
     "reward.compute": _CONTROLLER, "reward_model.score": ("reward",),
     "preflight.check": _TRAIN,
 }

@@ -278,7 +278,7 @@ class TrainEngine:
                     diff[0], diff[1] = diff[0] + d.sum().item(), max(diff[1], d.max().item())
                     diff[2] += mask.sum().item()
                 return loss_fn(
-                    logprobs, part["old_logprobs"], part.get("ref_logprobs"), part["advantages"],
+                    logprobs, part["old_logprobs"], part.get("ref_logprobs"), off_policy_advantages(part, self.algorithm),
                     part["response_mask"], self.algorithm, num_tokens, num_sequences, entropy,
                 )
 
@@ -305,6 +305,17 @@ class TrainEngine:
         metrics = self._accumulate(batch, loss_of, with_entropy=False)
         grad_norm = self._optimizer_step()
         return {"loss": sum(m["loss"] for m in metrics), "grad_norm": grad_norm, "tokens": num_tokens}
+
+
+def off_policy_advantages(part: dict[str, torch.Tensor], algorithm: Any) -> torch.Tensor:
+    """The advantages the loss sees: (B,) as they are, or with algorithm.off_policy each token's (B, T), weighted by
+    w = pi_prox / pi_rollout (old_logprobs recomputed, rollout_logprobs the rollout's): tis min(w, is_cap);
+    decoupled w, 0 where w passes is_cap. The weight is a constant of the gradient (both sides detached)."""
+    if algorithm.off_policy == "none" or "rollout_logprobs" not in part:
+        return part["advantages"]
+    w = (part["old_logprobs"] - part["rollout_logprobs"]).detach().exp()
+    w = w.clamp(max=algorithm.is_cap) if algorithm.off_policy == "tis" else w * (w <= algorithm.is_cap)
+    return part["advantages"].unsqueeze(-1) * w
 
 
 def _mini_batches(batch: dict[str, torch.Tensor], mini_batches: int) -> list[dict[str, torch.Tensor]]:

@@ -73,14 +73,14 @@ class WeightsAndMemory:
         version = str(args.get("weight_version") or self.engine.weight_version)
         if args.get("abort_all_requests"):
             self._abort(None, "aborted by /update_weights_from_disk")
-        fault_point("weights_update.update", path=str(path))
+        stale = stale_mode(fault_point("weights_update.update", path=str(path)))
         if not isinstance(path, str) or not os.path.isdir(path):
             return web.json_response({"success": False, "num_paused_requests": 0,
                                       "message": f"model_path {path!r} is not a directory with *.safetensors"},
                                      status=400)
         with tracing.span("weights.load", source="disk", weight_version=version):
             try:
-                self.engine.update_weights_from_disk(path, version)
+                keeping(self.engine.model, stale, lambda: self.engine.update_weights_from_disk(path, version))
             except FileNotFoundError as exc:
                 return web.json_response({"success": False, "message": str(exc), "num_paused_requests": 0}, status=400)
         self.model_path = path
@@ -97,7 +97,7 @@ class WeightsAndMemory:
 
     async def update_weights_from_meta(self, args: dict, tensors: dict) -> dict:
         version = str(args["weight_version"])
-        await afault_point("weights_update.update", peer="metaserver-0")
+        stale = stale_mode(await afault_point("weights_update.update", peer="metaserver-0"))
         client = Client(args["metaserver_url"], self.token, peer="metaserver-0", retries=self.policy.retry_idempotent)
         try:
             shards = await pull_pieces(client, version, float(args.get("wait_s", 60)), float(args.get("timeout_s", 600)),
@@ -110,7 +110,8 @@ class WeightsAndMemory:
                          "the new weights")
         loop = asyncio.get_running_loop()
         with tracing.span("weights.load", source="metaserver", weight_version=version, pieces=len(pieces)):
-            await loop.run_in_executor(self.service.executor, self._load_pieces, shards, version)
+            await loop.run_in_executor(self.service.executor, keeping, self.engine.model, stale,
+                                       lambda: self._load_pieces(shards, version))
         return {"success": True, "weight_version": version, "tensors": len(pieces)}
 
     def _load_pieces(self, shards: dict, version: str) -> None:
@@ -169,3 +170,21 @@ class WeightsAndMemory:
             raise ValueError(f"unknown event {event!r}; valid: rollout_start, rollout_end, train_start, train_end")
         memory = {k: v for k, v in reply.items() if k.startswith("device_mb")}  # what the event freed or took
         return {**memory, "event": event, "ack": True, "step": args.get("step")}
+
+
+def stale_mode(directives: Any) -> str | None:
+    """The weights_stale fault's mode, if one fired at this update (rlhf.faults.kinds.weights_stale)."""
+    return next((d["stale"] for d in directives if isinstance(d, dict) and d.get("stale")), None)
+
+
+@torch.no_grad()
+def keeping(model: torch.nn.Module, stale: str | None, load: Any) -> None:
+    """load(); with a weights_stale fault, the parameters it names then get their old values back (keep: all;
+    half: the second half in the model's order), so the update is acknowledged with the new version and is not."""
+    if stale is None:
+        return load()
+    params = [p for _, p in model.named_parameters()]
+    kept = [(p, p.detach().clone()) for p in (params if stale == "keep" else params[len(params) // 2:])]
+    load()
+    for p, old in kept:
+        p.copy_(old)
