@@ -80,8 +80,21 @@ class Config:
                 raise ConfigError(f"weights.transport: 'cuda_ipc' shares GPU memory; model.device is "
                                   f"{self.model.device!r} (choose model.device cuda, or weights.transport shm or http)")
 
+    @property
+    def drift_threshold(self) -> float:
+        """weights.drift_threshold resolved: -1 is 1e-3 in float32 and 0 (off) in other dtypes."""
+        return drift_threshold(self.weights.drift_threshold, self.model.dtype)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def drift_threshold(value: float, dtype: str) -> float:
+    """weights.drift_threshold for a model dtype: -1 (auto) is 1e-3 in float32, 0 (off) otherwise."""
+    if value != -1:
+        return value
+    return 1e-3 if dtype == "float32" else 0.0
+

@@ -29,8 +29,8 @@ class WeightsConfig:
     """Per-tensor digest in each meta-mode shard, written by the uploader and checked by every rollout server (names the corrupt tensor): none, crc32 (about halves the relay's speed), sha256. weights.verify already checks the whole model end to end."""
     bucket_mb: float = 256.0
     """distributed mode: the most MB of tensors one broadcast carries (a flat buffer per bucket; a larger tensor is a bucket of its own)."""
-    drift_threshold: float = 1e-3
-    """Mean |rollout - train| logprob above which a step's weights count as drifted (resilience.detect_weights_drift; `rlhf diagnose` reads it too): float32 on both sides stays near 1e-7, a rollout server one optimizer step behind is about 1e-2 on the default run; bf16 rollouts need about 5e-2."""
+    drift_threshold: float = -1.0
+    """Mean |rollout - train| logprob above which a step's weights count as drifted (resilience.detect_weights_drift; `rlhf diagnose` reads it too); 0: off; -1: 1e-3 with model.dtype float32 (both sides stay near 1e-7 there, a rollout server one optimizer step behind is about 1e-2 on the default run) and off otherwise (bf16's own rollout-train difference is not measured yet: set it)."""
     verify_checksum: str = "crc32"
     """Digest of the whole model for weights.verify (trainer vs every rollout server, each step): crc32 (3.7 GB/s here) or sha256 (1.6 GB/s)."""
 
@@ -44,7 +44,8 @@ class WeightsConfig:
                               "whole model) or weights.transport shm")
         _choice("weights.verify_checksum", self.verify_checksum, ["sha256", "crc32"])
         _positive("weights.max_versions", self.max_versions)
-        _positive("weights.drift_threshold", self.drift_threshold, allow_zero=True)
+        if self.drift_threshold < 0 and self.drift_threshold != -1:
+            raise ConfigError(f"weights.drift_threshold: must be >= 0, or -1 (auto), got {self.drift_threshold!r}")
         _positive("weights.bucket_mb", self.bucket_mb)
         _positive("weights.max_bytes", self.max_bytes)
         _positive("weights.upload_timeout_s", self.upload_timeout_s)

@@ -156,10 +156,10 @@ class WeightSync(BroadcastUpdate):
         under the same weights version (sync, or async at K = 0), every rollout server's checksum against the
         trainer's names the servers whose weights differ (a WARNING); 1 then, 0 if not, None when not checked."""
         cfg = self.cfg
-        if not cfg.resilience.detect_weights_drift or not cfg.weights.drift_threshold or cfg.rollout.overlaps \
-                or diff is None:
+        threshold = cfg.drift_threshold
+        if not cfg.resilience.detect_weights_drift or not threshold or cfg.rollout.overlaps or diff is None:
             return None
-        if diff <= cfg.weights.drift_threshold:
+        if diff <= threshold:
             return 0
         try:
             self.verify(str(step), step)
@@ -169,8 +169,7 @@ class WeightSync(BroadcastUpdate):
             why = f"weights differ: {exc}"
         log.warning("step %d: rollout and train logprobs differ by %.3g on average (max %.3g) under the same weights "
                     "version %d (weights.drift_threshold %g): %s; the next weights update replaces them (stage "
-                    "weights_update)", step, diff,
-                    top or 0.0, step, cfg.weights.drift_threshold, why)
+                    "weights_update)", step, diff, top or 0.0, step, threshold, why)
         return 1
 
     def _verify_pieces(self, version: str, step: int) -> int:

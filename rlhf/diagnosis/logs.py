@@ -10,6 +10,7 @@ import re
 
 import yaml
 
+from rlhf.config.sections import drift_threshold
 from rlhf.diagnosis.report import Evidence, stamp
 from rlhf.diagnosis.rules import (
     _EXC_LINE,
@@ -108,7 +109,9 @@ def _drift_evidence(run_dir: str, logs: list[Evidence]) -> list[Evidence]:
             rows = list(csv.DictReader(fh))
     except (OSError, yaml.YAMLError, csv.Error):
         return []
-    rollout, threshold = cfg.get("rollout") or {}, float((cfg.get("weights") or {}).get("drift_threshold") or 0)
+    rollout = cfg.get("rollout") or {}
+    threshold = drift_threshold(float((cfg.get("weights") or {}).get("drift_threshold") or 0),
+                                str((cfg.get("model") or {}).get("dtype") or "float32"))
     if not threshold or (rollout.get("mode") == "async" and int(rollout.get("max_staleness") or 0) > 0):
         return []
     for line, row in enumerate(rows, 2):
