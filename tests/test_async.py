@@ -163,3 +163,23 @@ def test_off_policy_weights_each_token_by_the_capped_importance_ratio(mode, expe
         assert out is part["advantages"]
     else:
         assert torch.allclose(out, torch.tensor(expected), atol=1e-6), out
+
+
+def test_scenario15_a_slow_server_starves_the_trainer_without_an_error_and_is_named(tmp_path):
+    """Async, 2 ranks, 2 servers: every /generate to rollout-1 waits 3 s from batch 2 on. Nothing fails and no
+    process logs an error; the train side waits most of each step from step 2, and `rlhf diagnose` names rollout-1
+    (slow_rollout) from steps.csv and the servers' /generate spans."""
+    from rlhf.diagnosis import diagnose
+    from tests.test_scenarios import log_lines, run_scenario
+
+    run_dir, out = run_scenario(tmp_path, 15, "--steps", "4")
+    assert out.returncode == 0, out.stderr[-3000:]
+    with open(run_dir / "steps.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    idle = [float(r["train_idle_s"]) for r in rows]
+    assert idle[0] < 1.0 and all(i > 2.0 for i in idle[1:]), idle
+    assert not [line for name in ("controller-0", "rollout-0", "rollout-1", "train-0", "train-1")
+                for line in log_lines(run_dir, name, "ERROR")]
+    d = diagnose(str(run_dir))
+    assert d.root is not None and (d.root.process, d.root.category, d.root.step) == ("rollout-1", "slow_rollout", 2), \
+        d.render()

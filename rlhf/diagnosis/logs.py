@@ -145,3 +145,50 @@ def _step_end(run_dir: str, step: int) -> float:
         return os.path.getmtime(os.path.join(run_dir, "steps.csv"))
     except OSError:
         return 0.0
+
+
+def _starved_evidence(run_dir: str, servers: list) -> list[Evidence]:
+    """Asynchronous runs: the steps in which the train side waited for its batch most of the step (train_idle_s over
+    half the step and over a second, steps.csv) and the rollout server whose /generate took longest for those
+    batches (its server spans), when it took more than twice any other's: the trainer starved with no error."""
+    try:
+        with open(os.path.join(run_dir, "config.yaml"), encoding="utf-8") as fh:
+            rollout = (yaml.safe_load(fh) or {}).get("rollout") or {}
+        with open(os.path.join(run_dir, "steps.csv"), encoding="utf-8") as fh:
+            rows = list(csv.DictReader(fh))
+    except (OSError, yaml.YAMLError, csv.Error):
+        return []
+    if rollout.get("mode") != "async":
+        return []
+    starved = []
+    for r in rows:
+        try:
+            idle, seconds, step = float(r.get("train_idle_s") or 0), float(r["seconds"]), int(r["step"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        if idle > max(1.0, 0.5 * seconds):
+            starved.append((step, idle, seconds))
+    steps = {s for s, _, _ in starved}
+    took: dict[str, list[float]] = {}
+    for span in servers:
+        if span.service.startswith("rollout-") and span.attributes.get("url.path") == "/generate" \
+                and span.attributes.get("rlhf.step") in steps:
+            took.setdefault(span.service, []).append(span.duration_s)
+    if not took:
+        return []
+    mean = {name: sum(d) / len(d) for name, d in took.items()}
+    slow = max(mean, key=lambda name: mean[name])
+    others = {name: m for name, m in mean.items() if name != slow}
+    if others and mean[slow] <= 2 * max(others.values()):
+        return []
+    first, last = min(steps), max(steps)
+    idle = sorted(i for _, i, _ in starved)[len(starved) // 2]
+    seconds = sorted(s for _, _, s in starved)[len(starved) // 2]
+    beside = ", ".join(f"{m:.2f} s on {name}" for name, m in sorted(others.items())) or "no other server"
+    t = _step_end(run_dir, first)
+    msg = (f"steps {first}-{last}: the train side waited {idle:.2f} s of each {seconds:.2f} s step for its batch "
+           f"(train_idle_s, {len(starved)} of {len(rows)} steps) while /generate took {mean[slow]:.2f} s on {slow} "
+           f"against {beside}: {slow} is slow and the trainer starved, with no error (stage rollout)")
+    return [Evidence(t, t, "controller-0", slow, "slow_rollout", "rollout", first, msg,
+                     f"steps.csv, /generate spans of {slow}", "warning", False)]
+

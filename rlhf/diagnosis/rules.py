@@ -7,8 +7,7 @@ import re
 
 # CPU or IO starvation refines a timeout or hang: the subject's heartbeat shows it starved meanwhile
 CATEGORIES = ("process_death", "oom_device", "oom_host", "disk", "hang", "timeout", "network", "weights_drift",
-              "data_mismatch",
-              "exception", "cpu_starvation", "io_starvation")
+              "data_mismatch", "exception", "cpu_starvation", "io_starvation", "slow_rollout")
 STARVED_CPU_WAIT = 60.0  # % of wall time a process's threads waited runnable for a CPU (run-queue wait)
 STARVED_IO_PRESSURE = 10.0  # % of time some task waited for IO (PSI), with a thread of the subject in disk wait
 HARD = {"process_death", "oom_device", "oom_host", "disk", "hang"}
