@@ -29,8 +29,10 @@ STAGES = (
 class StageClock:
     """Wall time per stage for one step, each stage a span: `with clock.stage("rollout"): ...`."""
 
-    def __init__(self, step: int = -1) -> None:
-        self.step = step
+    def __init__(self, step: int = -1, claim: bool = True) -> None:
+        """claim: the stage is the process's current activity (heartbeat, watchdog); off for a clock on a side
+        thread (the async rollout producer), whose stages are not what the process is doing."""
+        self.step, self.claim = step, claim
         self.seconds: dict[str, float] = {}
         self.current = ""  # the stage running now; left set when a stage raises (where a failure happened)
 
@@ -38,7 +40,8 @@ class StageClock:
     def stage(self, name: str) -> Iterator[None]:
         if name not in STAGES:
             raise ValueError(f"unknown stage {name!r}; canonical stages: {', '.join(STAGES)}")
-        ACTIVITY.set(name, self.step)
+        if self.claim:
+            ACTIVITY.set(name, self.step)
         self.current = name
         start = time.perf_counter()
         try:

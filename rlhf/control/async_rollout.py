@@ -23,13 +23,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
-from rlhf import tracing
 from rlhf.faults import fault_point
-from rlhf.stages import STAGES, StageClock
 
 log = logging.getLogger("rlhf.controller")
 
@@ -46,22 +43,6 @@ class Produced:
     first: Any = None
     row: dict[str, Any] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
-
-
-class ProducerClock(StageClock):
-    """A StageClock for the producer thread: spans and seconds, without claiming the process's current stage (that
-    is the train side's)."""
-
-    @contextmanager
-    def stage(self, name: str) -> Iterator[None]:
-        if name not in STAGES:
-            raise ValueError(f"unknown stage {name!r}; canonical stages: {', '.join(STAGES)}")
-        start = time.perf_counter()
-        try:
-            with tracing.span(name, stage=name, step=self.step):
-                yield
-        finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
 class RolloutPipeline:

@@ -151,10 +151,7 @@ class Controller(RunLifecycle):
             replies = self.workers.call("train_step", {"step": step}, self._per_rank(batches), step, "train")
             metrics = [m for m, _ in replies[::self.layout.tp]]  # one rank of each TP group: their parts add up
         merged = merge_train_metrics(metrics)
-        row["weights_drift"] = self.weights.drift(step, row.get("rollout_train_logprob_diff",
-                                                                 merged.get("rollout_train_logprob_diff")),
-                                                  row.get("rollout_train_logprob_diff_max",
-                                                          merged.get("rollout_train_logprob_diff_max")))
+        row["weights_drift"] = self.weights.drift(step, {**merged, **row})  # row: the recompute pass's, if any
         row["saves_failed"] = self._save(step, clock)
         tokens, seconds = int(sum(batch["num_tokens"])), time.perf_counter() - t0
         generating = produced.seconds.get("rollout") or clock.seconds["rollout"]

@@ -22,13 +22,14 @@ from typing import Any, Callable
 
 from rlhf import tracing
 from rlhf.config import Config
-from rlhf.control.async_rollout import Produced, ProducerClock, RolloutPipeline
+from rlhf.control.async_rollout import Produced, RolloutPipeline
 from rlhf.control.events import ColocationEvents, freed_mb
 from rlhf.control.reward_stage import RewardStage
 from rlhf.control.rollout_fanout import RolloutFanout
 from rlhf.control.survival import RolloutSurvival
 from rlhf.data import PromptSampler
 from rlhf.faults import afault_point
+from rlhf.stages import StageClock
 
 log = logging.getLogger("rlhf.controller")
 
@@ -106,7 +107,7 @@ class RolloutStage:
     def _produce_ahead(self, step: int) -> Produced:
         """The producer thread's batch for `step` (async), in a trace of its own."""
         assert self.pipeline is not None
-        pipeline, row, clock = self.pipeline, {}, ProducerClock(step)
+        pipeline, row, clock = self.pipeline, {}, StageClock(step, claim=False)  # the train side's is the current
         with tracing.span("rollout.ahead", new_trace=True, step=step):
             produced = self._produce(step, row, clock, lambda: pipeline.draw(
                 step, lambda: self.sampler.next(self.cfg.rollout.prompts_per_step)))

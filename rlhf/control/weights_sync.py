@@ -151,11 +151,12 @@ class WeightSync(BroadcastUpdate):
         self.source, self.fell_back = writer, 1
         return {"upload_s_max": upload, "update_s_max": time.perf_counter() - t1}
 
-    def drift(self, step: int, diff: float | None, top: float | None) -> int | None:
+    def drift(self, step: int, figures: dict[str, Any]) -> int | None:
         """resilience.detect_weights_drift: when the step's rollout_train_logprob_diff passes weights.drift_threshold
         under the same weights version (sync, or async at K = 0), every rollout server's checksum against the
         trainer's names the servers whose weights differ (a WARNING); 1 then, 0 if not, None when not checked."""
         cfg = self.cfg
+        diff, top = figures.get("rollout_train_logprob_diff"), figures.get("rollout_train_logprob_diff_max")
         threshold = cfg.drift_threshold
         if not cfg.resilience.detect_weights_drift or not threshold or cfg.rollout.overlaps or diff is None:
             return None

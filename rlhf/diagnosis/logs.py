@@ -102,13 +102,7 @@ def _drift_evidence(run_dir: str, logs: list[Evidence]) -> list[Evidence]:
     no error at all). Not with async K >= 1, where the difference holds the policy's change too."""
     if any(e.category == "weights_drift" for e in logs):
         return []
-    try:
-        with open(os.path.join(run_dir, "config.yaml"), encoding="utf-8") as fh:
-            cfg = yaml.safe_load(fh) or {}
-        with open(os.path.join(run_dir, "steps.csv"), encoding="utf-8") as fh:
-            rows = list(csv.DictReader(fh))
-    except (OSError, yaml.YAMLError, csv.Error):
-        return []
+    cfg, rows = _config_and_steps(run_dir)
     rollout = cfg.get("rollout") or {}
     threshold = drift_threshold(float((cfg.get("weights") or {}).get("drift_threshold") or 0),
                                 str((cfg.get("model") or {}).get("dtype") or "float32"))
@@ -151,14 +145,8 @@ def _starved_evidence(run_dir: str, servers: list) -> list[Evidence]:
     """Asynchronous runs: the steps in which the train side waited for its batch most of the step (train_idle_s over
     half the step and over a second, steps.csv) and the rollout server whose /generate took longest for those
     batches (its server spans), when it took more than twice any other's: the trainer starved with no error."""
-    try:
-        with open(os.path.join(run_dir, "config.yaml"), encoding="utf-8") as fh:
-            rollout = (yaml.safe_load(fh) or {}).get("rollout") or {}
-        with open(os.path.join(run_dir, "steps.csv"), encoding="utf-8") as fh:
-            rows = list(csv.DictReader(fh))
-    except (OSError, yaml.YAMLError, csv.Error):
-        return []
-    if rollout.get("mode") != "async":
+    cfg, rows = _config_and_steps(run_dir)
+    if (cfg.get("rollout") or {}).get("mode") != "async":
         return []
     starved = []
     for r in rows:
@@ -191,4 +179,15 @@ def _starved_evidence(run_dir: str, servers: list) -> list[Evidence]:
            f"against {beside}: {slow} is slow and the trainer starved, with no error (stage rollout)")
     return [Evidence(t, t, "controller-0", slow, "slow_rollout", "rollout", first, msg,
                      f"steps.csv, /generate spans of {slow}", "warning", False)]
+
+
+def _config_and_steps(run_dir: str) -> tuple[dict, list[dict[str, str]]]:
+    """The run's resolved config (config.yaml) and its steps.csv rows; empty when either is missing or unreadable."""
+    try:
+        with open(os.path.join(run_dir, "config.yaml"), encoding="utf-8") as fh:
+            cfg = yaml.safe_load(fh) or {}
+        with open(os.path.join(run_dir, "steps.csv"), encoding="utf-8") as fh:
+            return cfg, list(csv.DictReader(fh))
+    except (OSError, yaml.YAMLError, csv.Error):
+        return {}, []
 

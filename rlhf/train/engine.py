@@ -265,7 +265,7 @@ class TrainEngine:
         minis = _mini_batches(batch, self.cfg.mini_batches)
         # |train - rollout| logprob of the first mini-batch's tokens, before its optimizer step: the same weights
         # (sync), so a difference beyond numerics is wrong weights on one side (sum, max, tokens)
-        diff = [0.0, 0.0, 0.0] if self.algorithm.old_logprobs == "rollout" else None
+        diff: list[torch.Tensor] | None = [] if self.algorithm.old_logprobs == "rollout" else None
         for i, mini in enumerate(minis):
             rows = int(mini["input_ids"].shape[0])
             num_tokens = self._global(float(mini["response_mask"].sum()))
@@ -275,8 +275,7 @@ class TrainEngine:
                 if first and diff is not None:
                     mask = part["response_mask"]
                     d = (logprobs.detach() - part["old_logprobs"]).abs() * mask
-                    diff[0], diff[1] = diff[0] + d.sum().item(), max(diff[1], d.max().item())
-                    diff[2] += mask.sum().item()
+                    diff.append(torch.stack([d.sum(), d.max(), mask.sum().to(d.dtype)]))  # read once, at the end
                 return loss_fn(
                     logprobs, part["old_logprobs"], part.get("ref_logprobs"), off_policy_advantages(part, self.algorithm),
                     part["response_mask"], self.algorithm, num_tokens, num_sequences, entropy,
@@ -289,8 +288,10 @@ class TrainEngine:
         out = _weighted_mean(all_metrics)
         out["grad_norm"] = sum(grad_norms) / len(grad_norms)
         out["loss"] = sum(m["loss"] for m in all_metrics) / len(minis)
-        if diff is not None:
-            out["lp_diff_sum"], out["lp_diff_max"], out["lp_diff_tokens"] = diff
+        if diff:
+            parts = torch.stack(diff).float()
+            out["lp_diff_sum"], out["lp_diff_max"], out["lp_diff_tokens"] = (
+                parts[:, 0].sum().item(), parts[:, 1].max().item(), parts[:, 2].sum().item())
         return out
 
     def sft_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
