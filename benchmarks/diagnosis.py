@@ -51,7 +51,7 @@ _PROC = re.compile(r"\b(train|rollout|scheduler|metaserver|controller)-\d+\b")
 
 # A 2-rank run with the scenario files' scaled-down timeouts and a short SFT warm start
 BASE_CONFIG = {"steps": 5, "rollout": {"servers": 2}, "sft": {"max_steps": 60, "eval_every": 30},
-               "runtime": {"cleanup_timeout_s": 5, "rpc_timeout_s": 20, "rollout_timeout_s": 8},
+               "timeouts": {"cleanup_s": 5, "rpc_s": 20, "rollout_s": 8},
                "checkpoint": {"periodic_every": 2}}
 
 # (kind, params, [(role, rank, point, peer)]): what fails a run when it fires there
@@ -221,7 +221,7 @@ def main() -> None:
     ap.add_argument("--resilience", nargs="+", default=["faithful", "hardened"], choices=["faithful", "hardened"])
     ap.add_argument("--random", type=int, default=30, help="seeded random single faults (faithful)")
     ap.add_argument("--sharded", nargs="*", default=list(SHARDED),
-                    help="the sharded-training fault files (train.parallel fsdp), each run with its own resilience")
+                    help="the sharded-training fault files (parallel.layout fsdp), each run with its own resilience")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default="", help="directory for the runs and the table (default: a temp dir)")
     ap.add_argument("--rescore", default="", help="score the run directories already in this folder; run nothing")

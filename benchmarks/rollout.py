@@ -92,7 +92,7 @@ def warm_model(model, tok, steps, batch_size=256, lr=1e-3):
     cfg.sft.max_steps = steps
     cfg.sft.batch_size = batch_size
     cfg.sft.lr = lr
-    result = run_sft(cfg, model, tok, build_task(cfg.task), scorer_of(cfg.task))
+    result = run_sft(cfg, model, tok, build_task(cfg.task), scorer_of(cfg.reward))
     return result
 
 

@@ -16,7 +16,7 @@ share of the rows of what it holds alike with others; the rollout side puts ever
 from the go to the last tensor loaded, and the weights' GB/s over them.
 
 Part `run` is the real runtime: `examples/grpo_trainer.py` under torchrun with --run-world train ranks and
---train.parallel fsdp on --model for 2 GRPO steps (no warm start; --run-dtype bfloat16: bf16 compute and a bf16
+--parallel.layout fsdp on --model for 2 GRPO steps (no warm start; --run-dtype bfloat16: bf16 compute and a bf16
 rollout server, fp32 master weights and AdamW state), sampling every process of the run (train ranks, rollout
 server, scheduler) a few times a second; it prints the whole run's peak three ways: the machine's used memory over
 its level before the run, the processes' PSS summed, and their RSS summed (which counts shared pages once per
@@ -263,11 +263,11 @@ def run_part(args: argparse.Namespace) -> None:
                "--master_addr=127.0.0.1", f"--master_port={free_port()}", os.path.join(ROOT, "examples",
                                                                                        "grpo_trainer.py"),
                "--run-dir", run_dir, "--model.name", args.model, "--model.dtype", args.run_dtype,
-               "--train.parallel", "fsdp", "--steps", str(args.run_steps), "--model.device", args.device,
+               "--parallel.layout", "fsdp", "--steps", str(args.run_steps), "--model.device", args.device,
                "--sft.max_steps", "0", "--rollout.servers", "1", "--rollout.prompts_per_step", "4",
-               "--rollout.group_size", "4", "--rollout.max_new_tokens", "4", "--train.micro_batch_size", "4",
+               "--rollout.group_size", "4", "--sampling.max_new_tokens", "4", "--train.micro_batch_size", "4",
                "--task.eval_size", "4", "--task.val_size", "4", "--checkpoint.latest_every", "0",
-               "--runtime.rpc_timeout_s", "1800", "--weights.upload_timeout_s", "1800",
+               "--timeouts.rpc_s", "1800", "--weights.upload_timeout_s", "1800",
                "--weights.update_timeout_s", "1800", "--weights.max_versions", "1"]
         t0 = time.perf_counter()
         # three views of the run's memory, each at its own peak: the RSS of every process summed (counts each page
@@ -315,7 +315,7 @@ def run_part(args: argparse.Namespace) -> None:
         print(text[-3000:])
         raise SystemExit(f"the run failed (exit {code})")
     summary = json.loads(next(line for line in reversed(text.splitlines()) if line.startswith("{")))
-    print(f"GRPO run: {args.model} ({args.run_dtype}) on {args.run_world} train ranks ({args.device}), train.parallel "
+    print(f"GRPO run: {args.model} ({args.run_dtype}) on {args.run_world} train ranks ({args.device}), parallel.layout "
           f"fsdp ({summary['train_layout']}), {args.run_steps} steps, 1 rollout server: finished in {wall:.0f} s, step "
           f"median {summary['step_time_median_s']:.1f} s")
     gib = 2**30

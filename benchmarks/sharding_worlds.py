@@ -17,7 +17,7 @@ from typing import Any
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-# name -> (train.parallel, train.tp_size); fsdp-keep: fsdp with train.fsdp_reshard_after_forward false
+# name -> (parallel.layout, parallel.tp_size); fsdp-keep: fsdp with parallel.fsdp_reshard_after_forward false
 LAYOUTS = {"dp": ("dp", 1), "fsdp": ("fsdp", 1), "fsdp-keep": ("fsdp", 1), "tp": ("dp", 2), "fsdp+tp": ("fsdp", 2)}
 
 

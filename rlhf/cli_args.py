@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any
@@ -14,8 +13,7 @@ from rlhf.config import PRESETS, Config, ConfigError, build_config, format_help,
 from rlhf.config.resilience import PRESET_NAMES
 from rlhf.faults.parse import load_fault_config, load_fault_file, resolve_fault_file
 from rlhf.faults.spec import FaultSpecError
-from rlhf.models import model_shape
-from rlhf.train.parallel import layout_problems
+from rlhf.inputs import input_problems
 
 
 def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -82,9 +80,9 @@ def parse_config(argv: list[str] | None, parser: argparse.ArgumentParser) -> tup
         )
     except ConfigError as err:
         parser.error(str(err))
-    unusable = _unusable_inputs(cfg)
-    if unusable:
-        parser.error(unusable)
+    problems = input_problems(cfg)
+    if problems:
+        parser.error("\n".join(problems))
     if args.faults:
         world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's --nproc_per_node (one process without it)
         specs, problems, need = [], [], world
@@ -112,49 +110,6 @@ def parse_config(argv: list[str] | None, parser: argparse.ArgumentParser) -> tup
         print(cfg.to_yaml(), end="")
         raise SystemExit(0)
     return cfg, args
-
-
-def _unusable_inputs(cfg: Config) -> str:
-    """What of the run's local inputs is not there or not usable (a one-line error before anything starts), or ''."""
-    if cfg.model.path:
-        config_file = os.path.join(cfg.model.path, "config.json")
-        if not os.path.isfile(config_file):
-            what = "has no config.json" if os.path.isdir(cfg.model.path) else "is not a directory"
-            return (f"model.path: {cfg.model.path!r} {what} (expected a local Hugging Face model folder: "
-                    f"config.json, *.safetensors, the tokenizer's files); or leave it empty for the built-in model.name")
-        try:
-            with open(config_file, encoding="utf-8") as f:
-                model_config = json.load(f)
-        except (OSError, ValueError) as err:  # JSONDecodeError says the line and column
-            return f"model.path: {config_file!r} is not readable JSON: {err}"
-        model_type = model_config.get("model_type") if isinstance(model_config, dict) else None
-        if not model_type:
-            return f"model.path: {config_file!r} has no \"model_type\" (a Hugging Face config names its architecture)"
-        from rlhf.rollout.engine import SUPPORTED_MODEL_TYPES
-
-        if cfg.rollout.backend == "native" and model_type not in SUPPORTED_MODEL_TYPES:
-            return (f"model.path: model_type {model_type!r} is not one the native rollout engine runs; valid: "
-                    f"{', '.join(SUPPORTED_MODEL_TYPES)} (or --rollout.backend sglang)")
-    problems = layout_problems(cfg.train.parallel, cfg.train.tp_size, int(os.environ.get("WORLD_SIZE", "1")),
-                               model_shape(cfg.model))
-    if problems:
-        return "; ".join(problems)
-    if cfg.train.engine == "megatron":
-        if cfg.train.parallel != "dp" or cfg.train.tp_size != 1:
-            return (f"train.engine megatron: train.parallel {cfg.train.parallel!r} and train.tp_size "
-                    f"{cfg.train.tp_size} are the native engine's layouts (valid with megatron: train.parallel dp, "
-                    "train.tp_size 1)")
-        if cfg.runtime.colocate:
-            return "train.engine megatron: runtime.colocate is not supported yet (valid: runtime.colocate false)"
-        from rlhf.train.megatron import MegatronUnavailable, check_megatron
-
-        try:
-            check_megatron("cuda" if cfg.model.device.startswith("cuda") else cfg.model.device)
-        except MegatronUnavailable as err:
-            return str(err)
-    if cfg.task.name == "jsonl" and not os.path.isfile(cfg.task.path):
-        return f"task.path: {cfg.task.path!r} is not a file (expected a JSONL file of {{\"prompt\", \"answer\"}} lines)"
-    return ""
 
 
 def _flatten(section: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:

@@ -91,7 +91,7 @@ def _run(tmp_path, name, *args):
     rewards.write_text(REWARDS)
     run_dir = tmp_path / name
     out = subprocess.run([sys.executable, f"{ROOT}/examples/grpo_trainer.py", "--preset", "smoke",
-                          "--sft.max_steps", "0", "--rollout.prompts_per_step", "8", "--task.reward",
+                          "--sft.max_steps", "0", "--rollout.prompts_per_step", "8", "--reward.functions",
                           f"{rewards}:odd", "--algorithm.resample_rounds", "1", "--task.eval_size", "8",
                           "--run-dir", str(run_dir), *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -24,7 +24,7 @@ def test_dotted_overrides_convert_types():
     ([("algorithm.aggregation", "mean")], "algorithm.aggregation: 'mean' is not valid.*choose one of: token_mean, sequence_mean"),
     ([("rollout.group_sise", "4")], "unknown config key 'rollout.group_sise' \\(did you mean 'rollout.group_size'\\?\\)"),
     ([("rollout.group_size", "four")], "rollout.group_size: expected int, got 'four'"),
-    ([("rollout.temperature", "-1")], "rollout.temperature: must be >= 0"),
+    ([("sampling.temperature", "-1")], "sampling.temperature: must be >= 0"),
     ([("model.name", "gpt5")], "model.name: 'gpt5' is not valid; choose one of: tiny-llama"),
     ([("algorithm.scale_by_std", "maybe")], "expected a boolean"),
     ([("sft.band_low", "0.6"), ("sft.band_high", "0.5")], "sft.band_high \\(0.5\\) must be >= sft.band_low"),
@@ -97,3 +97,29 @@ def test_a_missing_or_unusable_model_dir_or_jsonl_file_is_one_line_before_anythi
     cfg, _ = parse_config(["--model.path", str(empty), "--task.name", "jsonl", "--task.path", str(data)],
                           make_parser("grpo_trainer.py", "test"))
     assert cfg.model.path == str(empty) and cfg.task.path == str(data)
+
+
+def test_the_keys_of_the_sections_by_concept_keep_working_under_their_old_names(caplog):
+    """Each section that moved (sampling and sglang out of rollout, the reward functions out of task, the reward
+    model in its own section, the layout out of train, the timeouts out of runtime) reads its old flag in the new
+    place, one deprecation line each; the old name and the new one together are an error."""
+    from rlhf.config import MOVED_KEYS
+
+    old = [("rollout.temperature", "0.5"), ("rollout.sglang_launcher", "rlhf.services.sglang_launch"),
+           ("task.reward", "last_number"), ("task.reward_timeout_s", "9"), ("reward.weight", "0.5"),
+           ("reward.model_path", ""), ("train.parallel", "fsdp"), ("train.tp_size", "1"),
+           ("runtime.rpc_timeout_s", "7"), ("runtime.scheduler_lease_s", "3")]
+    with caplog.at_level("WARNING", logger="rlhf.config"):
+        cfg = build_config(dotted=old)
+    moved = [r.getMessage() for r in caplog.records if "has moved" in r.getMessage()]
+    assert sorted(moved) == sorted(f"config key {key} has moved to {MOVED_KEYS[key]}: read as {MOVED_KEYS[key]} "
+                                  f"{value} (the old name will go)" for key, value in old)
+    assert (cfg.sampling.temperature, cfg.sglang.launcher, cfg.reward.functions, cfg.reward.async_timeout_s) == \
+        (0.5, "rlhf.services.sglang_launch", "last_number", 9)
+    assert (cfg.reward_model.weight, cfg.parallel.layout, cfg.timeouts.rpc_s, cfg.timeouts.scheduler_lease_s) == \
+        (0.5, "fsdp", 7, 3)
+    with pytest.raises(ConfigError, match="'train.parallel' has moved to 'parallel.layout', and both are given"):
+        build_config(dotted=[("train.parallel", "fsdp"), ("parallel.layout", "dp")])
+    for new in MOVED_KEYS.values():  # every new place exists
+        section, key = new.split(".")
+        assert hasattr(getattr(cfg, section), key), new

@@ -36,7 +36,7 @@ def test_a_run_with_dynamic_sampling_trains_on_groups_that_carry_an_advantage(tm
     rewards.write_text(REWARDS)
     run_dir = tmp_path / "run"
     out = subprocess.run([sys.executable, f"{ROOT}/examples/grpo_trainer.py", "--preset", "smoke", "--steps", "3",
-                          "--sft.max_steps", "0", "--rollout.prompts_per_step", "8", "--task.reward",
+                          "--sft.max_steps", "0", "--rollout.prompts_per_step", "8", "--reward.functions",
                           f"{rewards}:fifth", "--algorithm.resample_rounds", "2", "--task.eval_size", "8",
                           "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -39,10 +39,11 @@ def pair():
     loop = LoopThread()
 
     def make(*overrides):
-        cfg = build_config(dotted=[("runtime.colocate", "true"), ("runtime.event_timeout_s", "0.3"), *overrides])
+        cfg = build_config(dotted=[("runtime.colocate", "true"), ("timeouts.event_s", "0.3"), *overrides])
         workers = WorkerGroup([threads[0].url], "tok", loop, 5)
         rollout = [Client(threads[1].url, "tok", peer="rollout-0")]
-        return ColocationEvents(cfg, loop, workers, _Services(rollout))
+        return ColocationEvents(cfg.runtime.colocate, cfg.timeouts.event_s, cfg.rollout.backend, cfg.resilience, loop,
+                                workers, _Services(rollout))
 
     yield make, state
     release.set()

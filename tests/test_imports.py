@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("services", ("rlhf.services",)),
     ("control", ("rlhf.control",)),
     ("entry points", ("rlhf.control.launch", "rlhf.services.sglang_launch", "rlhf.checkpoint.export", "rlhf.cli",
-                      "rlhf.cli_args", "rlhf.report")),
+                      "rlhf.cli_args", "rlhf.inputs", "rlhf.report")),
 ]
 
 

@@ -16,7 +16,7 @@ from tests.conftest import ROOT
 from tests.test_runtime import assert_none_left, free_port
 
 
-def run_with_fault(tmp_path, steps, fault, config="  runtime: {cleanup_timeout_s: 5}\n"):
+def run_with_fault(tmp_path, steps, fault, config="  timeouts: {cleanup_s: 5}\n"):
     """A 2-rank, 2-server GRPO run (no warm start) with one fault that it must not survive; returns the run dir, the
     result, its last log line. Hardened, but without the two behaviours that would survive these faults (a lost or
     failing rollout server's prompts migrated, a lost server or scheduler started again): these tests are about
@@ -103,8 +103,8 @@ def test_a_raised_error_is_named_live_with_its_category(category, tmp_path):
 def test_cpu_burnt_by_a_servers_children_is_named_as_cpu_starvation(tmp_path):
     """Real burner processes (cpu_contention) under rollout-0 slow both servers' generate past a 4 s timeout: the
     root cause is the process whose children burnt the CPU, not the first server that timed out."""
-    config = ("  rollout: {servers: 2, prompts_per_step: 32, max_new_tokens: 96, ignore_eos: true}\n"
-              "  runtime: {rollout_timeout_s: 4, cleanup_timeout_s: 5}\n")
+    config = ("  rollout: {servers: 2, prompts_per_step: 32}\n  sampling: {max_new_tokens: 96, ignore_eos: true}\n"
+              "  timeouts: {rollout_s: 4, cleanup_s: 5}\n")
     run_dir, _, last = run_with_fault(tmp_path, 4, "    kind: cpu_contention\n    point: rollout.generate\n"
                                                    "    target: {role: rollout, rank: 0}\n    when: {step: 2, max_hits: 1}\n"
                                                    "    duration_s: 30\n    params: {burners: 8, load: 1.0}\n", config)

@@ -21,7 +21,7 @@ def test_the_megatron_engine_on_a_cpu_is_one_clear_error_before_anything_starts(
     from rlhf.cli_args import make_parser, parse_config  # the same parsing and checks, in this process
 
     with pytest.raises(SystemExit) as bad:
-        parse_config(["--train.engine", "megatron", "--train.parallel", "fsdp"], make_parser("grpo_trainer.py", "t"))
+        parse_config(["--train.engine", "megatron", "--parallel.layout", "fsdp"], make_parser("grpo_trainer.py", "t"))
     assert bad.value.code == 2
 
 

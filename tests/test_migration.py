@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import requests
 
-from rlhf.config import Config, TaskConfig
+from rlhf.config import RolloutConfig, SamplingConfig, TaskConfig
 from rlhf.config.resilience import Policy
 from rlhf.control.fleet import free_port
 from rlhf.control.rollout_fanout import RolloutFanout
@@ -33,12 +33,11 @@ def loop():
 
 
 def fanout(url, loop, model_dir, dead=0, max_new_tokens=6, **policy):
-    cfg = Config()
-    cfg.rollout.group_size, cfg.rollout.max_new_tokens, cfg.rollout.temperature = GROUP, max_new_tokens, 1.0
-    cfg.resilience = dataclasses.replace(Policy(), **policy)
     servers = [Client(url, SGLANG_KEY, 30, peer="rollout-0")]
     servers += [Client(f"http://127.0.0.1:{free_port()}", SGLANG_KEY, 30, peer=f"rollout-{r + 1}") for r in range(dead)]
-    return RolloutFanout(cfg, loop, SimpleNamespace(rollout=servers), load_tokenizer(model_dir))
+    return RolloutFanout(RolloutConfig(group_size=GROUP), SamplingConfig(max_new_tokens=max_new_tokens, temperature=1.0),
+                         False, dataclasses.replace(Policy(), **policy), loop, SimpleNamespace(rollout=servers),
+                         load_tokenizer(model_dir))
 
 
 def examples(k):
@@ -70,7 +69,7 @@ def test_samples_aborted_mid_rollout_continue_from_their_tokens(sglang_server, l
     url, model_dir = sglang_server
     long = 600
     batch = fanout(url, loop, model_dir, max_new_tokens=long)
-    batch.cfg.rollout.ignore_eos = True
+    batch.sampling.ignore_eos = True
     auth = {"Authorization": f"Bearer {SGLANG_KEY}"}
 
     def running():

@@ -71,7 +71,7 @@ def test_a_moved_key_still_works_with_one_deprecation_line(tmp_path, caplog):
     path = tmp_path / "old.yaml"
     path.write_text("runtime: {resilience: faithful, rpc_timeout_s: 7}\n")
     cfg = build_config(config_file=str(path))
-    assert cfg.resilience == FAITHFUL and cfg.runtime.rpc_timeout_s == 7
+    assert cfg.resilience == FAITHFUL and cfg.timeouts.rpc_s == 7
     assert "resilience: faithful" in path.read_text()
 
 

@@ -1,5 +1,5 @@
-"""The reward-model stage (reward.model_path): a sequence-classification model served by job reward-0, its score
-added to the task's rewards with reward.weight; its death and its hang named by `rlhf diagnose`.
+"""The reward-model stage (reward_model.path): a sequence-classification model served by job reward-0, its score
+added to the task's rewards with reward_model.weight; its death and its hang named by `rlhf diagnose`.
 
 The reward model here is a tiny random-init LlamaForSequenceClassification built by the test (no download)."""
 
@@ -61,9 +61,9 @@ def test_a_directory_that_is_no_reward_model_is_refused_before_anything_starts(t
                                                  "id2label": {"0": "bad", "1": "good"}}))
     assert "2 labels" in check_reward_model_dir(str(two))
     assert check_reward_model_dir(rm_dir) is None
-    out = subprocess.run([*RUN, "--reward.model_path", causal, "--run-dir", str(tmp_path / "run")],
+    out = subprocess.run([*RUN, "--reward_model.path", causal, "--run-dir", str(tmp_path / "run")],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert out.returncode == 2 and "reward.model_path" in out.stderr and "LlamaForCausalLM" in out.stderr
+    assert out.returncode == 2 and "reward_model.path" in out.stderr and "LlamaForCausalLM" in out.stderr
     assert not (tmp_path / "run").exists()  # nothing started
 
 
@@ -73,7 +73,7 @@ def test_grpo_adds_the_reward_models_score_and_a_killed_reward_server_is_named(t
     reward stage and `rlhf diagnose` names reward-0, killed by SIGKILL."""
     run_dir, out = faulted_run(tmp_path, "kill-reward-server", "process_kill",
                                "{step: 4, max_hits: 1}\n    params: {signal: KILL}", "--steps", "4",
-                               "--reward.model_path", rm_dir, "--reward.weight", "0.5")
+                               "--reward_model.path", rm_dir, "--reward_model.weight", "0.5")
     assert out.returncode != 0 and "step 4, stage reward" in out.stderr, out.stderr[-3000:]
     with open(run_dir / "steps.csv") as fh:
         rows = list(csv.DictReader(fh))
@@ -91,7 +91,7 @@ def test_grpo_adds_the_reward_models_score_and_a_killed_reward_server_is_named(t
 @pytest.mark.slow  # suite time: the reward server's death is in the default suite
 def test_a_hung_reward_server_fails_the_step_at_reward_timeout_s_and_is_named(tmp_path, rm_dir):
     run_dir, out = faulted_run(tmp_path, "hang-reward-server", "hang", "{step: 2}", "--steps", "2",
-                               "--reward.model_path", rm_dir, "--reward.timeout_s", "2")
+                               "--reward_model.path", rm_dir, "--reward_model.timeout_s", "2")
     assert out.returncode != 0 and "RpcTimeout: no reply from reward-0" in out.stderr, out.stderr[-3000:]
     root = diagnose(str(run_dir)).root
     assert root.process == "reward-0" and root.stage == "reward" and root.step == 2, root

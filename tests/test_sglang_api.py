@@ -265,7 +265,7 @@ def test_sigterm_drains_running_calls_then_exits_0_or_drops_them_when_off(tmp_pa
     from rlhf.procs import stop_group
     from tests.conftest import start_sglang_launch
 
-    cfg = build_config("smoke", dotted=[("runtime.drain_timeout_s", 60.0), ("resilience.preset", preset)])
+    cfg = build_config("smoke", dotted=[("timeouts.drain_s", 60.0), ("resilience.preset", preset)])
     (tmp_path / "config.yaml").write_text(cfg.to_yaml())
     proc, url = start_sglang_launch(tmp_path, write_model_dir(str(tmp_path / "m")),
                                     env={"RLHF_RUN_DIR": str(tmp_path), "RLHF_RANK": "0"})

@@ -28,7 +28,7 @@ def test_sglang_backend_without_the_sglang_server_fails_at_once_saying_how_to_in
     assert "rollout.backend: 'sglang' needs the sglang server" in out.stderr and "pip install 'sglang[all]'" in out.stderr
     assert not run_dir.exists()  # refused before any process started
     # and what it needs besides, named with the way out
-    out = _run(["--rollout.backend", "sglang", "--rollout.sglang_launcher", "rlhf.services.sglang_launch",
+    out = _run(["--rollout.backend", "sglang", "--sglang.launcher", "rlhf.services.sglang_launch",
                 "--run-dir", str(run_dir)], tmp_path)
     assert out.returncode == 2 and "weights.mode: 'meta' needs rollout.backend native" in out.stderr
 
@@ -50,7 +50,7 @@ def test_grpo_through_sglang_routes_only_colocated(tmp_path, mode):
     run_dir = tmp_path / "run"
     out = _run(["--preset", "smoke", "--steps", "3", "--model.path", write_model_dir(str(tmp_path / "model")),
                 "--task.name", "jsonl", "--task.path", write_addition_jsonl(str(tmp_path / "add.jsonl")),
-                "--rollout.backend", "sglang", "--rollout.sglang_launcher", "rlhf.services.sglang_launch",
+                "--rollout.backend", "sglang", "--sglang.launcher", "rlhf.services.sglang_launch",
                 "--weights.mode", mode, "--colocate", "--run-dir", str(run_dir)], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())

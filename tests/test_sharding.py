@@ -103,12 +103,12 @@ def test_a_layout_the_world_or_the_model_cannot_hold_is_named_with_the_valid_cho
     assert layout_problems("fsdp", 2, 4, gqa) == []
     assert make_layout("fsdp", 2, 4, gqa) == Layout("fsdp", 2, 2)
     (problem,) = layout_problems("dp", 3, 4, None)
-    assert "train.tp_size 3 does not divide the 4 train ranks" in problem and "valid tp sizes here: 1, 2, 4" in problem
+    assert "parallel.tp_size 3 does not divide the 4 train ranks" in problem and "valid tp sizes here: 1, 2, 4" in problem
     problems = layout_problems("dp", 4, 4, gqa)
     assert any("does not divide the model's 2 key/value heads" in p and "tp sizes this model takes: 1, 2" in p
                for p in problems), problems
     (problem,) = layout_problems("zero3", 1, 2, None)
-    assert "train.parallel 'zero3' is not a layout; choose one of: dp, fsdp" in problem
+    assert "parallel.layout 'zero3' is not a layout; choose one of: dp, fsdp" in problem
     with pytest.raises(ValueError, match="does not divide"):
         make_layout("fsdp", 3, 4, gqa)
     assert Layout("dp", 2, 2).dp_rank(3) == 1 and not Layout("dp", 4, 1).sharded and Layout("fsdp", 4, 1).sharded
@@ -161,13 +161,13 @@ def test_checkpoints_are_written_by_shard_and_resume_into_another_layout_and_wor
 
 
 def test_a_grpo_run_trains_sharded_verifies_its_weights_and_resumes_into_another_layout(tmp_path):
-    """The runtime end to end: 2 train ranks under --train.parallel fsdp, no warm start (each rank builds only its
+    """The runtime end to end: 2 train ranks under --parallel.layout fsdp, no warm start (each rank builds only its
     pieces; checkpoints by shard every step, the weights sent by piece and verified every step), then the same run
-    directory resumed into tensor parallel (--train.tp_size 2) for two more steps."""
+    directory resumed into tensor parallel (--parallel.tp_size 2) for two more steps."""
     from tests.test_runtime import assert_none_left, steps, torchrun
 
     run_dir = tmp_path / "run"
-    first = subprocess.run(torchrun(run_dir, "--steps", "2", "--train.parallel", "fsdp", "--sft.max_steps", "0"),
+    first = subprocess.run(torchrun(run_dir, "--steps", "2", "--parallel.layout", "fsdp", "--sft.max_steps", "0"),
                            capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert first.returncode == 0, first.stderr[-3000:]
     summary = json.loads(first.stdout.strip().splitlines()[-1])
@@ -191,7 +191,7 @@ def test_a_grpo_run_trains_sharded_verifies_its_weights_and_resumes_into_another
     missing = subprocess.run([sys.executable, "-m", "rlhf.cli", "export", str(run_dir), str(tmp_path / "x"), "--step",
                               "7"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert missing.returncode != 0 and "no valid checkpoint of step 7" in missing.stderr and "[1, 2]" in missing.stderr
-    second = subprocess.run(torchrun(run_dir, "--steps", "4", "--train.tp_size", "2", "--sft.max_steps", "0"),
+    second = subprocess.run(torchrun(run_dir, "--steps", "4", "--parallel.tp_size", "2", "--sft.max_steps", "0"),
                             capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert second.returncode == 0, second.stderr[-3000:]
     summary = json.loads(second.stdout.strip().splitlines()[-1])
@@ -204,11 +204,11 @@ def test_a_grpo_run_trains_sharded_verifies_its_weights_and_resumes_into_another
 def test_a_layout_the_world_cannot_hold_is_one_error_before_anything_starts(tmp_path):
     import os
 
-    out = subprocess.run([sys.executable, "examples/grpo_trainer.py", "--train.tp_size", "3", "--run-dir",
+    out = subprocess.run([sys.executable, "examples/grpo_trainer.py", "--parallel.tp_size", "3", "--run-dir",
                           str(tmp_path / "run")], capture_output=True, text=True, timeout=120, cwd=ROOT,
                          env={**os.environ, "WORLD_SIZE": "2"})
     assert out.returncode == 2
-    assert "train.tp_size 3 does not divide the 2 train ranks" in out.stderr
+    assert "parallel.tp_size 3 does not divide the 2 train ranks" in out.stderr
     assert "does not divide the model's 4 attention heads" in out.stderr
     assert not (tmp_path / "run").exists()
 

@@ -1,6 +1,7 @@
 """Tasks and rewards."""
 
 import json
+import os
 
 import pytest
 
@@ -136,7 +137,7 @@ def test_rewards_from_a_file_and_a_package_weighted_with_the_rows_columns(reward
     ("text", r"returned 'yes' \(str\), not a number: at row 1 \(prompt 'p1', completion 'b'\)"),
     ("nan", r"returned nan, not a finite number: at row 2 \(prompt 'p2', completion 'c'\)"),
     ("inf", r"returned inf, not a finite number: at row 0 \(prompt 'p0'"),
-    ("slow", r"did not return within task.reward_timeout_s \(0.2 s\) for 3 completions"),
+    ("slow", r"did not return within reward.async_timeout_s \(0.2 s\) for 3 completions"),
 ])
 def test_a_bad_reward_is_one_error_naming_the_function_its_file_the_row_and_what(rewards_file, name, what):
     from rlhf.tasks.scoring import RewardError, Scorer, parse_rewards
@@ -147,21 +148,27 @@ def test_a_bad_reward_is_one_error_naming_the_function_its_file_the_row_and_what
 
 
 def test_reward_settings_are_checked_with_the_valid_choices(tmp_path, rewards_file):
-    from rlhf.config import build_config
+    from rlhf.config import RewardConfig, build_config
     from rlhf.config.parse import apply_overrides
+    from rlhf.inputs import input_problems
 
     with pytest.raises(ConfigError, match="'exact' is not a built-in reward; choose one of: contains_answer, "
                                           "exact_match, format_regex, last_number, math_equal"):
-        TaskConfig(reward="exact")
-    with pytest.raises(ConfigError, match="file 'missing.py' does not exist"):
-        TaskConfig(reward="missing.py:score")
-    with pytest.raises(ConfigError, match="task.reward_weights: 1 weight\\(s\\) for 2 reward"):
-        TaskConfig(reward="exact_match,last_number", reward_weights="1")
-    with pytest.raises(ConfigError, match="task.format_regex: the format_regex reward needs a pattern"):
-        TaskConfig(reward="format_regex")
-    cfg = apply_overrides(build_config("smoke"), {"task": {"reward": [f"{rewards_file}:short", "last_number"],
-                                                           "reward_weights": [0.2, 1.0]}})
-    assert cfg.task.reward == f"{rewards_file}:short,last_number" and cfg.task.reward_weights == "0.2,1.0"
+        RewardConfig(functions="exact")
+    with pytest.raises(ConfigError, match="reward.weights: 1 weight\\(s\\) for 2 reward"):
+        RewardConfig(functions="exact_match,last_number", weights="1")
+    with pytest.raises(ConfigError, match="reward.format_regex: the format_regex reward needs a pattern"):
+        RewardConfig(functions="format_regex")
+    # a file that is not there is an input (rlhf.inputs), reported with every other missing input at once
+    missing = apply_overrides(build_config("smoke"), {"reward": {"functions": "missing.py:score"},
+                                                      "task": {"path": str(tmp_path / "nowhere.jsonl")}})
+    assert input_problems(missing, world=1) == [
+        f"reward.functions: file 'missing.py' does not exist (from {os.getcwd()})",
+        f"task.path: {str(tmp_path / 'nowhere.jsonl')!r} does not exist (a JSONL, Parquet or CSV file, or a Hugging "
+        "Face datasets directory)"]
+    cfg = apply_overrides(build_config("smoke"), {"reward": {"functions": [f"{rewards_file}:short", "last_number"],
+                                                             "weights": [0.2, 1.0]}})
+    assert cfg.reward.functions == f"{rewards_file}:short,last_number" and cfg.reward.weights == "0.2,1.0"
 
 
 # ---------------------------------------------------------------- datasets in the formats people keep
@@ -245,7 +252,7 @@ def test_chat_message_prompts_are_rendered_by_the_chat_template(tmp_path):
 
 
 def test_a_grpo_run_on_a_parquet_file_with_rewards_from_a_file_logs_each_reward_and_a_bad_one_stops_it(tmp_path):
-    """The README's command: --task.path data.parquet --task.reward my_rewards.py:fn (here with a built-in beside it,
+    """The README's command: --task.path data.parquet --reward.functions my_rewards.py:fn (here with a built-in beside it,
     weighted). Each reward function's mean is a steps.csv column; a reward that returns NaN at step 2 stops the run
     there, in the reward stage, with one error naming the function, its file, the row and what was wrong."""
     import csv
@@ -265,7 +272,7 @@ def test_a_grpo_run_on_a_parquet_file_with_rewards_from_a_file_logs_each_reward_
 
     def run(reward, weights, run_dir):
         return subprocess.run([sys.executable, f"{ROOT}/examples/grpo_trainer.py", "--preset", "smoke", "--steps", "2",
-                               "--task.path", str(data), "--task.reward", reward, "--task.reward_weights", weights,
+                               "--task.path", str(data), "--reward.functions", reward, "--reward.weights", weights,
                                "--task.eval_size", "8", "--task.val_size", "8", "--sft.max_steps", "0",
                                "--algorithm.resample_rounds", "0",  # one reward call a step: the 2nd is step 2's
                                "--run-dir", str(run_dir)],

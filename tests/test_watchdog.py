@@ -104,7 +104,7 @@ def test_hardened_stops_a_collective_hang_in_seconds_naming_the_missing_rank(tmp
 
 @pytest.mark.slow
 def test_faithful_keeps_waiting_but_prints_the_root_cause_within_seconds(tmp_path):
-    config = "  resilience: {preset: faithful}\n  runtime: {cleanup_timeout_s: 5, rpc_timeout_s: 15}\n"
+    config = "  resilience: {preset: faithful}\n  timeouts: {cleanup_s: 5, rpc_s: 15}\n"
     run_dir, out, last = run_with_fault(tmp_path, 4, HANG, config)
     onset = next(m["time"] for m in markers(run_dir) if m["event"] == "inject")
     lines = _lines(run_dir)

@@ -26,7 +26,7 @@ def _run(tmp_path, preset):
         "target": {"role": "rollout", "rank": 0}, "when": {"step": 3, "max_hits": 1}, "params": {"mode": "keep"}}]}))
     run_dir = tmp_path / preset
     out = subprocess.run([sys.executable, f"{ROOT}/examples/grpo_trainer.py", "--preset", "smoke", "--steps", "4",
-                          "--sft.max_steps", "0", "--rollout.prompts_per_step", "8", "--task.reward",
+                          "--sft.max_steps", "0", "--rollout.prompts_per_step", "8", "--reward.functions",
                           f"{rewards}:odd", "--algorithm.resample_rounds", "0", "--task.eval_size", "8",
                           "--weights.verify", "false", "--resilience", preset, "--faults", str(faults),
                           "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=300, cwd=ROOT)

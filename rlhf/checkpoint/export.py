@@ -92,7 +92,7 @@ def export(run_dir: str, out: str, step: int | None = None) -> tuple[str, int]:
 def export_main(argv: list[str] | None = None, prog: str = "rlhf export") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=(
         "Write a Hugging Face model directory from a run's parity checkpoint: the newest valid one, or --step N's; "
-        "replicated or sharded (train.parallel fsdp, train.tp_size), put together whole here."))
+        "replicated or sharded (parallel.layout fsdp, parallel.tp_size), put together whole here."))
     parser.add_argument("run_dir", help="the run directory (its checkpoints/ and config.yaml)")
     parser.add_argument("out", help="the directory to write (config.json, model.safetensors, the tokenizer)")
     parser.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the newest)")

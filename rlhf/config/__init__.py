@@ -11,10 +11,15 @@ typo fails before any work starts.
 What is where:
 
     sections.py    Config, the root: one field per section
-    workload.py    the sections of what is trained and how (ModelConfig, TaskConfig, RewardModelConfig, RolloutConfig,
-                   OptimConfig as `train`, AlgorithmConfig, SFTConfig)
-    services.py    the sections of how the processes run (WeightsConfig, RuntimeConfig, CheckpointConfig,
+    workload.py    what is trained and how (ModelConfig, TaskConfig, OptimConfig as `train`, ParallelConfig,
+                   AlgorithmConfig, SFTConfig)
+    reward.py      RewardConfig (the reward functions), RewardModelConfig (`reward_model`)
+    rollout.py     RolloutConfig, SamplingConfig (`sampling`), SglangConfig (`sglang`)
+    services.py    how the processes run (WeightsConfig, RuntimeConfig, TimeoutsConfig, CheckpointConfig,
                    PreflightConfig, TracingConfig)
+
+Every check that reads the disk or imports (a model or reward-model directory, a reward file, a dataset, sglang's
+and megatron's modules, the layout against the model) is rlhf.inputs.input_problems, all reported together.
     resilience.py  Policy: the resilience behaviours by name, FAITHFUL / HARDENED (the `resilience` section)
     presets.py     preset functions: default, smoke, real-model
     parse.py       build_config: preset + YAML + dotted overrides; --help's text; YAML loading
@@ -35,24 +40,29 @@ from rlhf.config.parse import (
 from rlhf.config.presets import PRESETS, preset_default, preset_real_model, preset_smoke
 from rlhf.config.resilience import FAITHFUL, HARDENED, Policy
 from rlhf.config.sections import (
-    SGLANG_SERVER_MODULES,
     AlgorithmConfig,
     CheckpointConfig,
     Config,
     ModelConfig,
     OptimConfig,
+    ParallelConfig,
     PreflightConfig,
+    RewardConfig,
     RewardModelConfig,
     RolloutConfig,
     RuntimeConfig,
+    SamplingConfig,
     SFTConfig,
+    SglangConfig,
     TaskConfig,
+    TimeoutsConfig,
     TracingConfig,
     WeightsConfig,
 )
 
-__all__ = ["FAITHFUL", "HARDENED", "MOVED_KEYS", "PRESETS", "SGLANG_SERVER_MODULES", "AlgorithmConfig",
-           "CheckpointConfig", "Config", "ConfigError", "ModelConfig", "OptimConfig", "Policy", "PreflightConfig",
-           "RewardModelConfig", "RolloutConfig", "RuntimeConfig", "SFTConfig", "TaskConfig", "TracingConfig", "WeightsConfig",
+__all__ = ["FAITHFUL", "HARDENED", "MOVED_KEYS", "PRESETS", "AlgorithmConfig",
+           "CheckpointConfig", "Config", "ConfigError", "ModelConfig", "OptimConfig", "ParallelConfig", "Policy",
+           "PreflightConfig", "RewardConfig", "RewardModelConfig", "RolloutConfig", "RuntimeConfig", "SFTConfig",
+           "SamplingConfig", "SglangConfig", "TaskConfig", "TimeoutsConfig", "TracingConfig", "WeightsConfig",
            "apply_overrides", "build_config", "dotted_to_nested", "format_help", "iter_fields", "load_yaml",
            "parse_overrides", "preset_default", "preset_real_model", "preset_smoke"]

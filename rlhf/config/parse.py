@@ -22,7 +22,25 @@ from rlhf.config.sections import Config
 
 # an old dotted key -> where it lives now: a file or flag that still uses the old name keeps working, with one
 # deprecation line (a section that moves lists each of its keys here)
-MOVED_KEYS = {"runtime.resilience": "resilience.preset"}
+MOVED_KEYS = {
+    "runtime.resilience": "resilience.preset",
+    # the sections by concept: sampling and sglang out of rollout, the reward functions out of task, the reward
+    # model in a section of its own, the layout out of train, the runtime's timeouts in one section
+    **{f"rollout.{k}": f"sampling.{k}" for k in ("max_new_tokens", "temperature", "top_p", "top_k", "seed",
+                                                 "ignore_eos")},
+    "rollout.sglang_launcher": "sglang.launcher", "rollout.mem_fraction": "sglang.mem_fraction",
+    "rollout.tp_size": "sglang.tp_size",
+    **{f"reward.{k}": f"reward_model.{k}" for k in ("weight", "chat_template", "batch_size", "dtype", "device",
+                                                    "timeout_s")},
+    "reward.model_path": "reward_model.path",
+    "task.reward": "reward.functions", "task.reward_weights": "reward.weights",
+    "task.reward_timeout_s": "reward.async_timeout_s", "task.format_regex": "reward.format_regex",
+    "train.parallel": "parallel.layout", "train.tp_size": "parallel.tp_size",
+    "train.fsdp_reshard_after_forward": "parallel.fsdp_reshard_after_forward",
+    **{f"runtime.{k}_timeout_s": f"timeouts.{k}_s" for k in ("rpc", "rollout", "event", "lease", "cleanup", "drain",
+                                                             "startup")},
+    "runtime.scheduler_lease_s": "timeouts.scheduler_lease_s",
+}
 log = logging.getLogger("rlhf.config")
 
 
@@ -48,7 +66,7 @@ def _field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-LIST_STRINGS = ("task.reward", "task.reward_weights")  # comma-separated strings that YAML may give as lists
+LIST_STRINGS = ("reward.functions", "reward.weights")  # comma-separated strings that YAML may give as lists
 
 
 def _is_section(tp: Any) -> bool:

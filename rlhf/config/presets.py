@@ -45,7 +45,7 @@ def preset_real_model() -> Config:
     cfg.algorithm.kl_coef = 0.04
     cfg.rollout.prompts_per_step = 16
     cfg.rollout.group_size = 8
-    cfg.rollout.max_new_tokens = 16
+    cfg.sampling.max_new_tokens = 16
     cfg.sft.max_steps = 0
     cfg.checkpoint.latest_every = 10
     cfg.weights.mode = "meta"

@@ -58,7 +58,7 @@ class Policy:
     shed_load: bool = True
     """A rollout server with rollout.max_queued_requests calls already waiting answers another one 503 with Retry-After, and the client waits that long and sends it again (none of it ran, so any request may be) within its timeout, a WARNING and a span event each time; off: every call queues, however many wait."""
     graceful_drain: bool = True
-    """SIGTERM to a rollout server (the scheduler stopping its job, an operator): it stops taking calls (/generate answers 503 with Retry-After, /ready 503), finishes the running and queued ones, and exits 0 — within runtime.drain_timeout_s, else exits 1 naming what was left; off: it exits at once and in-flight calls lose their replies."""
+    """SIGTERM to a rollout server (the scheduler stopping its job, an operator): it stops taking calls (/generate answers 503 with Retry-After, /ready 503), finishes the running and queued ones, and exits 0 — within timeouts.drain_s, else exits 1 naming what was left; off: it exits at once and in-flight calls lose their replies."""
     verify_release: bool = True
     """After release_memory_occupation the rollout server checks the device memory was freed (DeviceMemoryNotReleased); off: a leak shows at the peer's next allocation."""
     detect_weights_drift: bool = True

@@ -1,6 +1,7 @@
 """The config tree's root, `Config`: one section per component. The sections live in workload.py (model, task,
-reward, rollout, train, algorithm, sft) and services.py (weights, runtime, checkpoint, preflight, tracing); the
-resilience policy in resilience.py. Each field's docstring (the string after it) is what `--help` prints."""
+train, parallel, algorithm, sft), reward.py (reward, reward_model), rollout.py (rollout, sampling, sglang) and
+services.py (weights, runtime, timeouts, checkpoint, preflight, tracing); the resilience policy in resilience.py.
+What needs the disk or an import (a model directory, a reward file, sglang's modules) is checked in inputs.py. Each field's docstring (the string after it) is what `--help` prints."""
 
 from __future__ import annotations
 
@@ -12,27 +13,36 @@ import yaml
 
 from rlhf.config.checks import ConfigError, _positive
 from rlhf.config.resilience import Policy
-from rlhf.config.services import CheckpointConfig, PreflightConfig, RuntimeConfig, TracingConfig, WeightsConfig
+from rlhf.config.reward import RewardConfig, RewardModelConfig
+from rlhf.config.rollout import RolloutConfig, SamplingConfig, SglangConfig
+from rlhf.config.services import (
+    CheckpointConfig,
+    PreflightConfig,
+    RuntimeConfig,
+    TimeoutsConfig,
+    TracingConfig,
+    WeightsConfig,
+)
 from rlhf.config.workload import (
     PARALLEL_LAYOUTS,
-    SGLANG_SERVER_MODULES,
     AlgorithmConfig,
     ModelConfig,
     OptimConfig,
-    RewardModelConfig,
-    RolloutConfig,
+    ParallelConfig,
     SFTConfig,
     TaskConfig,
 )
 
-__all__ = ["PARALLEL_LAYOUTS", "SGLANG_SERVER_MODULES", "AlgorithmConfig", "CheckpointConfig", "Config", "ModelConfig",
-           "OptimConfig", "PreflightConfig", "RewardModelConfig", "RolloutConfig", "RuntimeConfig", "SFTConfig",
-           "TaskConfig", "TracingConfig", "WeightsConfig"]
+__all__ = ["PARALLEL_LAYOUTS", "AlgorithmConfig", "CheckpointConfig", "Config", "ModelConfig", "OptimConfig",
+           "ParallelConfig", "PreflightConfig", "RewardConfig", "RewardModelConfig", "RolloutConfig", "RuntimeConfig",
+           "SFTConfig", "SamplingConfig", "SglangConfig", "TaskConfig", "TimeoutsConfig", "TracingConfig",
+           "WeightsConfig"]
 
 
 @dataclass
 class Config:
-    """The whole run. Sections: model, task, reward, rollout, train, algorithm, sft, ..."""
+    """The whole run: one section per component (model, task, reward, reward_model, rollout, sampling, sglang, train,
+    parallel, algorithm, sft, weights, runtime, timeouts, checkpoint, preflight, tracing, resilience)."""
 
     seed: int = 1
     """Run seed: model init, data order, sampling."""
@@ -44,13 +54,18 @@ class Config:
     """Also evaluate on the eval split every this many GRPO steps; 0 = only before and after."""
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
-    reward: RewardModelConfig = field(default_factory=RewardModelConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    sglang: SglangConfig = field(default_factory=SglangConfig)
     train: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)

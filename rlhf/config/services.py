@@ -1,9 +1,10 @@
-"""The sections of how the processes run: weights (sync between trainer and rollout servers), runtime, checkpoint,
-preflight, tracing. Each field's docstring (the string after it) is what `--help` prints, with units; each section
+"""The sections of how the processes run: weights (sync between trainer and rollout servers), runtime, timeouts,
+checkpoint, preflight, tracing. Each field's docstring (the string after it) is what `--help` prints, with units; each section
 validates itself in __post_init__."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from rlhf.config.checks import ConfigError, _choice, _positive
@@ -54,36 +55,46 @@ class WeightsConfig:
 
 @dataclass
 class RuntimeConfig:
+    """How the processes share the machine: colocation, the heap, the stall watchdog."""
+
     colocate: bool = False
     """Train rank r and rollout server r share device r, guarded by a cross-process lease."""
-    rpc_timeout_s: float = 600.0
-    """Default timeout of one controller → train worker call, seconds."""
-    rollout_timeout_s: float = 600.0
-    """Timeout of one /generate call, seconds."""
-    event_timeout_s: float = 30.0
-    """Timeout of one colocation event delivery, seconds."""
-    lease_timeout_s: float = 60.0
-    """How long a colocated side waits for the device lease, seconds."""
-    cleanup_timeout_s: float = 30.0
-    """Timeout of one stop-job call to the scheduler during cleanup, seconds."""
-    drain_timeout_s: float = 4.0
-    """A rollout server's graceful drain (policy graceful_drain) gives its running and queued calls this long after
-    SIGTERM; under the scheduler's 5 s grace before SIGKILL."""
-    scheduler_lease_s: float = 10.0
-    """The scheduler stops every job it started when the controller has not renewed its lease for this long, seconds."""
-    startup_timeout_s: float = 120.0
-    """How long to wait for a rollout server or the scheduler to come up, seconds."""
     heap_mmap_threshold_mb: float = 4.0
     """glibc: every allocation of at least this many MB gets pages of its own that go back to the system when it is freed (a train step's transient tensors then leave the process's resident memory); glibc's own threshold grows as large blocks are freed and keeps them in its heap (about 1 GB a rank in the 0.54 B fsdp run). 0: glibc's default. Train ranks and the rollout and reward servers."""
     watchdog_stall_s: float = 5.0
     """Stall watchdog: a train rank inside one collective this long while another rank is blocked elsewhere (no CPU use, no disk wait), or a rank blocked in a call 2x this long after the others answered, is named in seconds (resilience.stall_stops_run: and the run stopped); 0 disables."""
 
     def __post_init__(self) -> None:
-        for name in ("rpc_timeout_s", "rollout_timeout_s", "event_timeout_s", "lease_timeout_s", "cleanup_timeout_s",
-                     "drain_timeout_s",
-                     "scheduler_lease_s", "startup_timeout_s"):
-            _positive(f"runtime.{name}", getattr(self, name))
         _positive("runtime.watchdog_stall_s", self.watchdog_stall_s, allow_zero=True)
+        _positive("runtime.heap_mmap_threshold_mb", self.heap_mmap_threshold_mb, allow_zero=True)
+
+
+@dataclass
+class TimeoutsConfig:
+    """How long the runtime waits for each of its calls and processes, seconds (the weights' and the reward
+    model's own timeouts are in their sections)."""
+
+    rpc_s: float = 600.0
+    """Default timeout of one controller → train worker call."""
+    rollout_s: float = 600.0
+    """Timeout of one /generate call."""
+    event_s: float = 30.0
+    """Timeout of one colocation event delivery."""
+    lease_s: float = 60.0
+    """How long a colocated side waits for the device lease."""
+    cleanup_s: float = 30.0
+    """Timeout of one stop-job call to the scheduler during cleanup."""
+    drain_s: float = 4.0
+    """A rollout server's graceful drain (policy graceful_drain) gives its running and queued calls this long after
+    SIGTERM; under the scheduler's 5 s grace before SIGKILL."""
+    scheduler_lease_s: float = 10.0
+    """The scheduler stops every job it started when the controller has not renewed its lease for this long."""
+    startup_s: float = 120.0
+    """How long to wait for a rollout server or the scheduler to come up."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _positive(f"timeouts.{f.name}", getattr(self, f.name))
 
 
 @dataclass

@@ -13,7 +13,8 @@
 One step, top to bottom (`Controller.step`):
 
     weights_update → events(rollout_start) → rollout → events(rollout_end) → reward
-    → data split (global batch → mini-batches → each over the dp ranks, rlhf.batch) → reference → advantage → train → latest_recover_save → periodic_recover_save
+    → data split (global batch → mini-batches → each over the dp ranks, rlhf.batch) → advantage → reference → train
+    → latest_recover_save → periodic_recover_save
 
 (with algorithm.resample_rounds, dynamic sampling: rollout → reward, then up to that many more rollout → reward
 rounds for the groups without advantage, all before events(rollout_end)). The rollout side up to
@@ -21,7 +22,8 @@ events(rollout_end) is control/rollout_stage.py: synchronous, or with rollout.mo
 within rollout.max_staleness weights versions (control/async_rollout.py).
 
 Fan-out is explicit: `self.workers.call("train_step", ...)` calls the method on every rank. What
-each stage delegates lives in `control/` (weights_sync, events, rollout_fanout, reward_stage, survival, fleet); the
+each stage delegates lives in `control/` (rollout_stage, reward_stage, train_stage, weights_sync, events,
+rollout_fanout, survival, fleet); the
 run around the steps (startup, ledger, checkpoints, cleanup, summary) in `control/lifecycle.py`.
 """
 
@@ -32,10 +34,7 @@ import os
 import time
 from typing import Any
 
-import torch
-
 from rlhf import tracing
-from rlhf.algorithms.grpo import ADVANTAGE_COLUMNS, group_advantages
 from rlhf.checkpoint import slots as ckpt
 from rlhf.config import Config
 from rlhf.control.async_rollout import ASYNC_COLUMNS, staleness_columns
@@ -43,14 +42,13 @@ from rlhf.control.events import ColocationEvents
 from rlhf.control.fleet import RolloutServices
 from rlhf.control.lifecycle import RunLifecycle, TrackedClock
 from rlhf.control.reward_stage import RewardStage
-from rlhf.control.rollout_fanout import RolloutFanout, to_batch
+from rlhf.control.rollout_fanout import RolloutFanout
 from rlhf.control.rollout_stage import RolloutStage
 from rlhf.control.survival import RolloutSurvival
+from rlhf.control.train_stage import TrainStage
 from rlhf.control.weights_sync import WeightSync
-from rlhf.control.workers import TRAIN_COLUMNS, logprob_diff, merge_train_metrics
 from rlhf.data import PromptSampler
 from rlhf.evaluation import accuracy
-from rlhf.faults import fault_point
 from rlhf.models import load_tokenizer, pad_token_id
 from rlhf.models.tokenizer import CharTokenizer
 from rlhf.stages import STAGES
@@ -78,20 +76,24 @@ class Controller(RunLifecycle):
         self.services = RolloutServices(cfg, run_dir, token, self.loop, len(self.workers), nodes,
                                         self.workers)
         self.weights = WeightSync(cfg, run_dir, token, self.loop, self.workers, self.services)
-        self.events = ColocationEvents(cfg, self.loop, self.workers, self.services)
-        self.fanout = RolloutFanout(cfg, self.loop, self.services, self.tokenizer)
+        self.events = ColocationEvents(cfg.runtime.colocate, cfg.timeouts.event_s, cfg.rollout.backend, cfg.resilience,
+                                       self.loop, self.workers, self.services)
+        self.fanout = RolloutFanout(cfg.rollout, cfg.sampling, cfg.task.chat_template, cfg.resilience, self.loop,
+                                    self.services, self.tokenizer)
         self.survival = RolloutSurvival(cfg.resilience, self.services)
-        self.rewards = RewardStage(cfg.task, cfg.reward, cfg.rollout.group_size, cfg.algorithm.resample_rounds,
+        self.rewards = RewardStage(cfg.reward, cfg.reward_model, cfg.rollout.group_size, cfg.algorithm.resample_rounds,
                                    self.loop, self.services)
-        self.columns = [*STEP_COLUMNS, *ADVANTAGE_COLUMNS, *TRAIN_COLUMNS, *ROLLOUT_COLUMNS,
+        self.trainer = TrainStage(cfg.algorithm, cfg.rollout.group_size, cfg.train.mini_batches, self.workers,
+                                  pad_token_id(None, self.tokenizer))
+        self.columns = [*STEP_COLUMNS, *TrainStage.columns, *ROLLOUT_COLUMNS,
                         *(f"{stage}_s" for stage in STAGES if stage != "cleanup"), *WeightSync.columns,
                         *ColocationEvents.columns, *RolloutSurvival.columns, "saves_failed", "eval_accuracy",
                         *self.rewards.columns, *ASYNC_COLUMNS]
         # the train layout: a batch is cut in layout.dp shares; the ranks of one TP group get the same share
         self.layout = self.workers.layout
         self.sft_result: dict[str, Any] = {}
-        self.rollout = RolloutStage(cfg, self.sampler, self.fanout, self.survival, self.rewards, self.events,
-                                    self._update_weights)
+        self.rollout = RolloutStage(cfg.rollout, cfg.steps, self.sampler, self.fanout, self.survival, self.rewards,
+                                    self.events, self._update_weights)
 
     def startup(self) -> None:
         log.info("train layout: %s over %d rank%s", self.layout.describe(), len(self.workers),
@@ -132,7 +134,7 @@ class Controller(RunLifecycle):
         return True
 
     def step(self, step: int) -> dict[str, Any]:
-        clock, t0, cfg = TrackedClock(step, self.where), time.perf_counter(), self.cfg
+        clock, t0 = TrackedClock(step, self.where), time.perf_counter()
         row: dict[str, Any] = {"step": step}
         if (revived := self.survival.revive_dead(step)) is not None:
             row["rollout_restarts"] = revived
@@ -141,16 +143,13 @@ class Controller(RunLifecycle):
         with clock.stage("reward"):
             if first is None:
                 batch["rewards"] = self.rewards.score(step, batch, row)
-            fault_point("data.split", step=step)
-            shares, split = batch.shares(self.layout.dp, cfg.train.mini_batches, tokens_key="num_tokens")
-        with clock.stage("reference"):
-            batches = self._reference_logprobs(step, shares, row)
+            shares, split = self.trainer.split(step, batch)
         with clock.stage("advantage"):
-            stats = self._advantages(batch, shares, batches, first)
+            stats = self.trainer.advantages(batch, shares, first)
+        with clock.stage("reference"):
+            batches = self.trainer.logprobs(step, shares, row)
         with clock.stage("train"):
-            replies = self.workers.call("train_step", {"step": step}, self._per_rank(batches), step, "train")
-            metrics = [m for m, _ in replies[::self.layout.tp]]  # one rank of each TP group: their parts add up
-        merged = merge_train_metrics(metrics)
+            merged = self.trainer.train(step, batches)
         row["weights_drift"] = self.weights.drift(step, {**merged, **row})  # row: the recompute pass's, if any
         row["saves_failed"] = self._save(step, clock)
         tokens, seconds = int(sum(batch["num_tokens"])), time.perf_counter() - t0
@@ -162,44 +161,6 @@ class Controller(RunLifecycle):
                 "rollout_tokens_per_s": tokens / generating, "batch_size": len(batch),
                 "dp_imbalance": split["imbalance"], **staleness_columns(step, batch["weight_version"]),
                 **{f"{k}_s": v for k, v in clock.seconds.items()}}
-
-    # ------------------------------------------------------------------ what the stages call
-
-    def _reference_logprobs(self, step: int, shares: list, row: dict[str, Any]) -> list[dict[str, Any]]:
-        """Each data-parallel share's train batch, with reference logprobs (KL on) and recomputed old-policy ones
-        (if asked: then they, the first forward under the rollout's weights, give rollout_train_logprob_diff)."""
-        cfg = self.cfg
-        batches = [to_batch(s, pad_token_id(None, self.tokenizer)) for s in shares]  # built where first needed
-        for which, key, needed in (("reference", "ref_logprobs", cfg.algorithm.kl_coef > 0),
-                                   ("policy", "old_logprobs", cfg.algorithm.old_logprobs == "recompute")):
-            if needed:
-                replies = self.workers.call("compute_logprobs", {"which": which}, self._per_rank(batches), step,
-                                            "reference")
-                if key == "old_logprobs":
-                    if cfg.algorithm.off_policy != "none":  # the behaviour policy's, for the importance weight
-                        for b in batches:
-                            b["rollout_logprobs"] = b["old_logprobs"]
-                    row.update(logprob_diff([(b["old_logprobs"], out["logprobs"], b["response_mask"])
-                                             for b, (_, out) in zip(batches, replies[::self.layout.tp])]))
-                for batch, (_, out) in zip(batches, replies[::self.layout.tp]):
-                    batch[key] = out["logprobs"]
-        return batches
-
-    def _per_rank(self, batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Each train rank's batch: its data-parallel share's (the ranks of a TP group compute on the same one)."""
-        return [batches[self.layout.dp_rank(r)] for r in range(len(self.workers))]
-
-    def _advantages(self, batch: Any, shares: list, batches: list[dict[str, Any]],
-                    first: torch.Tensor | None = None) -> dict[str, Any]:
-        """Each share's advantages; the reward statistics of the step's first round (`first`, when dynamic
-        sampling replaced groups: what the policy itself drew), else of the batch."""
-        advantages, stats = group_advantages(batch["rewards"], self.cfg.rollout.group_size,
-                                             self.cfg.algorithm.scale_by_std)
-        if first is not None:
-            stats = group_advantages(first, self.cfg.rollout.group_size, self.cfg.algorithm.scale_by_std)[1]
-        for rank_batch, share in zip(batches, shares):
-            rank_batch["advantages"] = advantages[torch.tensor(share["sample_index"])]
-        return stats
 
     def _save(self, step: int, clock: TrackedClock) -> int:
         """latest_recover_save and periodic_recover_save when due; returns the saves that failed and were skipped."""

@@ -14,7 +14,7 @@ from typing import Any, Awaitable, Callable
 
 from tenacity import AsyncRetrying, RetryCallState, RetryError, retry_if_exception_type, stop_after_attempt
 
-from rlhf.config import Config
+from rlhf.config import Policy
 from rlhf.control.fleet import RolloutServices
 from rlhf.control.workers import WorkerGroup
 from rlhf.errors import RpcConnectionError, RpcTimeout
@@ -35,17 +35,17 @@ SGLANG_EVENT_ROUTES = {"rollout_start": "/resume_memory_occupation", "rollout_en
 
 class ColocationEvents:
     columns = ("train_offload_mb", "rollout_release_mb")  # what each step's events freed (steps.csv)
-    def __init__(self, cfg: Config, loop: LoopThread, workers: WorkerGroup, services: RolloutServices) -> None:
-        self.cfg, self.loop, self.workers, self.services = cfg, loop, workers, services
+    def __init__(self, colocate: bool, timeout_s: float, backend: str, policy: Policy, loop: LoopThread,
+                 workers: WorkerGroup, services: RolloutServices) -> None:
+        """colocate: runtime.colocate; timeout_s: timeouts.event_s; backend: rollout.backend; policy: resilience."""
+        self.colocate, self.timeout_s, self.backend, self.policy = colocate, timeout_s, backend, policy
+        self.loop, self.workers, self.services = loop, workers, services
 
     def notify(self, event: str, step: int) -> list[tuple[str, Any]]:
         """(peer, reply) for every colocated peer; [] when not colocated."""
-        if not self.cfg.runtime.colocate:
+        if not self.colocate:
             return []
-        timeout = self.cfg.runtime.event_timeout_s
-        acked = self.cfg.resilience.acked_events
-
-        sglang = self.cfg.rollout.backend == "sglang"
+        timeout, acked, sglang = self.timeout_s, self.policy.acked_events, self.backend == "sglang"
         body = {"event": event, "step": step}
 
         def to_rollout(client: Client) -> Callable[[], Awaitable[Any]]:

@@ -3,9 +3,9 @@
     MetaServer       in this process (HTTP on its own thread): relays weight shards, train → rollout
     Scheduler        its own process: starts the rollout server jobs, stops them when our lease lapses
     RolloutServer r  one job each (sglang-compatible HTTP API), colocated with train rank r or not;
-                     with rollout.backend sglang, `python -m <rollout.sglang_launcher> --config FILE` instead
+                     with rollout.backend sglang, `python -m <sglang.launcher> --config FILE` instead
                      (sglang's launch flags in a 0600 YAML file: the API key never shows in `ps`)
-    RewardServer     with reward.model_path: job reward-0 on this node (rlhf.services.reward_server), scoring each
+    RewardServer     with reward_model.path: job reward-0 on this node (rlhf.services.reward_server), scoring each
                      step's completions with the reward model; not started again when it dies (the step fails)
 """
 
@@ -47,7 +47,7 @@ class RolloutServices:
         self.scheduler: SchedulerClient | None = None  # node 0's, the controller's own process
         self.remote: dict[int, RemoteScheduler] = {}  # the other nodes', started by their first train rank
         self.rollout: list[Client] = []
-        self.reward: Client | None = None  # the reward server (reward.model_path), else None
+        self.reward: Client | None = None  # the reward server (reward_model.path), else None
         self.jobs: list[tuple[list[str], dict[str, str], str]] = []  # rollout server r's (command, env, ready file)
 
     @property
@@ -65,11 +65,11 @@ class RolloutServices:
         reward_ready = self._submit_reward_server()
         if cfg.rollout.backend == "sglang":
             urls = self._start_sglang(threads)
-            self.rollout = [Client(u, self.token, cfg.runtime.rollout_timeout_s, peer=f"rollout-{r}",
+            self.rollout = [Client(u, self.token, cfg.timeouts.rollout_s, peer=f"rollout-{r}",
                                    retries=cfg.resilience.retry_idempotent) for r, u in enumerate(urls)]
             self._connect_reward_server(reward_ready)
             log.info("services up: metaserver %s, scheduler %s, %d sglang servers (%s)%s, %d train ranks",
-                     self.metaserver_url, self.scheduler.url, len(urls), cfg.rollout.sglang_launcher,
+                     self.metaserver_url, self.scheduler.url, len(urls), cfg.sglang.launcher,
                      ", reward-0" if self.reward else "", self.train_ranks)
             return
         self._start_node_schedulers()
@@ -85,8 +85,8 @@ class RolloutServices:
             self.jobs.append((cmd, env, ready))
             self._submit(r)
             ready_files.append(ready)
-        urls = [wait_for_file(f, cfg.runtime.startup_timeout_s) for f in ready_files]
-        self.rollout = [Client(u, self.token, cfg.runtime.rollout_timeout_s, peer=f"rollout-{r}",
+        urls = [wait_for_file(f, cfg.timeouts.startup_s) for f in ready_files]
+        self.rollout = [Client(u, self.token, cfg.timeouts.rollout_s, peer=f"rollout-{r}",
                                retries=cfg.resilience.retry_idempotent)
                         for r, u in enumerate(urls)]
         self._connect_reward_server(reward_ready)
@@ -96,10 +96,10 @@ class RolloutServices:
                  f", reward server {self.reward.base_url}" if self.reward else "", self.train_ranks)
 
     def _submit_reward_server(self) -> str:
-        """reward.model_path: submit job reward-0 (role reward) to this node's scheduler; returns its ready file
+        """reward_model.path: submit job reward-0 (role reward) to this node's scheduler; returns its ready file
         ("" without a reward model). It loads while the rollout servers load."""
         cfg = self.cfg
-        if not cfg.reward.model_path:
+        if not cfg.reward_model.path:
             return ""
         assert self.scheduler is not None
         ready = os.path.join(self.run_dir, "reward-0.url")
@@ -116,19 +116,19 @@ class RolloutServices:
         with where its error is."""
         if not ready:
             return
-        deadline = time.monotonic() + self.cfg.runtime.startup_timeout_s
+        deadline = time.monotonic() + self.cfg.timeouts.startup_s
         while not (os.path.exists(ready) and os.path.getsize(ready) > 0):
-            self._still_starting("reward-0", f"reward.model_path {self.cfg.reward.model_path}", "its ready file",
+            self._still_starting("reward-0", f"reward_model.path {self.cfg.reward_model.path}", "its ready file",
                                  deadline, f"{self.run_dir}/logs/reward-0.log")
             time.sleep(0.1)  # a poll interval: the condition is the ready file (or the job's end)
         url = wait_for_file(ready, 1.0)
-        self.reward = Client(url, self.token, self.cfg.reward.timeout_s, peer="reward-0",
+        self.reward = Client(url, self.token, self.cfg.reward_model.timeout_s, peer="reward-0",
                              retries=self.cfg.resilience.retry_idempotent)
 
     def _start_scheduler(self) -> SchedulerClient:
         cfg = self.cfg
-        scheduler = SchedulerClient(self.run_dir, self.token, cfg.runtime.scheduler_lease_s,
-                                    cfg.runtime.startup_timeout_s, self.loop)
+        scheduler = SchedulerClient(self.run_dir, self.token, cfg.timeouts.scheduler_lease_s,
+                                    cfg.timeouts.startup_s, self.loop)
         if self._revivable():
             scheduler.death_level = logging.WARNING  # revive() starts another: a death it survives
         return scheduler
@@ -166,8 +166,8 @@ class RolloutServices:
             leader = self.nodes.index(node)
             assert self.workers is not None, "a multi-node run needs the train ranks to start its schedulers"
             [(reply, _)] = self.workers.call("start_scheduler", {
-                "node": node, "lease_s": cfg.runtime.scheduler_lease_s,
-                "startup_timeout_s": cfg.runtime.startup_timeout_s}, stage="startup", ranks=[leader])
+                "node": node, "lease_s": cfg.timeouts.scheduler_lease_s,
+                "startup_timeout_s": cfg.timeouts.startup_s}, stage="startup", ranks=[leader])
             self.remote[node] = RemoteScheduler(reply["url"], self.token, reply["name"], self.loop)
 
     def _scheduler_of(self, r: int) -> Any:
@@ -201,7 +201,7 @@ class RolloutServices:
             for r, probe in zip(running, probes):
                 if isinstance(probe, (RpcConnectionError, RpcTimeout, HTTPStatusError)):
                     down[r] = f"it does not answer /health ({type(probe).__name__})"
-                    self.loop.run(self._scheduler_of(r).stop_job(f"rollout-{r}", cfg.runtime.cleanup_timeout_s, step))
+                    self.loop.run(self._scheduler_of(r).stop_job(f"rollout-{r}", cfg.timeouts.cleanup_s, step))
                 elif isinstance(probe, BaseException):
                     raise probe
             return down
@@ -236,9 +236,9 @@ class RolloutServices:
             self._submit(r)  # all of them first, then wait: they start side by side
         restarted = list(down)
         for r in restarted:
-            url = wait_for_file(self.jobs[r][2], cfg.runtime.startup_timeout_s)
+            url = wait_for_file(self.jobs[r][2], cfg.timeouts.startup_s)
             self.loop.run(self.rollout[r].close())
-            self.rollout[r] = Client(url, self.token, cfg.runtime.rollout_timeout_s, peer=f"rollout-{r}",
+            self.rollout[r] = Client(url, self.token, cfg.timeouts.rollout_s, peer=f"rollout-{r}",
                                      retries=cfg.resilience.retry_idempotent)
         return [f"rollout-{r}" for r in restarted]
 
@@ -289,8 +289,8 @@ class RolloutServices:
             port = free_port()
             flags = {"model_path": os.path.abspath(cfg.model.path), "host": DEFAULT_HOST, "port": port,
                      "api_key": self.token, "dtype": cfg.model.dtype, "device": kind, "base_gpu_id": int(index or 0),
-                     "mem_fraction_static": cfg.rollout.mem_fraction, "tp_size": cfg.rollout.tp_size,
-                     "random_seed": (cfg.rollout.seed if cfg.rollout.seed >= 0 else cfg.seed + 17) + 1000 * r,
+                     "mem_fraction_static": cfg.sglang.mem_fraction, "tp_size": cfg.sglang.tp_size,
+                     "random_seed": (cfg.sampling.seed if cfg.sampling.seed >= 0 else cfg.seed + 17) + 1000 * r,
                      "skip_server_warmup": True}
             if cfg.resilience.shed_load and cfg.rollout.max_queued_requests:
                 flags["max_queued_requests"] = cfg.rollout.max_queued_requests
@@ -298,7 +298,7 @@ class RolloutServices:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as f:
                 yaml.safe_dump(flags, f)
-            cmd = [sys.executable, "-m", cfg.rollout.sglang_launcher, "--config", path]
+            cmd = [sys.executable, "-m", cfg.sglang.launcher, "--config", path]
             env = {"RLHF_RUN_DIR": self.run_dir, "RLHF_RANK": str(r), "RLHF_ROLLOUT_THREADS": threads,
                    "PYTHONPATH": _pythonpath()}
             scheduler.submit(f"rollout-{r}", "rollout", cmd, env,
@@ -311,10 +311,10 @@ class RolloutServices:
 
     def _wait_healthy(self, name: str, url: str) -> None:
         """Until GET /health answers 200 (an sglang server loads its model first: minutes on a GPU), or the job
-        has ended, or runtime.startup_timeout_s."""
+        has ended, or timeouts.startup_s."""
         assert self.scheduler is not None
         probe = Client(url, self.token, timeout_s=5, peer=name)
-        deadline = time.monotonic() + self.cfg.runtime.startup_timeout_s
+        deadline = time.monotonic() + self.cfg.timeouts.startup_s
         try:
             while True:
                 try:
@@ -322,14 +322,14 @@ class RolloutServices:
                     return
                 except (RpcConnectionError, HTTPStatusError, RpcTimeout):
                     pass
-                self._still_starting(name, self.cfg.rollout.sglang_launcher, f"GET {url}/health", deadline,
+                self._still_starting(name, self.cfg.sglang.launcher, f"GET {url}/health", deadline,
                                      f"{self.run_dir}/logs/{name}.stdout")
                 time.sleep(0.2)  # a poll interval, not a wait for a result: the condition is /health's answer
         finally:
             self.loop.run(probe.close())
 
     def _still_starting(self, name: str, what: str, waiting_for: str, deadline: float, output: str) -> None:
-        """While a job comes up: its job ended (a model it cannot load) or runtime.startup_timeout_s passed is one
+        """While a job comes up: its job ended (a model it cannot load) or timeouts.startup_s passed is one
         error naming it and where its output is."""
         assert self.scheduler is not None
         job = next((j for j in self.scheduler.jobs() if j["name"] == name), None)
@@ -337,8 +337,8 @@ class RolloutServices:
             raise RuntimeError(f"{name} ({what}) ended before {waiting_for} answered: "
                                f"{job['state'] if job else 'no such job'}; its output is in {output}")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{name} ({what}): no {waiting_for} within runtime.startup_timeout_s "
-                               f"({self.cfg.runtime.startup_timeout_s:g} s); its output is in {output}")
+            raise TimeoutError(f"{name} ({what}): no {waiting_for} within timeouts.startup_s "
+                               f"({self.cfg.timeouts.startup_s:g} s); its output is in {output}")
 
     def stop(self, level: int = logging.ERROR) -> None:
         """The MetaServer, then every job through its scheduler (each error logged at `level` as it happens). The
@@ -350,7 +350,7 @@ class RolloutServices:
 
             async def stop_all(scheduler: Any = scheduler) -> list[Any]:
                 jobs = (await scheduler.client.call("/jobs", method="GET", stage="cleanup"))[0]
-                return await asyncio.gather(*[scheduler.stop_job(j["name"], self.cfg.runtime.cleanup_timeout_s)
+                return await asyncio.gather(*[scheduler.stop_job(j["name"], self.cfg.timeouts.cleanup_s)
                                               for j in jobs], return_exceptions=True)
 
             try:

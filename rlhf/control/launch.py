@@ -24,6 +24,7 @@ from rlhf import exits, faults, tracing
 from rlhf.config import Config
 from rlhf.control.controller import Controller
 from rlhf.control.sft_controller import SFTController
+from rlhf.inputs import check_inputs
 from rlhf.procs import bound_heap, cpu_share, freeze_gc, own_threads, second_sigterm_stops, set_pdeathsig
 from rlhf.run_dir import default_run_dir, make_run_dir, setup_logging
 from rlhf.services.train_worker import TrainWorker
@@ -78,6 +79,7 @@ def _restart_refused(run_dir: str) -> str:
 
 def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
     """mode 'grpo': the GRPO controller; 'sft': the SFT baseline controller (no rollout side)."""
+    check_inputs(cfg)  # the command lines checked them already; a caller of run() gets the same one error
     if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:
         # torchrun gone (killed, OOM-killed): SIGTERM drains the run as an operator's would (the controller finishes
         # its step and checkpoint), and the orphan guard ends this rank DRAIN_WAIT_S later whatever it is doing

@@ -55,10 +55,10 @@ class RunLifecycle(FailureReports, CheckpointSaves):
     def __init__(self, cfg: Config, run_dir: str, worker_urls: list[str], token: str) -> None:
         self.cfg, self.run_dir, self.token, self.policy = cfg, run_dir, token, cfg.resilience
         self.loop = LoopThread(self.loop_name)
-        self.workers = WorkerGroup(worker_urls, token, self.loop, cfg.runtime.rpc_timeout_s,
+        self.workers = WorkerGroup(worker_urls, token, self.loop, cfg.timeouts.rpc_s,
                                    checksums=self.policy.stage_checksums, retries=self.policy.retry_idempotent)
         # the train layout (dp x tp over the ranks), built once: the batch's shares and the weights' paths read it
-        self.workers.layout = make_layout(cfg.train.parallel, cfg.train.tp_size, len(self.workers))
+        self.workers.layout = make_layout(cfg.parallel.layout, cfg.parallel.tp_size, len(self.workers))
         self.workers.watchdog = StallWatchdog(self.workers.clients, cfg.runtime.watchdog_stall_s,
                                               self.policy.stall_stops_run, run_dir, on_report=self._stall_reported)
         self.saves_failed = 0  # checkpoint saves that failed while the run went on (this step's: steps.csv saves_failed)

@@ -65,7 +65,7 @@ class FailureReports:
             return []
         unfired = faults.never_fired(self.run_dir, self.cfg.faults, last_step, rl=self.rl,
                                      colocate=self.cfg.runtime.colocate, weights_mode=self.cfg.weights.mode,
-                                     parallel=self.cfg.train.parallel)
+                                     parallel=self.cfg.parallel.layout)
         for fault in unfired:
             log.warning("fault %s never fired: %s", fault["name"], fault["why"])
         return unfired

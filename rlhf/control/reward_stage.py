@@ -1,7 +1,7 @@
 """The reward stage: every sample's reward from the task's reward functions and the reward model's score, and
 dynamic sampling's swap of the groups that carry no advantage (algorithm.resample_rounds, DAPO's).
 
-    stage = RewardStage(cfg.task, cfg.reward, cfg.rollout.group_size, cfg.algorithm.resample_rounds, loop, fleet)
+    stage = RewardStage(cfg.reward, cfg.reward_model, cfg.rollout.group_size, cfg.algorithm.resample_rounds, loop, fleet)
     batch["rewards"] = stage.score(step, batch, row)
     batch = stage.resample(step, batch, row, draw, generate, clock)   # before rollout_end
 """
@@ -15,7 +15,7 @@ import torch
 from rlhf import tracing
 from rlhf.algorithms.grpo import equal_groups
 from rlhf.batch import StepBatch
-from rlhf.config import RewardModelConfig, TaskConfig
+from rlhf.config import RewardConfig, RewardModelConfig
 from rlhf.control.fleet import RolloutServices
 from rlhf.faults import fault_point
 from rlhf.tasks.scoring import row_fields, scorer_of
@@ -23,15 +23,15 @@ from rlhf.transport.client import LoopThread
 
 
 class RewardStage:
-    def __init__(self, task_cfg: TaskConfig, reward_cfg: RewardModelConfig, group_size: int, resample_rounds: int,
+    def __init__(self, reward_cfg: RewardConfig, model_cfg: RewardModelConfig, group_size: int, resample_rounds: int,
                  loop: LoopThread, fleet: RolloutServices) -> None:
-        self.reward = scorer_of(task_cfg)  # the run's rewards, weighted (rlhf.tasks.scoring)
-        self.model_weight = reward_cfg.weight
+        self.reward = scorer_of(reward_cfg)  # the run's rewards, weighted (rlhf.tasks.scoring)
+        self.model_weight = model_cfg.weight
         self.group_size, self.resample_rounds = group_size, resample_rounds
         self.loop, self.fleet = loop, fleet
         # steps.csv: what dynamic sampling did, then each reward function's mean (and the reward model's)
         self.columns = ["resampled_groups", "resample_prompts", "equal_groups_trained", *self.reward.labels,
-                        *(["reward_model"] if reward_cfg.model_path else [])]
+                        *(["reward_model"] if model_cfg.path else [])]
 
     def score(self, step: int, batch: StepBatch, row: dict[str, Any] | None) -> torch.Tensor:
         """Every sample's reward: the reward functions (and the reward model's weighted score). Each function's
@@ -52,7 +52,7 @@ class RewardStage:
         return rewards
 
     def _reward_model_scores(self, step: int, prompts: list[str], completions: list[str]) -> torch.Tensor:
-        """reward-0's score of each completion (reward.model_path): one /score call for the step's batch."""
+        """reward-0's score of each completion (reward_model.path): one /score call for the step's batch."""
         assert self.fleet.reward is not None
         reply = self.loop.run(self.fleet.reward.call("/score", {"prompts": list(prompts),
                                                                 "completions": list(completions)},

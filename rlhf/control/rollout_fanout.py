@@ -22,7 +22,7 @@ import torch
 
 from rlhf import tracing
 from rlhf.batch import DistributedBatchMemory
-from rlhf.config import Config
+from rlhf.config import Policy, RolloutConfig, SamplingConfig
 from rlhf.control.fleet import RolloutServices
 from rlhf.data import completion_text, encode_prompts, rl_batch
 from rlhf.errors import HTTPStatusError, RpcTimeout
@@ -42,8 +42,11 @@ def migratable(exc: BaseException) -> bool:
 
 
 class RolloutFanout:
-    def __init__(self, cfg: Config, loop: LoopThread, services: RolloutServices, tokenizer: Any) -> None:
-        self.cfg, self.loop, self.services, self.tokenizer = cfg, loop, services, tokenizer
+    def __init__(self, rollout: RolloutConfig, sampling: SamplingConfig, chat_template: bool, policy: Policy,
+                 loop: LoopThread, services: RolloutServices, tokenizer: Any) -> None:
+        """rollout, sampling: their sections; chat_template: task.chat_template; policy: the resilience section."""
+        self.rollout, self.sampling, self.chat_template, self.policy = rollout, sampling, chat_template, policy
+        self.loop, self.services, self.tokenizer = loop, services, tokenizer
         self.migrated = 0  # samples of the last call generated (or continued) on another server than planned
 
     def _spread(self, step: int, prompt_ids: list[list[int]], params: dict[str, Any] | list[dict[str, Any]],
@@ -61,7 +64,7 @@ class RolloutFanout:
                 return
             sampling = [{**params[i], "n": per} for i in idx] if isinstance(params, list) else {**params, "n": per}
             body = {"input_ids": [prompt_ids[i] for i in idx], "sampling_params": sampling, "return_logprob": logprobs}
-            if logprobs and self.cfg.rollout.backend == "native":
+            if logprobs and self.rollout.backend == "native":
                 body["return_logprob_packed"] = True  # our servers' extension: float32 logprobs, a third of the JSON
             out = (await client.call("/generate", body, stage="rollout", step=step))[0]
             if logprobs:
@@ -76,7 +79,7 @@ class RolloutFanout:
                 if not isinstance(out, Exception):
                     raise out  # cancelled, interrupted: not a server's failure
                 failed.append((r, idx, out))
-        if not failed or not self.cfg.resilience.migrate_requests:
+        if not failed or not self.policy.migrate_requests:
             return done, failed
         healthy = [r for r in range(len(servers)) if r not in {f[0] for f in failed}]
         moving = [f for f in failed if migratable(f[2])]
@@ -135,15 +138,15 @@ class RolloutFanout:
 
     def generate(self, step: int, examples: list[Any]) -> DistributedBatchMemory:
         """One GRPO batch: group_size samples of every example, with logprobs and decoded completions."""
-        cfg, g = self.cfg, self.cfg.rollout.group_size
+        g, sp = self.rollout.group_size, self.sampling
         self.migrated = 0
-        prompt_ids = encode_prompts(self.tokenizer, [e.prompt for e in examples], cfg.task.chat_template)
-        params = {"max_new_tokens": cfg.rollout.max_new_tokens, "temperature": cfg.rollout.temperature,
-                  "top_p": cfg.rollout.top_p, "top_k": cfg.rollout.top_k, "ignore_eos": cfg.rollout.ignore_eos}
+        prompt_ids = encode_prompts(self.tokenizer, [e.prompt for e in examples], self.chat_template)
+        params = {"max_new_tokens": sp.max_new_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
+                  "top_k": sp.top_k, "ignore_eos": sp.ignore_eos}
         done, failed = self._spread(step, prompt_ids, params, g, True)
-        if failed and cfg.resilience.strict_rollout:
+        if failed and self.policy.strict_rollout:
             raise failed[0][2]
-        if cfg.resilience.migrate_requests:
+        if self.policy.migrate_requests:
             self._continue_aborted(step, prompt_ids, done, params)
         for r, idx, exc in failed:
             if isinstance(exc, RpcTimeout):  # in-flight requests are kept, aborted, with no tokens
@@ -172,7 +175,7 @@ class RolloutFanout:
             "weight_version": [r["meta_info"]["weight_version"] for r in results],
         }, g, strict=False)
         # sync: every sample is the step's version; async: no older than the bound (rollout.max_staleness)
-        oldest = step - (cfg.rollout.max_staleness if cfg.rollout.mode == "async" else 0)
+        oldest = step - (self.rollout.max_staleness if self.rollout.mode == "async" else 0)
         stale = {v for v in memory["weight_version"] if v != ABORTED and not (v.lstrip("-").isdigit() and
                                                                               oldest <= int(v) <= step)}
         if stale:
@@ -183,8 +186,8 @@ class RolloutFanout:
     def greedy(self, examples: list[Any]) -> list[str]:
         """One greedy completion per example, in order (evaluation), spread over the rollout servers (migrated
         like a step's when a server fails)."""
-        prompt_ids = encode_prompts(self.tokenizer, [e.prompt for e in examples], self.cfg.task.chat_template)
-        done, failed = self._spread(-1, prompt_ids, {"max_new_tokens": self.cfg.rollout.max_new_tokens,
+        prompt_ids = encode_prompts(self.tokenizer, [e.prompt for e in examples], self.chat_template)
+        done, failed = self._spread(-1, prompt_ids, {"max_new_tokens": self.sampling.max_new_tokens,
                                                      "temperature": 0.0}, 1, False)
         if failed:
             raise failed[0][2]

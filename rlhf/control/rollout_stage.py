@@ -1,7 +1,7 @@
 """The rollout side of a step: the step's weights to the rollout servers and its batch from them, synchronous or
 generated ahead (rollout.mode async).
 
-    stage = RolloutStage(cfg, sampler, fanout, survival, rewards, events, update_weights)
+    stage = RolloutStage(cfg.rollout, cfg.steps, sampler, fanout, survival, rewards, events, update_weights)
     stage.start(start_step)                       # after the startup's weights update
     produced = stage.batch(step, row, clock)      # weights_update, events, rollout (+ dynamic sampling's rounds)
 
@@ -21,7 +21,7 @@ import logging
 from typing import Any, Callable
 
 from rlhf import tracing
-from rlhf.config import Config
+from rlhf.config import RolloutConfig
 from rlhf.control.async_rollout import Produced, RolloutPipeline
 from rlhf.control.events import ColocationEvents, freed_mb
 from rlhf.control.reward_stage import RewardStage
@@ -35,20 +35,20 @@ log = logging.getLogger("rlhf.controller")
 
 
 class RolloutStage:
-    def __init__(self, cfg: Config, sampler: PromptSampler, fanout: RolloutFanout, survival: RolloutSurvival,
-                 rewards: RewardStage, events: ColocationEvents,
+    def __init__(self, cfg: RolloutConfig, steps: int, sampler: PromptSampler, fanout: RolloutFanout,
+                 survival: RolloutSurvival, rewards: RewardStage, events: ColocationEvents,
                  update_weights: Callable[[int, dict[str, Any]], None]) -> None:
+        """cfg: the rollout section; steps: the run's last step (the producer makes no batch past it)."""
         self.cfg, self.sampler, self.fanout, self.survival = cfg, sampler, fanout, survival
         self.rewards, self.events, self.update_weights = rewards, events, update_weights
-        self.pipeline = RolloutPipeline(self._produce_ahead, cfg.rollout.max_staleness, cfg.steps,
-                                        cfg.rollout.group_size, sampler.state_dict) \
-            if cfg.rollout.mode == "async" else None
+        self.pipeline = RolloutPipeline(self._produce_ahead, cfg.max_staleness, steps, cfg.group_size,
+                                        sampler.state_dict) if cfg.mode == "async" else None
 
     def start(self, start_step: int) -> None:
         """After the startup's weights update (version start_step): async, the producer starts."""
         if self.pipeline is not None:
             log.info("rollout mode async: batches generated ahead, at most %d weights version(s) behind the step "
-                     "that trains on them", self.cfg.rollout.max_staleness)
+                     "that trains on them", self.cfg.max_staleness)
             self.pipeline.start(start_step + 1, start_step)
 
     def batch(self, step: int, row: dict[str, Any], clock: Any) -> Produced:
@@ -60,7 +60,7 @@ class RolloutStage:
         with clock.stage("events"):
             row["train_offload_mb"] = freed_mb(self.events.notify("rollout_start", step), "train")
         if pipeline is None:  # while the rollout servers hold the device (colocated: the lease)
-            produced = self._produce(step, row, clock, lambda: self.sampler.next(self.cfg.rollout.prompts_per_step))
+            produced = self._produce(step, row, clock, lambda: self.sampler.next(self.cfg.prompts_per_step))
         else:
             with clock.stage("rollout"):
                 produced, waits = pipeline.take(step)
@@ -76,7 +76,7 @@ class RolloutStage:
         after it (sglang's /pause_generation and /continue_generation)."""
         with clock.stage("weights_update"):
             if self.pipeline is not None:
-                self._every_server(step, "/pause_generation", {"mode": self.cfg.rollout.interrupt}, "rollout.pause")
+                self._every_server(step, "/pause_generation", {"mode": self.cfg.interrupt}, "rollout.pause")
             self.survival.survive(step, row, "the weights update", lambda: self.update_weights(step, row))
             if self.pipeline is not None:
                 self._every_server(step, "/continue_generation", {}, "rollout.continue")
@@ -97,7 +97,7 @@ class RolloutStage:
         with clock.stage("rollout"):
             batch = self._generate(step, row, draw())
         first = None  # the first round's rewards, when more rounds replace groups (dynamic sampling)
-        if self.cfg.algorithm.resample_rounds:
+        if self.rewards.resample_rounds:
             with clock.stage("reward"):
                 first = batch["rewards"] = self.rewards.score(step, batch, row)
             batch = self.rewards.resample(step, batch, row, self.sampler.next,
@@ -110,7 +110,7 @@ class RolloutStage:
         pipeline, row, clock = self.pipeline, {}, StageClock(step, claim=False)  # the train side's is the current
         with tracing.span("rollout.ahead", new_trace=True, step=step):
             produced = self._produce(step, row, clock, lambda: pipeline.draw(
-                step, lambda: self.sampler.next(self.cfg.rollout.prompts_per_step)))
+                step, lambda: self.sampler.next(self.cfg.prompts_per_step)))
         produced.row = row
         return produced
 
@@ -133,7 +133,7 @@ class RolloutStage:
     @property
     def exact_rng(self) -> bool:
         """Whether the rollout servers' sampling RNG can be saved between batches (not with a batch in flight)."""
-        return self.pipeline is None or self.cfg.rollout.max_staleness == 0
+        return self.pipeline is None or self.cfg.max_staleness == 0
 
     def close(self, wait_s: float = 0.0) -> None:
         """No batch starts after this; one in flight ends as its servers stop (wait_s: for the producer to end)."""

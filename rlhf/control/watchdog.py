@@ -1,5 +1,5 @@
 """The stall watchdog: while the controller waits on the train ranks, it reads their heartbeats and names
-the rank that keeps the others waiting, in seconds instead of an RPC timeout (runtime.rpc_timeout_s, 600 s).
+the rank that keeps the others waiting, in seconds instead of an RPC timeout (timeouts.rpc_s, 600 s).
 
     every 0.5 s once a call has run runtime.watchdog_stall_s / 2:   GET /heartbeat on every rank
     │  rank: what it runs (request or SFT loop phase) at which step, the collective it is inside and since

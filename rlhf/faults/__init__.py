@@ -298,7 +298,7 @@ def _why_not(spec: FaultSpec, last_step: int, rl: bool, colocate: bool, weights_
     points = spec.points
     fsdp_only = ("collective.all_gather", "collective.reduce_scatter")
     if all(p in fsdp_only for p in points) and parallel != "fsdp":
-        return f"{', '.join(points)} is passed only with train.parallel fsdp (this run: {parallel})"
+        return f"{', '.join(points)} is passed only with parallel.layout fsdp (this run: {parallel})"
     if not rl and all(p.startswith(RL_ONLY) for p in points):
         return f"the SFT baseline never passes {', '.join(points)} (RL only)"
     if all(p.startswith("events.") for p in points) and not colocate:

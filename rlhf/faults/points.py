@@ -13,15 +13,15 @@ POINTS: dict[str, str] = {
                                 "before it receives one (weights.mode distributed; peer: the group's name)",
     "rollout.generate": "rollout server, before a /generate batch runs",
     "reward.compute": "controller, before the step's completions are scored by the reward functions",
-    "reward_model.score": "reward server (reward.model_path), before it scores a step's completions",
+    "reward_model.score": "reward server (reward_model.path), before it scores a step's completions",
     "reference.compute": "train rank, before reference (or old-policy) logprobs",
     "train.step": "train rank, before the GRPO loss/backward/optimizer step",
     "sft.step": "train rank, before an SFT step (warm start and the SFT baseline)",
     "collective.all_reduce": "train rank, before every all_reduce (gradients and counts; tensor parallel's sum of a "
                              "row-wise layer's output)",
-    "collective.all_gather": "train rank under train.parallel fsdp, before each all-gather of a layer's parameters "
+    "collective.all_gather": "train rank under parallel.layout fsdp, before each all-gather of a layer's parameters "
                              "(before its forward and its backward)",
-    "collective.reduce_scatter": "train rank under train.parallel fsdp, before each reduce-scatter of a layer's "
+    "collective.reduce_scatter": "train rank under parallel.layout fsdp, before each reduce-scatter of a layer's "
                                  "gradients",
     "rpc.client.send": "any process, before an RPC request leaves (peer: the callee, e.g. train-1, metaserver)",
     "rpc.server.handle": "any service, before a request's handler runs (peer: the route path)",

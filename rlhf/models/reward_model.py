@@ -23,24 +23,24 @@ class RewardModelError(ValueError):
 def check_reward_model_dir(path: str) -> str | None:
     """Why `path` is no reward model directory we can serve (one line), or None. Reads config.json only."""
     if not os.path.isdir(path):
-        return f"reward.model_path: {path!r} is not a directory (a local Hugging Face model folder)"
+        return f"reward_model.path: {path!r} is not a directory (a local Hugging Face model folder)"
     config_file = os.path.join(path, "config.json")
     if not os.path.exists(config_file):
-        return f"reward.model_path: {path} has no config.json (a Hugging Face model folder: config.json, " \
+        return f"reward_model.path: {path} has no config.json (a Hugging Face model folder: config.json, " \
                "*.safetensors and the tokenizer)"
     with open(config_file, encoding="utf-8") as fh:
         try:
             config = json.load(fh)
         except json.JSONDecodeError as exc:
-            return f"reward.model_path: {config_file} is not JSON ({exc})"
+            return f"reward_model.path: {config_file} is not JSON ({exc})"
     archs = config.get("architectures") or []
     if not any(a.endswith("ForSequenceClassification") for a in archs):
-        return (f"reward.model_path: {path} is a {', '.join(archs) or 'model of no architecture'}; a reward model is "
+        return (f"reward_model.path: {path} is a {', '.join(archs) or 'model of no architecture'}; a reward model is "
                 "a sequence-classification model (LlamaForSequenceClassification, MistralForSequenceClassification, "
                 "Qwen2ForSequenceClassification) with one label")
     labels = config.get("num_labels") or len(config.get("id2label") or {}) or 2
     if labels != 1:
-        return f"reward.model_path: {path} has {labels} labels; a reward model gives one score (num_labels 1)"
+        return f"reward_model.path: {path} has {labels} labels; a reward model gives one score (num_labels 1)"
     return None
 
 
@@ -58,12 +58,12 @@ class RewardModel:
         self.batch_size, self.max_length = batch_size, max_length
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         if chat_template and not getattr(self.tokenizer, "chat_template", None):
-            raise RewardModelError(f"reward.chat_template: the tokenizer in {path} has no chat template; set "
-                                   "reward.chat_template false to score prompt + completion as plain text")
+            raise RewardModelError(f"reward_model.chat_template: the tokenizer in {path} has no chat template; set "
+                                   "reward_model.chat_template false to score prompt + completion as plain text")
         self.model = AutoModelForSequenceClassification.from_pretrained(
             path, local_files_only=True, dtype=dtype, attn_implementation="sdpa").to(self.device).eval()
         if not hasattr(self.model, "score") or not hasattr(self.model, "base_model"):
-            raise RewardModelError(f"reward.model_path: {type(self.model).__name__} has no `score` head over a base "
+            raise RewardModelError(f"reward_model.path: {type(self.model).__name__} has no `score` head over a base "
                                    "model; use a Llama, Mistral or Qwen2 ForSequenceClassification")
         self.model.requires_grad_(False)
 

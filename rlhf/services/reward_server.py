@@ -70,11 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    rc = cfg.reward
-    model = RewardModel(rc.model_path, rc.device or cfg.model.device, DTYPES[rc.dtype], rc.chat_template,
+    rc = cfg.reward_model
+    model = RewardModel(rc.path, rc.device or cfg.model.device, DTYPES[rc.dtype], rc.chat_template,
                         rc.batch_size)
     release_freed_memory()
-    log.info("reward server: %s (%s, %s on %s)", rc.model_path, type(model.model).__name__, rc.dtype, model.device)
+    log.info("reward server: %s (%s, %s on %s)", rc.path, type(model.model).__name__, rc.dtype, model.device)
     server = RewardServer(model, token, cfg.resilience, threads=int(os.environ.get("RLHF_REWARD_THREADS", "1")))
 
     ready = announce(args.ready_file, args.host, "reward server", log)

@@ -6,7 +6,7 @@ It takes the sglang launch flags that `rollout.backend: sglang` passes (and `--c
 of the same options keyed by their names with underscores, as sglang reads it; flags given on the
 command line win) and serves only sglang's routes: none of our extensions (/events,
 /update_weights_from_meta, /weights_checksum). So a run with `rollout.backend: sglang` and
-`rollout.sglang_launcher: rlhf.services.sglang_launch` drives the native engine exactly as it would
+`sglang.launcher: rlhf.services.sglang_launch` drives the native engine exactly as it would
 drive a real sglang server; the tests and CPU machines use that.
 
 With RLHF_RUN_DIR set (the scheduler sets it; sglang ignores it) the server also writes its log,
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
     policy = cfg.resilience if cfg else HARDENED
     return serve(server, args.host, args.port, ready, policy.graceful_drain,
-                 cfg.runtime.drain_timeout_s if cfg else 4.0, stop_process_telemetry if run_dir else lambda: None)
+                 cfg.timeouts.drain_s if cfg else 4.0, stop_process_telemetry if run_dir else lambda: None)
 
 
 if __name__ == "__main__":

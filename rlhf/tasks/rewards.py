@@ -6,7 +6,7 @@ each row's other dataset columns; each takes what it needs and returns one float
     contains_answer  the answer appears in the completion
     math_equal       math-verify's equivalence of the answer and the completion (GSM8K / MATH style, LaTeX too);
                      needs `pip install math-verify`
-    format_regex     the completion matches task.format_regex (re.search, DOTALL)
+    format_regex     the completion matches reward.format_regex (re.search, DOTALL)
 """
 
 from __future__ import annotations
@@ -80,8 +80,8 @@ def math_equal(completions: list[str], answers: list[str], prompts: Any = None, 
 @register_reward("format_regex")
 def format_regex(completions: list[str], answers: Any = None, prompts: Any = None, pattern: str = "",
                  **_: Any) -> list[float]:
-    """1.0 when the completion matches task.format_regex (re.search with DOTALL); else 0.0."""
+    """1.0 when the completion matches reward.format_regex (re.search with DOTALL); else 0.0."""
     if not pattern:
-        raise ValueError("format_regex: set task.format_regex to the pattern a well-formed completion matches")
+        raise ValueError("format_regex: set reward.format_regex to the pattern a well-formed completion matches")
     compiled = re.compile(pattern, re.DOTALL)
     return [1.0 if compiled.search(c) else 0.0 for c in completions]

@@ -7,7 +7,7 @@ Every reward function is called with keyword arguments, as TRL calls its `reward
 
 `fields` are the rows' other dataset columns, one list per column (None where a row lacks it); a function takes the
 ones it names and may swallow the rest with `**kwargs`. An `async def` function (one that calls a judge over the
-network, say) is awaited within task.reward_timeout_s; a plain one runs to its end. A function that raises, returns
+network, say) is awaited within reward.async_timeout_s; a plain one runs to its end. A function that raises, returns
 the wrong length, a non-number, NaN or infinity, or runs out of time is a RewardError naming the function, where it
 comes from, the first bad row (index and prompt) and what was wrong.
 """
@@ -97,37 +97,34 @@ def load_reward(spec: str, weight: float = 1.0, options: dict[str, Any] | None =
 
 
 def reward_problem(reward: str, weights: str, pattern: str) -> str:
-    """What is wrong with task.reward / task.reward_weights / task.format_regex as written (no user code imported:
-    that happens when the run builds its rewards, before anything starts), or ''."""
+    """What is wrong with reward.functions / reward.weights / reward.format_regex as written (no file read and no user
+    code imported: config.inputs checks the files, and the run imports them before anything starts), or ''."""
     specs = [r.strip() for r in reward.split(",")]
     for spec in specs:
         if not spec:
-            return f"task.reward: {reward!r} has an empty entry"
-        target = spec.rpartition(":")[0]
+            return f"reward.functions: {reward!r} has an empty entry"
         if ":" not in spec and spec not in REWARDS:
-            return (f"task.reward: {spec!r} is not a built-in reward; choose one of: {', '.join(sorted(REWARDS))}, "
+            return (f"reward.functions: {spec!r} is not a built-in reward; choose one of: {', '.join(sorted(REWARDS))}, "
                     "or give package.module:function or path/to/file.py:function")
-        if target.endswith(".py") and not os.path.isfile(target):
-            return f"task.reward: file {target!r} does not exist (from {os.getcwd()})"
     if weights:
         values = [w.strip() for w in weights.split(",")]
         try:
             [float(w) for w in values]
         except ValueError:
-            return f"task.reward_weights: {weights!r} is not a list of numbers"
+            return f"reward.weights: {weights!r} is not a list of numbers"
         if len(values) != len(specs):
-            return f"task.reward_weights: {len(values)} weight(s) for {len(specs)} reward(s) ({reward})"
+            return f"reward.weights: {len(values)} weight(s) for {len(specs)} reward(s) ({reward})"
     if "format_regex" in specs and not pattern:
-        return "task.format_regex: the format_regex reward needs a pattern (e.g. '^<think>.*</think>')"
+        return "reward.format_regex: the format_regex reward needs a pattern (e.g. '^<think>.*</think>')"
     return ""
 
 
 def parse_rewards(specs: str | list[str], weights: str | list[float] | None,
                   options: dict[str, Any] | None = None) -> list[Reward]:
-    """task.reward (comma-separated or a list) and task.reward_weights (the same count, or none: 1.0 each)."""
+    """reward.functions (comma-separated or a list) and reward.weights (the same count, or none: 1.0 each)."""
     names = [s.strip() for s in (specs.split(",") if isinstance(specs, str) else specs) if str(s).strip()]
     if not names:
-        raise ValueError("task.reward: give at least one reward")
+        raise ValueError("reward.functions: give at least one reward")
     if weights in (None, "", []):
         values = [1.0] * len(names)
     else:
@@ -135,9 +132,9 @@ def parse_rewards(specs: str | list[str], weights: str | list[float] | None,
         try:
             values = [float(w) for w in raw]
         except ValueError:
-            raise ValueError(f"task.reward_weights: {weights!r} is not a list of numbers") from None
+            raise ValueError(f"reward.weights: {weights!r} is not a list of numbers") from None
         if len(values) != len(names):
-            raise ValueError(f"task.reward_weights: {len(values)} weight(s) for {len(names)} reward(s) ({', '.join(names)})")
+            raise ValueError(f"reward.weights: {len(values)} weight(s) for {len(names)} reward(s) ({', '.join(names)})")
     return [load_reward(n, w, options) for n, w in zip(names, values)]
 
 
@@ -176,7 +173,7 @@ def score(rewards: list[Reward], completions: list[str], answers: list[str], pro
         try:
             values = asyncio.run(_call(reward, kwargs, timeout_s))
         except asyncio.TimeoutError:
-            raise RewardError(f"{where} did not return within task.reward_timeout_s ({timeout_s:g} s) for {n} "
+            raise RewardError(f"{where} did not return within reward.async_timeout_s ({timeout_s:g} s) for {n} "
                               f"completions (first prompt: {prompts[0]!r})") from None
         except RewardError:
             raise
@@ -220,7 +217,8 @@ def row_fields(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
     return {k: [r.get(k) for r in rows] for k in names}
 
 
-def scorer_of(task_cfg: Any) -> Scorer:
-    """The Scorer of a task config (task.reward, task.reward_weights, task.format_regex, task.reward_timeout_s)."""
-    return Scorer(parse_rewards(task_cfg.reward, task_cfg.reward_weights, {"pattern": task_cfg.format_regex}
-                                if task_cfg.format_regex else None), task_cfg.reward_timeout_s)
+def scorer_of(reward_cfg: Any) -> Scorer:
+    """The Scorer of the reward section (reward.functions, reward.weights, reward.format_regex,
+    reward.async_timeout_s)."""
+    return Scorer(parse_rewards(reward_cfg.functions, reward_cfg.weights, {"pattern": reward_cfg.format_regex}
+                                if reward_cfg.format_regex else None), reward_cfg.async_timeout_s)

@@ -10,7 +10,7 @@ key head, then its value head; its fc1 holds the gate projection, then the up pr
 checkpoints and `rlhf export` see HF names.
 
 Megatron-core's GPTModel needs CUDA (its rotary embedding and causal mask live on `torch.cuda.current_device()`):
-on a CPU `check_megatron` is one clear error. `train.tp_size` / `train.pp_size` go to megatron's parallel_state;
+on a CPU `check_megatron` is one clear error. `parallel.tp_size` / `train.pp_size` go to megatron's parallel_state;
 only 1 x 1 has been checked (one GPU).
 """
 

@@ -1,11 +1,11 @@
 """Train layouts on a DeviceMesh: replicated data parallel, FSDP2, tensor parallel, and FSDP x TP (as torchtitan).
 
-    train.parallel dp     every rank holds the whole model and AdamW state; gradients summed in one flat
+    parallel.layout dp     every rank holds the whole model and AdamW state; gradients summed in one flat
                           all-reduce over the data-parallel group (the tiny default; no mesh is made)
-    train.parallel fsdp   FSDP2 (`fully_shard`) on every decoder layer and on the root: parameters, gradients
+    parallel.layout fsdp   FSDP2 (`fully_shard`) on every decoder layer and on the root: parameters, gradients
                           and AdamW state sharded over the `dp` mesh dimension; all-gather before a layer's
                           forward and backward, reduce-scatter of its gradients after
-    train.tp_size N       DTensor tensor parallel inside each decoder layer over the `tp` dimension: q/k/v and
+    parallel.tp_size N       DTensor tensor parallel inside each decoder layer over the `tp` dimension: q/k/v and
                           gate/up column-wise (attention heads and MLP columns split), o and down row-wise
                           (their outputs all-reduced). The embedding, the norms and the LM head stay replicated
                           on each TP rank (logits and the loss are computed whole on every rank of a TP group).
@@ -72,13 +72,13 @@ def layout_problems(parallel: str, tp: int, world: int, model_config: Any) -> li
     """Why the world cannot hold this layout (each with the valid choices), or []."""
     problems = []
     if parallel not in PARALLEL:
-        problems.append(f"train.parallel {parallel!r} is not a layout; choose one of: {', '.join(PARALLEL)}")
+        problems.append(f"parallel.layout {parallel!r} is not a layout; choose one of: {', '.join(PARALLEL)}")
     if tp < 1:
-        problems.append(f"train.tp_size {tp} must be at least 1")
+        problems.append(f"parallel.tp_size {tp} must be at least 1")
         return problems
     if world % tp:
         valid = [d for d in range(1, world + 1) if world % d == 0]
-        problems.append(f"train.tp_size {tp} does not divide the {world} train ranks (world = dp x tp); "
+        problems.append(f"parallel.tp_size {tp} does not divide the {world} train ranks (world = dp x tp); "
                         f"valid tp sizes here: {', '.join(map(str, valid))}")
     if model_config is not None and tp > 1:
         heads = model_config.num_attention_heads
@@ -87,7 +87,7 @@ def layout_problems(parallel: str, tp: int, world: int, model_config: Any) -> li
         for what, n in (("attention heads", heads), ("key/value heads", kv), ("MLP columns", ffn)):
             if n % tp:
                 valid = [d for d in range(1, max(heads, 1) + 1) if heads % d == 0 and kv % d == 0 and ffn % d == 0]
-                problems.append(f"train.tp_size {tp} does not divide the model's {n} {what}; tensor parallel splits "
+                problems.append(f"parallel.tp_size {tp} does not divide the model's {n} {what}; tensor parallel splits "
                                 f"them evenly (tp sizes this model takes: {', '.join(map(str, valid))})")
     return problems
 
@@ -143,7 +143,7 @@ def laid_out_model(model_cfg: Any, seed: int, layout: Layout, mesh: Any, param_d
 
 def reshard_all(model: torch.nn.Module) -> None:
     """Free every FSDP unit's gathered parameters. FSDP2 keeps the root unit (the embedding, the final norm, the LM
-    head), and every layer under train.fsdp_reshard_after_forward false, gathered after a forward for the backward
+    head), and every layer under parallel.fsdp_reshard_after_forward false, gathered after a forward for the backward
     that follows; after a no-grad forward (logprobs, the reference) none follows, and they would stay gathered until
     the next step's backward (the reference's: for the whole run)."""
     from torch.distributed.fsdp import FSDPModule

@@ -53,7 +53,7 @@ def run_sft(
     evaluator = RolloutEngine(model, tokenizer)  # shares the weights: greedy eval only
     stop_id = evaluator.stop_ids[0]  # the same stop set the rollout uses; SFT teaches its first id
     sampler = PromptSampler(task.split("train"), seed=cfg.seed)
-    max_new = cfg.rollout.max_new_tokens
+    max_new = cfg.sampling.max_new_tokens
     start = time.perf_counter()
     val_accuracy, step, stopped = float("nan"), 0, "max_steps"
     history = []

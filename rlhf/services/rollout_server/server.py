@@ -152,7 +152,7 @@ class RolloutServer(GenerateRoutes, WeightsAndMemory, DistributedWeights):
             await asyncio.sleep(0.02)
         self.drain_left = left
         if left:
-            log.warning("rollout-%d: drain timed out after %g s (runtime.drain_timeout_s) with %d call(s) left",
+            log.warning("rollout-%d: drain timed out after %g s (timeouts.drain_s) with %d call(s) left",
                         self.rank, timeout_s, left)
         else:
             log.info("rollout-%d: drained; exiting 0", self.rank)
@@ -200,10 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     model, tok = build_model_and_tokenizer(cfg.model, seed=cfg.seed, device=args.device or None)
     release_freed_memory()  # a low-precision model is built in fp32 first: give those pages back
     log.info("rollout server %d: %s on %s", args.rank, cfg.model.dtype, next(model.parameters()).device)
-    seed = (cfg.rollout.seed if cfg.rollout.seed >= 0 else cfg.seed + 17) + 1000 * args.rank
+    seed = (cfg.sampling.seed if cfg.sampling.seed >= 0 else cfg.seed + 17) + 1000 * args.rank
     engine = RolloutEngine(model, tok, seed=seed)
     lease = DeviceLease(args.run_dir, args.rank, f"rollout-{args.rank}") if args.colocate else None
-    server = RolloutServer(engine, args.rank, token, cfg.resilience, lease, cfg.runtime.lease_timeout_s,
+    server = RolloutServer(engine, args.rank, token, cfg.resilience, lease, cfg.timeouts.lease_s,
                            args.run_dir, cfg.weights.verify_checksum, max_queued=cfg.rollout.max_queued_requests,
                            threads=int(os.environ.get("RLHF_ROLLOUT_THREADS", "1")))
 
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         server.port = port
         announced(port)
 
-    return serve(server, args.host, args.port, ready, cfg.resilience.graceful_drain, cfg.runtime.drain_timeout_s,
+    return serve(server, args.host, args.port, ready, cfg.resilience.graceful_drain, cfg.timeouts.drain_s,
                  stop_process_telemetry)
 
 

@@ -27,7 +27,7 @@ class SftAndPreflight:
         self._require_device("sft")
         cfg = self.cfg
         per_rank = slice(self.dp_rank, None, self.layout.dp)  # a TP group's ranks take the same examples
-        result = run_sft(cfg, self.model, self.tokenizer, build_task(cfg.task), scorer_of(cfg.task),
+        result = run_sft(cfg, self.model, self.tokenizer, build_task(cfg.task), scorer_of(cfg.reward),
                          dp=self.dp, examples_per_rank=per_rank, show_progress=self.rank == 0)
         return result
 
@@ -36,7 +36,7 @@ class SftAndPreflight:
         cfg = self.cfg
         self.engine = TrainEngine(self.model, cfg.train, keep_reference=False, lr=cfg.sft.lr, dp=self.dp,
                                   compute_dtype=self.wire_dtype)
-        self.task, self.reward = build_task(cfg.task), scorer_of(cfg.task)
+        self.task, self.reward = build_task(cfg.task), scorer_of(cfg.reward)
         self.sft_sampler = PromptSampler(self.task.split("train"), seed=cfg.seed)
         return {"rank": self.rank}
 
@@ -114,4 +114,4 @@ class SftAndPreflight:
         engine = RolloutEngine(self.model, self.tokenizer)
         split = self.task.split(args.get("split", "eval"))
         return {"accuracy": evaluate(engine.generate, self.tokenizer, split, self.reward,
-                                     self.cfg.rollout.max_new_tokens, self.cfg.task.chat_template)["accuracy"]}
+                                     self.cfg.sampling.max_new_tokens, self.cfg.task.chat_template)["accuracy"]}

@@ -54,8 +54,8 @@ class TrainWorker(SftAndPreflight, WeightsAndCheckpoints):
         self.service = Service("train", rank, token, cfg.resilience, threads=threads)
         # the layout (rlhf.train.parallel; checked against the model at the CLI): GRPO steps run in it; the dp group
         # is the world, or with tensor parallel the ranks holding the same TP shard
-        self.layout = make_layout(cfg.train.parallel, cfg.train.tp_size, world_size,
-                                  reshard_after_forward=cfg.train.fsdp_reshard_after_forward)
+        self.layout = make_layout(cfg.parallel.layout, cfg.parallel.tp_size, world_size,
+                                  reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward)
         self.mesh = build_mesh(self.layout, torch.device(device).type)
         self.dp = GlooDataParallel(device, self.mesh["dp"].get_group() if self.mesh is not None else None)
         self.dp_rank = self.layout.dp_rank(rank)  # this rank's share of a batch, of layout.dp shares
@@ -108,7 +108,7 @@ class TrainWorker(SftAndPreflight, WeightsAndCheckpoints):
                                                                    dtype="float32")
         self.stop_id = stop_token_ids(self.model, self.tokenizer)[0]
         if self.lease is not None:
-            self.lease.acquire(self.cfg.runtime.lease_timeout_s)
+            self.lease.acquire(self.cfg.timeouts.lease_s)
         log.info("train-%d: model built on %s", self.rank, device)
 
     def _once_built(self, handler: Any) -> Any:
@@ -140,7 +140,7 @@ class TrainWorker(SftAndPreflight, WeightsAndCheckpoints):
 
     def _require_device(self, what: str) -> None:
         if self.lease is not None and not self.lease.held:
-            self.lease.acquire(self.cfg.runtime.lease_timeout_s)  # waits for rollout_end's release
+            self.lease.acquire(self.cfg.timeouts.lease_s)  # waits for rollout_end's release
             log.info("train-%d: device lease reacquired for %s", self.rank, what)
             if self.gpu is not None and next(self.model.parameters()).device.type == "cpu":  # rollout_end was lost
                 relocate(self._resident(), self.engine.optimizer if self.engine else None, self.gpu, self.gpu)
@@ -166,7 +166,7 @@ class TrainWorker(SftAndPreflight, WeightsAndCheckpoints):
             policy = self.policy = MegatronCausalLM.from_hf(self.model)
             log.info("train-%d: megatron-core GPTModel engine (local layer spec), converted from the HF model",
                      self.rank)
-        self.engine = TrainEngine(policy, cfg.train, cfg.algorithm, temperature=cfg.rollout.temperature or 1.0,
+        self.engine = TrainEngine(policy, cfg.train, cfg.algorithm, temperature=cfg.sampling.temperature or 1.0,
                                   keep_reference=cfg.algorithm.kl_coef > 0, dp=self.dp, compute_dtype=self.wire_dtype,
                                   layout=self.layout, mesh=self.mesh)
         if self.layout.sharded:
@@ -253,7 +253,7 @@ class TrainWorker(SftAndPreflight, WeightsAndCheckpoints):
                                           torch.device("cpu"), gpu))
                 self.lease.release()
             elif event == "rollout_end":
-                self.lease.acquire(self.cfg.runtime.lease_timeout_s)
+                self.lease.acquire(self.cfg.timeouts.lease_s)
                 if gpu is not None and next(self.model.parameters()).device.type == "cpu":
                     reply.update(relocate(self._resident(), self.engine.optimizer if self.engine else None, gpu, gpu))
         return reply

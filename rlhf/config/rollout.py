@@ -1,0 +1,106 @@
+"""The rollout's sections: rollout (what a step generates and by which servers, sync or async), sampling (sglang's
+sampling_params of every /generate), sglang (how a real sglang server is launched). Each field's docstring is what
+`--help` prints; each section validates its values in __post_init__ (what needs the disk or an import is checked in
+inputs.py)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from rlhf.config.checks import ConfigError, _choice, _positive
+
+
+@dataclass
+class RolloutConfig:
+    """What a GRPO step generates, by which servers, and when (sync or async)."""
+
+    group_size: int = 8
+    """GRPO group size: samples generated per prompt (sglang's `n`)."""
+    prompts_per_step: int = 64
+    """Distinct prompts per GRPO step; the batch is prompts_per_step * group_size samples. 64: at 32 the default run's gradient was noise-dominated and its gain depended on the seed (docs/results.md: the default run, version by version)."""
+    servers: int = 1
+    """Rollout server processes (jobs of the scheduler) when run under the distributed runtime."""
+    backend: str = "native"
+    """Rollout servers: 'native' (our engine, with our extensions: MetaServer pulls, /events, checksums) or
+    'sglang' (a real sglang server per job, driven through sglang's own routes only; needs weights.mode
+    distributed or disk, and model.path; its launch flags are the sglang section)."""
+    mode: str = "sync"
+    """'sync': each step generates its batch with the step's weights, then trains on it (the seeds' system). 'async':
+    a producer generates the next steps' batches while the train ranks train, each sample at most
+    rollout.max_staleness weights versions older than the step that trains on it (docs/async.md)."""
+    max_staleness: int = 1
+    """rollout.mode async: K, how many weights versions a trained-on sample may lag the step's (a sample generated
+    by version v is trained at a step <= v + K); 0 is the synchronous run through the async path."""
+    interrupt: str = "retract"
+    """rollout.mode async: how each weights update pauses the rollout servers (sglang's /pause_generation mode,
+    then /continue_generation after the update). retract and in_place: running engine calls finish first (the native
+    engine does not preempt a call yet) and queued ones wait; abort: running requests end now with their tokens
+    (finish_reason abort) and, with resilience.migrate_requests, continue from them under the new weights."""
+    max_queued_requests: int = 16
+    """Calls a rollout server lets wait for its engine; with the policy's shed_load on, one more is answered 503
+    with Retry-After and the client sends it again after that (sglang's --max-queued-requests); 0: no limit."""
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether the rollout servers generate while the train ranks train (async with K >= 1; K = 0 takes turns)."""
+        return self.mode == "async" and self.max_staleness > 0
+
+    def __post_init__(self) -> None:
+        _positive("rollout.group_size", self.group_size)
+        _positive("rollout.prompts_per_step", self.prompts_per_step)
+        _positive("rollout.servers", self.servers)
+        _choice("rollout.backend", self.backend, ("native", "sglang"))
+        _choice("rollout.mode", self.mode, ("sync", "async"))
+        _positive("rollout.max_staleness", self.max_staleness, allow_zero=True)
+        _choice("rollout.interrupt", self.interrupt, ("retract", "in_place", "abort"))
+        _positive("rollout.max_queued_requests", self.max_queued_requests, allow_zero=True)
+
+
+@dataclass
+class SamplingConfig:
+    """The sampling_params of every training /generate call (greedy evaluation sets its own)."""
+
+    max_new_tokens: int = 6
+    """Longest completion in tokens; longer samples stop with finish_reason 'length'."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 means greedy. Logprobs are of the temperature-scaled distribution."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; 1 disables it."""
+    top_k: int = -1
+    """Keep only the k most likely tokens; -1 disables it (sglang's convention)."""
+    seed: int = -1
+    """Sampling seed; -1 derives it from the run seed."""
+    ignore_eos: bool = False
+    """Generate max_new_tokens for every sample, past EOS (benchmarks: fixed work per step)."""
+
+    def __post_init__(self) -> None:
+        _positive("sampling.max_new_tokens", self.max_new_tokens)
+        _positive("sampling.temperature", self.temperature, allow_zero=True)
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"sampling.top_p: must be in (0, 1], got {self.top_p!r}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ConfigError(f"sampling.top_k: must be -1 (off) or >= 1, got {self.top_k!r}")
+
+
+@dataclass
+class SglangConfig:
+    """With rollout.backend sglang: how the scheduler launches each real sglang server."""
+
+    launcher: str = "sglang.launch_server"
+    """The module the scheduler runs as `python -m MODULE --config FILE` (sglang's launch flags in a YAML file, the
+    API key among them). rlhf.services.sglang_launch is our engine behind exactly sglang's routes (tests, CPU
+    machines)."""
+    mem_fraction: float = 0.85
+    """--mem-fraction-static, the share of GPU memory sglang takes for weights and KV cache."""
+    tp_size: int = 1
+    """--tp-size, GPUs per rollout server (tensor parallel)."""
+
+    def __post_init__(self) -> None:
+        if self.launcher == "rlhf.runtime.sglang_launch":  # the module's name before the layers' folders
+            logging.getLogger("rlhf.config").warning(
+                "sglang.launcher rlhf.runtime.sglang_launch has moved: use rlhf.services.sglang_launch")
+            self.launcher = "rlhf.services.sglang_launch"
+        _positive("sglang.tp_size", self.tp_size)
+        if not 0 < self.mem_fraction <= 1:
+            raise ConfigError(f"sglang.mem_fraction: must be in (0, 1], got {self.mem_fraction!r}")

@@ -1,0 +1,85 @@
+"""The train side of a step, from the scored batch to the trained policy: the batch path, the reference and
+recomputed logprobs, the advantages, the train step on every rank.
+
+    stage = TrainStage(cfg.algorithm, cfg.rollout.group_size, cfg.train.mini_batches, workers, pad_id)
+    shares, split = stage.split(step, batch)       # reward stage: global batch → mini-batches → each over the dp
+                                                   # ranks, token-balanced inside each (rlhf.batch)
+    stats = stage.advantages(batch, shares, first)  # advantage stage: the whole batch's, a column of every share
+    batches = stage.logprobs(step, shares, row)     # reference stage: reference (KL on), old-policy (recompute)
+    metrics = stage.train(step, batches)            # train stage: every rank's train_step, merged
+
+Each rank's train tensors are built once, where the logprob passes first need them (to_batch), with the
+advantages and the mini-batch of each row already columns of its share.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rlhf.algorithms.grpo import ADVANTAGE_COLUMNS, group_advantages
+from rlhf.batch import StepBatch
+from rlhf.config import AlgorithmConfig
+from rlhf.control.rollout_fanout import to_batch
+from rlhf.control.workers import TRAIN_COLUMNS, WorkerGroup, logprob_diff, merge_train_metrics
+from rlhf.faults import fault_point
+
+
+class TrainStage:
+    columns = (*ADVANTAGE_COLUMNS, *TRAIN_COLUMNS)  # steps.csv: the advantages' statistics, the train metrics
+
+    def __init__(self, algorithm: AlgorithmConfig, group_size: int, mini_batches: int, workers: WorkerGroup,
+                 pad_id: int) -> None:
+        self.algorithm, self.group_size, self.mini_batches = algorithm, group_size, mini_batches
+        self.workers, self.layout, self.pad_id = workers, workers.layout, pad_id
+
+    def split(self, step: int, batch: StepBatch) -> tuple[list[StepBatch], dict[str, Any]]:
+        """Each data-parallel rank's share of the batch (with a sample_index and a mini_batch column) and the
+        split's stats (rlhf.batch)."""
+        fault_point("data.split", step=step)
+        return batch.shares(self.layout.dp, self.mini_batches, tokens_key="num_tokens")
+
+    def advantages(self, batch: StepBatch, shares: list[StepBatch], first: torch.Tensor | None = None
+                   ) -> dict[str, Any]:
+        """The whole batch's group advantages, each share's as its `advantages` column; returns the reward
+        statistics of the step's first round (`first`, when dynamic sampling replaced groups: what the policy itself
+        drew), else of the batch."""
+        advantages, stats = group_advantages(batch["rewards"], self.group_size, self.algorithm.scale_by_std)
+        if first is not None:
+            stats = group_advantages(first, self.group_size, self.algorithm.scale_by_std)[1]
+        for share in shares:
+            share["advantages"] = advantages[torch.tensor(share["sample_index"], dtype=torch.long)]
+        return stats
+
+    def logprobs(self, step: int, shares: list[StepBatch], row: dict[str, Any]) -> list[dict[str, Any]]:
+        """Each data-parallel share's train batch, with reference logprobs (KL on) and recomputed old-policy ones
+        (if asked: then they, the first forward under the rollout's weights, give rollout_train_logprob_diff)."""
+        alg = self.algorithm
+        batches = []
+        for share in shares:  # built where first needed
+            batches.append({**to_batch(share, self.pad_id), "advantages": share["advantages"]})
+        for which, key, needed in (("reference", "ref_logprobs", alg.kl_coef > 0),
+                                   ("policy", "old_logprobs", alg.old_logprobs == "recompute")):
+            if not needed:
+                continue
+            replies = self.workers.call("compute_logprobs", {"which": which}, self.per_rank(batches), step,
+                                        "reference")[::self.layout.tp]
+            if key == "old_logprobs":
+                if alg.off_policy != "none":  # the behaviour policy's, for the importance weight
+                    for b in batches:
+                        b["rollout_logprobs"] = b["old_logprobs"]
+                row.update(logprob_diff([(b["old_logprobs"], out["logprobs"], b["response_mask"])
+                                         for b, (_, out) in zip(batches, replies)]))
+            for b, (_, out) in zip(batches, replies):
+                b[key] = out["logprobs"]
+        return batches
+
+    def train(self, step: int, batches: list[dict[str, Any]]) -> dict[str, Any]:
+        """Every rank's train_step on its share; the metrics of one rank of each TP group (their parts add up)."""
+        replies = self.workers.call("train_step", {"step": step}, self.per_rank(batches), step, "train")
+        return merge_train_metrics([m for m, _ in replies[::self.layout.tp]])
+
+    def per_rank(self, batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Each train rank's batch: its data-parallel share's (the ranks of a TP group compute on the same one)."""
+        return [batches[self.layout.dp_rank(r)] for r in range(len(self.workers))]
