@@ -6,7 +6,7 @@ run (`torchrun --nproc_per_node=2 examples/grpo_trainer.py --faults …`), then 
 directory with rlhf.analysis.measure_run (logs, fault markers, exit status; nothing is taken
 from the YAML). Writes scenarios.csv and scenarios.md into --out and prints the table.
 
-    python benchmarks/scenarios.py                          # scenarios 1-10, rl and sft, faithful
+    python benchmarks/scenarios.py                          # scenarios 1-15, rl and sft, faithful
     python benchmarks/scenarios.py --scenarios 3 --resilience faithful hardened
     python benchmarks/scenarios.py --resilience hardened --modes rl --fault-free   # the survival matrix
 
@@ -15,7 +15,8 @@ to another rollout server, rollout servers restarted, weights updates done throu
 MetaServer path failed (fallbacks), checkpoint saves that failed while the run went on, and the eval accuracy after the last step;
 --fault-free also runs each scenario's config with no faults (rl), for the eval accuracy to compare.
 
-Scenario 9 is run twice (a crash, then the same command resumes); its row measures both.
+Scenarios 9 and 12 are run twice when faithful (a crash, then the same command resumes; hardened, torchrun restarts
+the world once); their rows measure both.
 Beside scenarios 1-5 the table puts the seed plan's expected result (seeds/000, "expected results").
 
 SFT rows run the same fault file on the SFT baseline (examples/sft_trainer.py, same train workers):
@@ -40,9 +41,10 @@ from rlhf.analysis import measure_run, survival_counts  # noqa: E402
 COLUMNS = ["scenario", "mode", "resilience", "fault_stage", "fault_point", "target", "error_stage",
            "first_error_time_s", "surfaced_error_time_s", "gap_s", "hops", "processes_with_errors",
            "log_files_to_read", "last_error_line", "run_outcome", "steps_done", "retries", "migrated", "restarts",
-           "fallbacks", "saves_failed", "world_restarts", "eval_after", "eval_fault_free", "wall_s", "seed_expected"]
+           "fallbacks", "saves_failed", "world_restarts", "staleness_max", "eval_after", "eval_fault_free", "wall_s",
+           "seed_expected"]
 
-RESTART = {"9"}  # scenarios whose effect shows only when the same command is run again (resume)
+RESTART = {"9", "12"}  # scenarios whose effect shows only when the same command is run again (resume)
 
 # The seed plan's expected values (seeds/000, its "expected results" table and each scenario's timeline),
 # with the seed's timeouts; the scenario files scale them down (their header comments say how).
@@ -114,7 +116,7 @@ def run_one(n: str, mode: str, resilience: str, out_dir: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scenarios", nargs="+", default=[*map(str, range(1, 12)), "13", "15"])
+    ap.add_argument("--scenarios", nargs="+", default=[*map(str, range(1, 16))])
     ap.add_argument("--resilience", nargs="+", default=["faithful"], choices=["faithful", "hardened"])
     ap.add_argument("--modes", nargs="+", default=["rl", "sft"], choices=["rl", "sft"],
                     help="rl: examples/grpo_trainer.py; sft: the SFT baseline on the same train workers")
@@ -134,8 +136,8 @@ def main() -> None:
         writer.writerows(rows)
     shown = ["scenario", "mode", "resilience", "fault_stage", "fault_point", "target", "error_stage",
              "first_error_time_s", "surfaced_error_time_s", "gap_s", "hops", "log_files_to_read", "run_outcome",
-             "steps_done", "retries", "migrated", "restarts", "fallbacks", "saves_failed", "world_restarts", "eval_after",
-             "eval_fault_free"]
+             "steps_done", "retries", "migrated", "restarts", "fallbacks", "saves_failed", "world_restarts", "staleness_max",
+             "eval_after", "eval_fault_free"]
     lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
     lines += ["| " + " | ".join(str(r[c]) for c in shown) + " |" for r in rows]
     lines += ["", "The seed plan's expected result (seeds/000; its timeouts, not the scaled ones):", ""]

@@ -133,8 +133,8 @@ def measure_run(run_dir: str, exit_code: int | None = None) -> dict[str, Any]:
 def survival_counts(run_dir: str, logs: dict[str, list[str]] | None = None) -> dict[str, Any]:
     """What the run survived: steps done (steps.csv rows), requests sent again (every process's "retrying …"
     and "…; retrying" WARNINGs: idempotent calls, shed calls, colocation events), samples migrated, rollout servers restarted, weights updates done through disk instead of the MetaServer and
-    checkpoint saves that failed while the run went on (steps.csv), worlds torchrun restarted (--max-restarts), and
-    the final eval accuracy."""
+    checkpoint saves that failed while the run went on (steps.csv), worlds torchrun restarted (--max-restarts), the
+    most versions a trained-on sample lagged (staleness_max, async runs), and the final eval accuracy."""
     import csv
 
     logs = _logs(run_dir) if logs is None else logs
@@ -158,4 +158,7 @@ def survival_counts(run_dir: str, logs: dict[str, list[str]] | None = None) -> d
             "retries": sum(1 for lines in logs.values() for line in lines if " WARNING " in line
                            and (_message(line).startswith("retrying ") or line.endswith("; retrying"))),
             "migrated": total("rollout_migrated"), "restarts": total("rollout_restarts"),
-            "fallbacks": total("weights_fallback"), "saves_failed": total("saves_failed"), "eval_after": eval_after}
+            "fallbacks": total("weights_fallback"), "saves_failed": total("saves_failed"),
+            # asynchronous GRPO: the most weights versions a trained-on sample lagged its step (0 in sync runs)
+            "staleness_max": max((int(float(r.get("staleness_max") or 0)) for r in rows), default=""),
+            "eval_after": eval_after}

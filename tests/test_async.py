@@ -183,3 +183,54 @@ def test_scenario15_a_slow_server_starves_the_trainer_without_an_error_and_is_na
     d = diagnose(str(run_dir))
     assert d.root is not None and (d.root.process, d.root.category, d.root.step) == ("rollout-1", "slow_rollout", 2), \
         d.render()
+
+
+@pytest.mark.slow
+def test_scenario12_a_crash_and_a_resume_keep_the_staleness_bound(tmp_path):
+    """Async K = 1, 2 ranks, 2 servers: train-1 SIGKILLed at step 4; the same command again resumes from step 3's
+    checkpoint and trains steps 4-6 with every sample still within one version of its step."""
+    from tests.test_scenarios import run_scenario
+
+    run_dir, out = run_scenario(tmp_path, 12)
+    assert out.returncode != 0
+    again_dir, again = run_scenario(tmp_path, 12)
+    assert again_dir == run_dir and again.returncode == 0, again.stderr[-3000:]
+    with open(run_dir / "steps.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert all(int(r["staleness_max"]) == 1 for r in rows)
+    with open(run_dir / "summary.json") as fh:
+        assert json.load(fh)["resumed_from_step"] == 3
+
+
+@pytest.mark.slow
+def test_scenario14_the_end_comes_while_a_batch_is_under_way_and_nothing_waits(tmp_path):
+    """Async K = 2, 2 ranks, 2 servers: the producer is generating batch 4 (rollout-1 holds each of its /generate
+    calls 30 s) when train-1's step 3 raises. The run fails naming train-1, every process has exited within seconds
+    of the failure (nothing waits for the batch or for a version that will never come), and `rlhf diagnose` names
+    train-1."""
+    from tests.test_scenarios import assert_diagnosed, log_lines, run_scenario, stamp
+
+    run_dir, out = run_scenario(tmp_path, 14)
+    assert out.returncode != 0
+    first = next(line for line in log_lines(run_dir, "controller-0", "ERROR") if "run failed" in line)
+    assert "step 3, stage train" in first and "train-1" in first, first
+    with open(run_dir / "exits.jsonl") as fh:
+        last_exit = max(json.loads(line)["time"] for line in fh)
+    assert last_exit - stamp(first) < 5.0, last_exit - stamp(first)
+    assert_diagnosed(run_dir, "train-1", "train", "exception")
+
+
+@pytest.mark.slow
+def test_the_receiver_that_never_entered_the_broadcast_is_named_not_the_sender(tmp_path):
+    """weights.mode distributed, 2 servers: rollout-1 never joins step 3's broadcast. The stall watchdog names
+    rollout-1 (rollout-0 already has its copy: gloo's root sends to each receiver in turn), the run fails from
+    train-0's broadcast, and `rlhf diagnose` names rollout-1, not the sender left waiting."""
+    from tests.test_scenarios import assert_diagnosed, run_scenario
+
+    run_dir, out = run_scenario(tmp_path, "broadcast_receiver_hang")
+    assert out.returncode != 0
+    log = (run_dir / "logs" / "controller-0.log").read_text().splitlines()  # the watchdog's report is ours: all lines
+    watchdog = next(line for line in log if " ERROR " in line and "stall watchdog" in line)
+    assert "while rollout-1 is not receiving it; rollout-1 is missing from the weights broadcast" in watchdog, watchdog
+    assert_diagnosed(run_dir, "rollout-1", "weights_update", "hang")

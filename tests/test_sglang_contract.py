@@ -8,6 +8,7 @@ by). Our server is driven with sglang's client, our requests are checked by sgla
 and every reply is decoded with sglang's response types (which raise on a wrong shape or type).
 """
 
+import ast
 import importlib
 import importlib.util
 import json
@@ -44,6 +45,7 @@ def sglang():
             ir=importlib.import_module("sglang.lang.ir"),
             sampling=importlib.import_module("sglang.srt.sampling.sampling_params"),
             version=importlib.import_module("sglang.version").__version__,
+            root=root,
         )
         yield ns
     finally:
@@ -145,3 +147,50 @@ def test_errors_decode_as_sglang_error_bodies(sglang, sglang_server):
     params = sglang.ir.SglSamplingParams(max_new_tokens=2, frequency_penalty=0.5)
     with pytest.raises(RuntimeError, match="frequency_penalty"):
         sglang.endpoint.RuntimeEndpoint(url, api_key=KEY).generate(type("P", (), {"text_": "1", "images_": []})(), params)
+
+
+def _sglang_source(sglang_root: str, relative: str) -> ast.Module:
+    with open(f"{sglang_root}/{relative}", encoding="utf-8") as fh:
+        return ast.parse(fh.read())
+
+
+def test_pause_and_continue_take_sglangs_requests_and_answer_its_replies(sglang, sglang_server):
+    """/pause_generation and /continue_generation as sglang's server defines them (its request structs in
+    srt/managers/io_struct.py and its routes' replies in srt/entrypoints/http_server.py, read from the installed
+    source: those modules need sglang's GPU dependencies to import): every mode it accepts, its default, its
+    continue fields, the same reply; and the modes rollout.interrupt offers are exactly sglang's."""
+    from rlhf.config import RolloutConfig
+
+    root = sglang.root
+    structs = {node.name: node for node in ast.walk(_sglang_source(root, "srt/managers/io_struct.py"))
+               if isinstance(node, ast.ClassDef) and node.name in ("PauseGenerationReqInput",
+                                                                  "ContinueGenerationReqInput")}
+    fields = {name: {stmt.target.id: stmt for stmt in node.body if isinstance(stmt, ast.AnnAssign)}
+              for name, node in structs.items()}
+    mode = fields["PauseGenerationReqInput"]["mode"]
+    modes = [elt.value for elt in mode.annotation.slice.elts]  # Literal["abort", "retract", "in_place"]
+    assert mode.value.value == "abort" and sorted(modes) == ["abort", "in_place", "retract"]
+    continue_fields = {k: v.value.value for k, v in fields["ContinueGenerationReqInput"].items()}
+    replies = {}
+    for node in ast.walk(_sglang_source(root, "srt/entrypoints/http_server.py")):
+        if isinstance(node, ast.AsyncFunctionDef) and node.name in ("pause_generation", "continue_generation"):
+            content = next(kw.value for call in ast.walk(node) if isinstance(call, ast.Call)
+                           for kw in call.keywords if kw.arg == "content")
+            replies["/" + node.name] = ast.literal_eval(content)
+    assert set(replies) == {"/pause_generation", "/continue_generation"}
+
+    url, _ = sglang_server
+    for m in modes:
+        RolloutConfig(mode="async", interrupt=m)  # each is a valid rollout.interrupt
+        paused = requests.post(url + "/pause_generation", json={"mode": m}, headers=AUTH, timeout=30)
+        assert paused.status_code == 200 and paused.json() == replies["/pause_generation"], (m, paused.text)
+        resumed = requests.post(url + "/continue_generation", json=continue_fields, headers=AUTH, timeout=30)
+        assert resumed.status_code == 200 and resumed.json() == replies["/continue_generation"]
+    default = requests.post(url + "/pause_generation", json={}, headers=AUTH, timeout=30)  # sglang's default: abort
+    assert default.status_code == 200
+    requests.post(url + "/continue_generation", json={}, headers=AUTH, timeout=30)
+    bad = requests.post(url + "/pause_generation", json={"mode": "drain"}, headers=AUTH, timeout=30)
+    assert bad.status_code == 400 and "abort, in_place, retract" in bad.text
+    after = requests.post(url + "/generate", json={"text": "1+2=", "sampling_params": {"max_new_tokens": 2}},
+                          headers=AUTH, timeout=30)
+    assert after.status_code == 200  # continued: generation runs again

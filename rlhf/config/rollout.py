@@ -34,9 +34,12 @@ class RolloutConfig:
     by version v is trained at a step <= v + K); 0 is the synchronous run through the async path."""
     interrupt: str = "retract"
     """rollout.mode async: how each weights update pauses the rollout servers (sglang's /pause_generation mode,
-    then /continue_generation after the update). retract and in_place: running engine calls finish first (the native
-    engine does not preempt a call yet) and queued ones wait; abort: running requests end now with their tokens
-    (finish_reason abort) and, with resilience.migrate_requests, continue from them under the new weights."""
+    then /continue_generation after the update). retract: running requests stop at the next decode step, keep their
+    tokens and go on from them after the update (re-prefilled under the new weights; each token's version in
+    meta_info output_token_weight_versions, and a sample's staleness counts its oldest token's); in_place: running
+    engine calls finish first (the native engine cannot hold a call's cache across a weights update); abort: running
+    requests end now with their tokens (finish_reason abort) and, with resilience.migrate_requests, continue from
+    them under the new weights."""
     max_queued_requests: int = 16
     """Calls a rollout server lets wait for its engine; with the policy's shed_load on, one more is answered 503
     with Retry-After and the client sends it again after that (sglang's --max-queued-requests); 0: no limit."""

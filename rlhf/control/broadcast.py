@@ -117,7 +117,7 @@ class BroadcastUpdate:
             timeout_s=cfg.weights.update_timeout_s + OUTER_MARGIN_S, stage="weights_update", step=step,
             ranks=None if sharded else [0])]
         receives = [asyncio.ensure_future(timed(receive(c))) for c in self.services.rollout]
-        watch = asyncio.ensure_future(self._watch_broadcast(sends[0], step))
+        watch = asyncio.ensure_future(self._watch_broadcast(sends[0], receives, step))
         await asyncio.wait(sends + receives + [watch], return_when=asyncio.FIRST_EXCEPTION)
         tasks = sends + receives
         if all(t.done() for t in tasks) and not any(t.exception() for t in tasks):
@@ -137,10 +137,12 @@ class BroadcastUpdate:
             raise failed  # a lost server: the controller starts it again (restart_rollout) and updates again
         return await self._fallback(version, step, sends, failed)
 
-    async def _watch_broadcast(self, sending: asyncio.Future, step: int) -> None:
+    async def _watch_broadcast(self, sending: asyncio.Future, receives: list[asyncio.Future], step: int) -> None:
         """The stall watchdog of a broadcast: train-0 inside it for runtime.watchdog_stall_s while a rollout server is
         not receiving (or does not answer /health) names that server: SyncStall with the policy's stall_stops_run,
-        else an ERROR line (once) and the broadcast waits for the group's timeout."""
+        else an ERROR line (once) and the broadcast waits for the group's timeout. A server whose receive has ended
+        (`receives`, one per server) is not missing: it has every bucket (gloo's root sends to each receiver in
+        turn, so the one that got its copy first is done while the sender still waits for another)."""
         stall_s = self.cfg.runtime.watchdog_stall_s
         if not stall_s:
             return
@@ -154,8 +156,8 @@ class BroadcastUpdate:
                 continue
             healths = await asyncio.gather(*[c.call("/health", method="GET", timeout_s=2.0, traced=False)
                                              for c in self.services.rollout], return_exceptions=True)
-            missing = [(i, h) for i, h in enumerate(healths)
-                       if isinstance(h, BaseException) or "weights_broadcast" not in h[0]]
+            missing = [(i, h) for i, h in enumerate(healths) if not receives[i].done()
+                       and (isinstance(h, BaseException) or "weights_broadcast" not in h[0])]
             if not missing:
                 continue
             i, h = missing[0]

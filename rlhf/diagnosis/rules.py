@@ -89,9 +89,9 @@ def _subject(reporter: str, msg: str) -> tuple[str, bool]:
         missing = [r for r in range(int(m.group(2) or m.group(4))) if str(r) not in have]
         if missing:
             return f"train-{missing[0]}", False
-    m = re.search(r"while ([a-z]+-\d+) is in ", body)  # the stall watchdog names the rank that is elsewhere
-    if m:
-        return m.group(1), False
+    m = re.search(r"while ([a-z]+-\d+) is in |([a-z]+-\d+) is missing from ", body)  # the stall watchdog names
+    if m:                                                                             # the one that is elsewhere
+        return m.group(1) or m.group(2), False
     for m in _PROC.finditer(body):
         name = m.group(0)
         if name != reporter and not (reporter == "controller-0" and name == "train-0" and "held by" in body):

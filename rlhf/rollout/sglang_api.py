@@ -84,6 +84,9 @@ class GenerateCall:
     return_text_in_logprobs: bool = False
     packed_logprobs: bool = False  # return_logprob_packed (our extension)
     started: float = field(default_factory=time.time)
+    # outputs stopped by /pause_generation mode retract, to go on after /continue_generation: (index in the reply,
+    # prompt index, sample index, the raw result so far)
+    retracted: list[tuple[int, int, int, dict[str, Any]]] = field(default_factory=list)
 
 
 def _is_off(value: Any, off: Any) -> bool:
@@ -228,6 +231,7 @@ class RequestControl(StepControl):
         self.generated: list[list[int]] = [[] for _ in self.rows]
         self._abort: dict[str, str] = {}  # rid -> message ("*": all)
         self._lock = threading.Lock()
+        self.decode_steps = 0  # decode steps the call has run (the server's /server_info shows its progress)
 
     def abort(self, rid: str = "*", message: str = "aborted by /abort_request") -> bool:
         """Finish a request's rows (its rid: all n samples; an output's id: that sample; "*": every row) after the
@@ -240,6 +244,7 @@ class RequestControl(StepControl):
 
     def step(self, t: int, rows: list[int] | None, tokens: list[int] | None) -> dict[int, dict[str, Any]]:
         finished: dict[int, dict[str, Any]] = {}
+        self.decode_steps = t + 1
         with self._lock:
             aborted = dict(self._abort)
         if aborted:
@@ -259,6 +264,29 @@ class RequestControl(StepControl):
             if self.on_tokens is not None:
                 self.on_tokens(self, t, rows, finished)
         return finished
+
+
+RETRACTED = "retracted by /pause_generation"  # an output's finish_reason message while it waits to go on
+
+
+def retracted(result: dict[str, Any]) -> bool:
+    """Whether an engine result was stopped by /pause_generation mode retract (it goes on after the pause)."""
+    finish = result["meta_info"].get("finish_reason") or {}
+    return finish.get("type") == "abort" and finish.get("message") == RETRACTED
+
+
+def resumed(head: dict[str, Any], tail: dict[str, Any]) -> dict[str, Any]:
+    """One engine result from a retracted output's head and what it generated after the pause (under the weights
+    then loaded): tokens, logprobs and each token's weights version joined, the tail's finish and version."""
+    hm, tm = head["meta_info"], tail["meta_info"]
+    versions = list(hm.get("output_token_weight_versions") or [hm["weight_version"]] * len(head["output_ids"]))
+    meta = {**tm, "output_token_weight_versions": versions + [tm["weight_version"]] * len(tail["output_ids"]),
+            "num_retractions": hm.get("num_retractions", 0) + 1, "cached_tokens": hm.get("cached_tokens", 0),
+            "completion_tokens": len(head["output_ids"]) + len(tail["output_ids"])}
+    for key in ("output_token_logprobs", "output_top_logprobs"):
+        if key in hm or key in tm:
+            meta[key] = list(hm.get(key, [])) + list(tm.get(key, []))
+    return {"text": "", "output_ids": list(head["output_ids"]) + list(tail["output_ids"]), "meta_info": meta}
 
 
 def output_id(prompt: Prompt, j: int) -> str:
@@ -298,9 +326,12 @@ def reply(prompt: Prompt, j: int, result: dict[str, Any] | None, weight_version:
     finish = result["meta_info"]["finish_reason"] if result else {"type": "length", "length": 0}
     meta: dict[str, Any] = {
         "id": output_id(prompt, j), "finish_reason": finish, "prompt_tokens": len(prompt.ids), "completion_tokens": len(ids),
-        "cached_tokens": cached, "reasoning_tokens": 0, "num_retractions": 0,
+        "cached_tokens": cached, "reasoning_tokens": 0,
+        "num_retractions": result["meta_info"].get("num_retractions", 0) if result else 0,
         "weight_version": weight_version, "e2e_latency": time.time() - started,
     }
+    if result and "output_token_weight_versions" in result["meta_info"]:  # retracted and resumed: the versions span
+        meta["output_token_weight_versions"] = result["meta_info"]["output_token_weight_versions"]
     if prompt.return_logprob:
         entries = result["meta_info"].get("output_token_logprobs", []) if result else []
         if packed:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import json
 import logging
 import time
@@ -15,7 +16,15 @@ from aiohttp import web
 from rlhf import tracing
 from rlhf.errors import BadRequest, Overloaded
 from rlhf.faults import fault_point
-from rlhf.rollout.sglang_api import GenerateCall, RequestControl, output_id, parse_generate
+from rlhf.rollout.sglang_api import (
+    RETRACTED,
+    GenerateCall,
+    RequestControl,
+    output_id,
+    parse_generate,
+    resumed,
+    retracted,
+)
 from rlhf.rollout.sglang_api import decode_text as sglang_decode
 from rlhf.rollout.sglang_api import reply as sglang_reply
 from rlhf.services.colocation import DeviceBusy
@@ -59,6 +68,11 @@ class GenerateRoutes:
         ctx = contextvars.copy_context()  # the server span follows the work onto the engine thread
         if not call.stream:
             outputs = await loop.run_in_executor(self.service.executor, ctx.run, self._run_call, call, None)
+            while call.retracted:  # /pause_generation retract: back in the queue, on from its tokens after the pause
+                await self.unpaused.wait()
+                with self._state:
+                    self.queued.append(call)
+                outputs = await loop.run_in_executor(self.service.executor, ctx.run, self._resume_call, call, outputs)
             return web.json_response(outputs if call.batch else outputs[0])
         return await self._stream(request, call, loop, ctx)
 
@@ -153,12 +167,15 @@ class GenerateRoutes:
                     if p.return_logprob and p.logprob_start_len >= 0:
                         extra[i] = engine.prompt_logprobs([p.ids], p.logprob_start_len, p.top_logprobs_num)[0]
                 for (i, j), result in zip(rows, results):
+                    if retracted(result) and not call.stream:
+                        call.retracted.append((offsets[i] + j, i, j, result))
+                        continue
                     outputs[offsets[i] + j] = sglang_reply(call.prompts[i], j, result, result["meta_info"]["weight_version"],
                                                            call.started, tok, extra.get(i), call.return_text_in_logprobs,
                                                            call.packed_logprobs)
             sp.set_attribute("rlhf.tokens", engine.tokens_generated - before)
             sp.set_attribute("rlhf.samples", n_samples)
-        return [o for o in outputs if o is not None]
+        return outputs if call.retracted else [o for o in outputs if o is not None]  # retracted: their places kept
 
     def _chunker(self, call: GenerateCall, rows: list[tuple[int, int]], offsets: list[int],
                  emit: Callable[[dict], None]) -> Callable:
@@ -178,6 +195,50 @@ class GenerateRoutes:
                                             "weight_version": self.engine.weight_version}})
 
         return on_tokens
+
+    def _resume_call(self, call: GenerateCall, outputs: list[dict | None]) -> list[dict | None]:
+        """A call's retracted outputs go on from their tokens (prompt + tokens in, the rest of max_new_tokens; the
+        prefill computes their cache under the weights loaded now), as sglang's retract re-queues them. Rows stopped
+        at the same decode step run in one engine call."""
+        with self._state:
+            self.queued.remove(call)
+        self._check_lease()
+        engine, tok = self.engine, self.engine.tokenizer
+        pending, call.retracted = call.retracted, []
+        groups: dict[tuple, list[tuple[int, int, int, dict, Any]]] = {}
+        for index, i, j, head in pending:
+            p = call.prompts[i]
+            done = len(head["output_ids"])
+            sampling = dataclasses.replace(p.sampling, n=1, max_new_tokens=p.sampling.max_new_tokens - done,
+                                           min_new_tokens=max(0, p.sampling.min_new_tokens - done))
+            if sampling.max_new_tokens <= 0:  # stopped after its last token: it is complete
+                head["meta_info"]["finish_reason"] = {"type": "length", "length": done}
+                outputs[index] = sglang_reply(p, j, head, head["meta_info"]["weight_version"], call.started, tok,
+                                              None, call.return_text_in_logprobs, call.packed_logprobs)
+                continue
+            cont = dataclasses.replace(p, ids=p.ids + list(head["output_ids"]), sampling=sampling)
+            groups.setdefault(cont.engine_key(), []).append((index, i, j, head, cont))
+        with tracing.span("generate.resume", outputs=len(pending)):
+            for members in groups.values():
+                conts = [m[4] for m in members]
+                control = RequestControl(conts, tok)
+                with self._state:
+                    self.active.append(control)
+                try:
+                    results = engine.generate([c.ids for c in conts], conts[0].sampling, conts[0].return_logprob,
+                                              conts[0].top_logprobs_num, control, detokenize=False)
+                finally:
+                    with self._state:
+                        self.active.remove(control)
+                for (index, i, j, head, _c), tail in zip(members, results):
+                    joined = resumed(head, tail)
+                    if retracted(tail):  # paused again before it finished
+                        call.retracted.append((index, i, j, joined))
+                        continue
+                    outputs[index] = sglang_reply(call.prompts[i], j, joined, tail["meta_info"]["weight_version"],
+                                                  call.started, tok, None, call.return_text_in_logprobs,
+                                                  call.packed_logprobs)
+        return outputs if call.retracted else [o for o in outputs if o is not None]
 
     def _check_lease(self) -> None:
         if self.lease is not None and not self.lease.held:
@@ -220,14 +281,23 @@ class GenerateRoutes:
 
     async def pause_generation(self, args: dict, tensors: dict) -> dict:
         """sglang's /pause_generation. mode abort (default): running requests end now with finish_reason abort;
-        in_place and retract: running engine calls finish (the native engine does not preempt a call), and the
-        reply comes once they have. New requests wait for /continue_generation in every mode."""
+        retract: running requests stop at the next decode step and go back to the queue with their tokens; after
+        /continue_generation they go on from them (a prefill of prompt + tokens under the weights then loaded) and
+        reply once, each token's weights version in meta_info output_token_weight_versions, num_retractions
+        counted (a streamed call is not retracted: it finishes); in_place: running engine calls finish (the native
+        engine runs a weights update on the thread that decodes, so it cannot hold a call's cache across one). The
+        reply comes once no engine call runs. New requests wait for /continue_generation in every mode."""
         mode = args.get("mode", "abort")
         if mode not in ("abort", "in_place", "retract"):
             raise BadRequest(f"pause_generation: mode {mode!r}; valid: abort, in_place, retract")
         self.unpaused.clear()
         if mode == "abort":
             self._abort(None, "aborted by /pause_generation")
+        elif mode == "retract":
+            with self._state:
+                active = [c for c in self.active if c.on_tokens is None]  # not a stream's
+            for control in active:
+                control.abort("*", RETRACTED)
         while True:  # the engine thread empties; what is queued stays queued (it waits on the pause)
             with self._state:
                 if not self.active:

@@ -179,12 +179,14 @@ class RolloutServer(GenerateRoutes, WeightsAndMemory, DistributedWeights):
         cfg = self.engine.model.config
         with self._state:
             running, queued = len(self.active), len(self.queued)
+            steps = max((getattr(c, "decode_steps", 0) for c in self.active), default=0)
         return {"model_path": self.model_path, "served_model_name": self.model_path, "tokenizer_path": self.model_path,
                 "max_context_length": int(getattr(cfg, "max_position_embeddings", 0) or 0),
                 "max_total_num_tokens": None, "version": f"rlhf-native (sglang API {SGLANG_VERSION})",
                 "internal_states": [{"running_calls": running, "queued_calls": queued, "shed_calls": self.shed,
                                      "max_queued_requests": self.max_queued,
-                                     "paused": not self.unpaused.is_set(), "weight_version": self.engine.weight_version}],
+                                     "paused": not self.unpaused.is_set(), "weight_version": self.engine.weight_version,
+                                     "running_decode_steps": steps}],
                 "host": self.host, "port": self.port, "incremental_streaming_output": False,
                 "disaggregation_mode": "null", "startup_time": self.started, "frontend": "rlhf",
                 "device": str(self.engine.device), "dtype": str(next(self.engine.model.parameters()).dtype)}
