@@ -80,8 +80,8 @@ def completion_text(tokenizer: Any, result: dict[str, Any]) -> str:
     """
     ids = result["output_ids"]
     finish = result.get("meta_info", {}).get("finish_reason") or {}
-    if finish.get("type") == "stop" and ids:
-        ids = ids[:-1]
+    if finish.get("type") == "stop" and ids and not isinstance(finish.get("matched"), str):
+        ids = ids[:-1]  # a stop token (a stop string's tokens are the text's own: an environment reads them)
     return tokenizer.decode(ids, skip_special_tokens=True)
 
 
@@ -98,11 +98,12 @@ def build_rl_batch(prompt_ids: list[list[int]], results: list[dict[str, Any]], p
     return rl_batch(prompt_ids, [r["output_ids"] for r in results], [output_logprobs(r) for r in results], pad_id)
 
 
-def rl_batch(prompt_ids: list[list[int]], output_ids: list[list[int]], logprobs: list[list[float]], pad_id: int
-             ) -> dict[str, torch.Tensor]:
+def rl_batch(prompt_ids: list[list[int]], output_ids: list[list[int]], logprobs: list[list[float]], pad_id: int,
+             output_masks: list[list[int]] | None = None) -> dict[str, torch.Tensor]:
     """build_rl_batch from the columns: prompt, response and response logprobs per row. Each tensor is made in
     one call from padded rows and the masks by comparing column indices with the row lengths (a 512-row batch
-    took tens of ms row by row)."""
+    took tens of ms row by row). output_masks: per response token 1 (trained on) or 0 (an environment's
+    observation: out of the loss, the KL and every token count)."""
     for i, (out, lps) in enumerate(zip(output_ids, logprobs)):
         if len(lps) != len(out):
             raise InvalidTensorShape(f"sample {i}: rollout result has {len(out)} tokens but {len(lps)} logprobs")
@@ -119,10 +120,14 @@ def rl_batch(prompt_ids: list[list[int]], output_ids: list[list[int]], logprobs:
                                 dtype=torch.float32)  # (B, width)
     col = torch.arange(width)[None]  # (1, width)
     start, end = torch.tensor(n_p)[:, None], torch.tensor(n_t)[:, None]  # (B, 1)
+    response_mask = ((col >= start) & (col < end)).float()
+    if output_masks is not None:
+        response_mask = response_mask * torch.tensor(
+            [[0] * a + m + [0] * (width - t) for a, m, t in zip(n_p, output_masks, n_t)], dtype=torch.float32)
     return {
         "input_ids": input_ids,
         "attention_mask": (col < end).long(),
-        "response_mask": ((col >= start) & (col < end)).float(),
+        "response_mask": response_mask,
         "old_logprobs": old_logprobs,
     }
 

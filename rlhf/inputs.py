@@ -30,6 +30,9 @@ def input_problems(cfg: Config, world: int | None = None) -> list[str]:
         target = spec.rpartition(":")[0]
         if target.endswith(".py") and not os.path.isfile(target):
             problems.append(f"reward.functions: file {target!r} does not exist (from {os.getcwd()})")
+    for key, value in (("env.path", cfg.env.path.rpartition(":")[0]), ("env.tools", cfg.env.tools)):
+        if value.endswith(".py") and not os.path.isfile(value):
+            problems.append(f"{key}: file {value!r} does not exist (from {os.getcwd()})")
     if cfg.reward_model.path:
         problem = check_reward_model_dir(cfg.reward_model.path)
         if problem:

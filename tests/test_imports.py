@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("config", ("rlhf.config",)),
     ("tracing", ("rlhf.tracing",)),
     ("faults", ("rlhf.faults", "rlhf.stages")),
-    ("engines", ("rlhf.rollout", "rlhf.train", "rlhf.data", "rlhf.evaluation", "rlhf.trainers", "rlhf.diagnosis")),
+    ("engines", ("rlhf.rollout", "rlhf.train", "rlhf.envs", "rlhf.data", "rlhf.evaluation", "rlhf.trainers", "rlhf.diagnosis")),
     ("storage", ("rlhf.checkpoint",)),
     ("transport", ("rlhf.transport",)),
     ("services", ("rlhf.services",)),

@@ -14,7 +14,7 @@ What is where:
     workload.py    what is trained and how (ModelConfig, TaskConfig, OptimConfig as `train`, ParallelConfig,
                    AlgorithmConfig, SFTConfig)
     reward.py      RewardConfig (the reward functions), RewardModelConfig (`reward_model`)
-    rollout.py     RolloutConfig, SamplingConfig (`sampling`), SglangConfig (`sglang`)
+    rollout.py     RolloutConfig, SamplingConfig (`sampling`), SglangConfig (`sglang`), EnvConfig (`env`)
     services.py    how the processes run (WeightsConfig, RuntimeConfig, TimeoutsConfig, CheckpointConfig,
                    PreflightConfig, TracingConfig)
 
@@ -43,6 +43,7 @@ from rlhf.config.sections import (
     AlgorithmConfig,
     CheckpointConfig,
     Config,
+    EnvConfig,
     ModelConfig,
     OptimConfig,
     ParallelConfig,
@@ -61,7 +62,7 @@ from rlhf.config.sections import (
 )
 
 __all__ = ["FAITHFUL", "HARDENED", "MOVED_KEYS", "PRESETS", "AlgorithmConfig",
-           "CheckpointConfig", "Config", "ConfigError", "ModelConfig", "OptimConfig", "ParallelConfig", "Policy",
+           "CheckpointConfig", "Config", "ConfigError", "EnvConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "Policy",
            "PreflightConfig", "RewardConfig", "RewardModelConfig", "RolloutConfig", "RuntimeConfig", "SFTConfig",
            "SamplingConfig", "SglangConfig", "TaskConfig", "TimeoutsConfig", "TracingConfig", "WeightsConfig",
            "apply_overrides", "build_config", "dotted_to_nested", "format_help", "iter_fields", "load_yaml",

@@ -107,3 +107,26 @@ class SglangConfig:
         _positive("sglang.tp_size", self.tp_size)
         if not 0 < self.mem_fraction <= 1:
             raise ConfigError(f"sglang.mem_fraction: must be in (0, 1], got {self.mem_fraction!r}")
+
+
+@dataclass
+class EnvConfig:
+    """Multi-turn episodes: an environment answers each turn of the model (docs/environments.md). Off by default."""
+
+    path: str = ""
+    """The environment: a built-in (tool_calls), path/to/file.py:Class or package.module:Class (reset(row) -> text,
+    step(action) -> observation, reward, done, info); empty: one completion a prompt, no environment."""
+    tools: str = ""
+    """tool_calls: the file (path/to/tools.py) or module whose public functions the model may call."""
+    max_turns: int = 4
+    """The most model turns an episode has (each up to sampling.max_new_tokens tokens); the last turn's text is the
+    answer the reward functions score."""
+    max_tool_output_tokens: int = 64
+    """An observation (a tool's answer) is cut to this many tokens before it is appended."""
+
+    def __post_init__(self) -> None:
+        _positive("env.max_turns", self.max_turns)
+        _positive("env.max_tool_output_tokens", self.max_tool_output_tokens)
+        if self.path == "tool_calls" and not self.tools:
+            raise ConfigError("env.tools: env.path tool_calls needs the file or module of its tools "
+                              "(e.g. --env.tools examples/envs/calculator.py)")

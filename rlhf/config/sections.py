@@ -14,7 +14,7 @@ import yaml
 from rlhf.config.checks import ConfigError, _positive
 from rlhf.config.resilience import Policy
 from rlhf.config.reward import RewardConfig, RewardModelConfig
-from rlhf.config.rollout import RolloutConfig, SamplingConfig, SglangConfig
+from rlhf.config.rollout import EnvConfig, RolloutConfig, SamplingConfig, SglangConfig
 from rlhf.config.services import (
     CheckpointConfig,
     PreflightConfig,
@@ -33,7 +33,7 @@ from rlhf.config.workload import (
     TaskConfig,
 )
 
-__all__ = ["PARALLEL_LAYOUTS", "AlgorithmConfig", "CheckpointConfig", "Config", "ModelConfig", "OptimConfig",
+__all__ = ["PARALLEL_LAYOUTS", "AlgorithmConfig", "CheckpointConfig", "Config", "EnvConfig", "ModelConfig", "OptimConfig",
            "ParallelConfig", "PreflightConfig", "RewardConfig", "RewardModelConfig", "RolloutConfig", "RuntimeConfig",
            "SFTConfig", "SamplingConfig", "SglangConfig", "TaskConfig", "TimeoutsConfig", "TracingConfig",
            "WeightsConfig"]
@@ -41,7 +41,7 @@ __all__ = ["PARALLEL_LAYOUTS", "AlgorithmConfig", "CheckpointConfig", "Config", 
 
 @dataclass
 class Config:
-    """The whole run: one section per component (model, task, reward, reward_model, rollout, sampling, sglang, train,
+    """The whole run: one section per component (model, task, reward, reward_model, rollout, sampling, sglang, env, train,
     parallel, algorithm, sft, weights, runtime, timeouts, checkpoint, preflight, tracing, resilience)."""
 
     seed: int = 1
@@ -59,6 +59,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     sglang: SglangConfig = field(default_factory=SglangConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     train: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)

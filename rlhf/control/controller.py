@@ -38,6 +38,7 @@ from rlhf import tracing
 from rlhf.checkpoint import slots as ckpt
 from rlhf.config import Config
 from rlhf.control.async_rollout import ASYNC_COLUMNS, staleness_columns
+from rlhf.control.episodes import EPISODE_COLUMNS, Episodes, episode_columns
 from rlhf.control.events import ColocationEvents
 from rlhf.control.fleet import RolloutServices
 from rlhf.control.lifecycle import RunLifecycle, TrackedClock
@@ -48,6 +49,7 @@ from rlhf.control.survival import RolloutSurvival
 from rlhf.control.train_stage import TrainStage
 from rlhf.control.weights_sync import WeightSync
 from rlhf.data import PromptSampler
+from rlhf.envs import build_env
 from rlhf.evaluation import accuracy
 from rlhf.models import load_tokenizer, pad_token_id
 from rlhf.models.tokenizer import CharTokenizer
@@ -80,6 +82,9 @@ class Controller(RunLifecycle):
                                        self.loop, self.workers, self.services)
         self.fanout = RolloutFanout(cfg.rollout, cfg.sampling, cfg.task.chat_template, cfg.resilience, self.loop,
                                     self.services, self.tokenizer)
+        if cfg.env.path:  # each sample a multi-turn episode with the environment (control/episodes.py)
+            self.fanout.episodes = Episodes(cfg.env, build_env(cfg.env.path, {"tools": cfg.env.tools}
+                                                               if cfg.env.tools else {}), self.fanout)
         self.survival = RolloutSurvival(cfg.resilience, self.services)
         self.rewards = RewardStage(cfg.reward, cfg.reward_model, cfg.rollout.group_size, cfg.algorithm.resample_rounds,
                                    self.loop, self.services)
@@ -88,7 +93,8 @@ class Controller(RunLifecycle):
         self.columns = [*STEP_COLUMNS, *TrainStage.columns, *ROLLOUT_COLUMNS,
                         *(f"{stage}_s" for stage in STAGES if stage != "cleanup"), *WeightSync.columns,
                         *ColocationEvents.columns, *RolloutSurvival.columns, "saves_failed", "eval_accuracy",
-                        *self.rewards.columns, *ASYNC_COLUMNS]
+                        *self.rewards.columns, *ASYNC_COLUMNS,
+                        *((*EPISODE_COLUMNS, "reward_env") if cfg.env.path else ())]
         # the train layout: a batch is cut in layout.dp shares; the ranks of one TP group get the same share
         self.layout = self.workers.layout
         self.sft_result: dict[str, Any] = {}
@@ -160,6 +166,7 @@ class Controller(RunLifecycle):
         return {**row, **stats, **merged, "seconds": seconds, "rollout_tokens": tokens,
                 "rollout_tokens_per_s": tokens / generating, "batch_size": len(batch),
                 "dp_imbalance": split["imbalance"], **staleness_columns(step, batch["weight_version"]),
+                **episode_columns(batch),
                 **{f"{k}_s": v for k, v in clock.seconds.items()}}
 
     def _save(self, step: int, clock: TrackedClock) -> int:

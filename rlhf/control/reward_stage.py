@@ -40,6 +40,10 @@ class RewardStage:
         rewards = torch.tensor(self.reward(batch["completions"], batch["answers"], batch["prompts"],
                                            row_fields(batch["fields"])))
         means = dict(self.reward.means)
+        if "env_reward" in batch.keys():  # an environment's rewards (env.path) add to the functions'
+            env_reward = torch.tensor(batch["env_reward"], dtype=rewards.dtype)
+            rewards = rewards + env_reward
+            means["reward_env"] = float(env_reward.mean())
         if self.fleet.reward is not None:
             scores = self._reward_model_scores(step, batch["prompts"], batch["completions"])
             rewards = rewards + self.model_weight * scores

@@ -47,6 +47,7 @@ class RolloutFanout:
         """rollout, sampling: their sections; chat_template: task.chat_template; policy: the resilience section."""
         self.rollout, self.sampling, self.chat_template, self.policy = rollout, sampling, chat_template, policy
         self.loop, self.services, self.tokenizer = loop, services, tokenizer
+        self.episodes: Any = None  # control.episodes.Episodes with env.path: each sample a multi-turn episode
         self.migrated = 0  # samples of the last call generated (or continued) on another server than planned
 
     def _spread(self, step: int, prompt_ids: list[list[int]], params: dict[str, Any] | list[dict[str, Any]],
@@ -138,7 +139,10 @@ class RolloutFanout:
             self.migrated += 1
 
     def generate(self, step: int, examples: list[Any]) -> DistributedBatchMemory:
-        """One GRPO batch: group_size samples of every example, with logprobs and decoded completions."""
+        """One GRPO batch: group_size samples of every example, with logprobs and decoded completions (with an
+        environment, each sample an episode: control/episodes.py)."""
+        if self.episodes is not None:
+            return self.episodes.generate(step, examples)
         g, sp = self.rollout.group_size, self.sampling
         self.migrated = 0
         prompt_ids = encode_prompts(self.tokenizer, [e.prompt for e in examples], self.chat_template)
@@ -188,7 +192,9 @@ class RolloutFanout:
 
     def greedy(self, examples: list[Any]) -> list[str]:
         """One greedy completion per example, in order (evaluation), spread over the rollout servers (migrated
-        like a step's when a server fails)."""
+        like a step's when a server fails); with an environment, one greedy episode each, its last turn's text."""
+        if self.episodes is not None:
+            return self.episodes.greedy(examples)
         prompt_ids = encode_prompts(self.tokenizer, [e.prompt for e in examples], self.chat_template)
         done, failed = self._spread(-1, prompt_ids, {"max_new_tokens": self.sampling.max_new_tokens,
                                                      "temperature": 0.0}, 1, False)
@@ -208,7 +214,8 @@ def token_versions(result: dict[str, Any]) -> list[str]:
 def to_batch(share: DistributedBatchMemory, pad_id: int) -> dict[str, torch.Tensor]:
     """A rank's share of the rollout batch as the train ranks' padded tensors (built where first needed), with
     the mini-batch of each row (rlhf.batch)."""
-    batch = rl_batch(share["prompt_ids"], share["output_ids"], share["logprobs"], pad_id)
+    batch = rl_batch(share["prompt_ids"], share["output_ids"], share["logprobs"], pad_id,
+                     share["loss_mask"] if "loss_mask" in share.keys() else None)
     if "mini_batch" in share.keys():
         batch["mini_batch"] = share["mini_batch"]
     return batch

@@ -42,6 +42,9 @@ POINTS: dict[str, str] = {
                   "(an error there is raised by the step that takes the batch)",
     "buffer.get": "controller (rollout.mode async), before a step takes its batch from the buffer",
     "step.begin": "controller, at the start of every step (for faults that should start at a step)",
+    "env.reset": "controller (env.path), before an episode's environment is reset",
+    "env.step": "controller (env.path), before an environment answers a model turn",
+    "tool.call": "controller (env.path tool_calls), before a tool runs (peer: the tool's name)",
     "preflight.check": "train rank, in the pre-flight check (--preflight), pinned to its own CPU, before it times its matmul",
 }
 
@@ -58,7 +61,7 @@ POINT_ROLES: dict[str, tuple[str, ...]] = {
     "checkpoint.write": _TRAIN, "checkpoint.fsync": _TRAIN, "checkpoint.load": _TRAIN,
     "scheduler.stop_job": _CONTROLLER, "data.split": _CONTROLLER, "step.begin": _CONTROLLER,
     "buffer.put": _CONTROLLER, "buffer.get": _CONTROLLER, "rollout.pause": _CONTROLLER,
-    "rollout.continue": _CONTROLLER,
+    "rollout.continue": _CONTROLLER, "env.reset": _CONTROLLER, "env.step": _CONTROLLER, "tool.call": _CONTROLLER,
     "reward.compute": _CONTROLLER, "reward_model.score": ("reward",),
     "preflight.check": _TRAIN,
 }

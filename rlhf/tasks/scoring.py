@@ -50,11 +50,12 @@ class Reward:
         return f"reward {self.spec!r} ({self.source})"
 
 
-def _load_file(path: str) -> Any:
+def load_module_file(path: str, what: str = "reward") -> Any:
+    """The user's Python file as a module (imported once a process; `what` names it in the errors)."""
     full = os.path.abspath(path)
     if not os.path.isfile(full):
-        raise ValueError(f"reward file {path!r} does not exist (from {os.getcwd()})")
-    name = "rlhf_user_rewards_" + hashlib.sha1(full.encode()).hexdigest()[:12]
+        raise ValueError(f"{what} file {path!r} does not exist (from {os.getcwd()})")
+    name = f"rlhf_user_{what.replace(' ', '_')}_" + hashlib.sha1(full.encode()).hexdigest()[:12]
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, full)
@@ -65,7 +66,7 @@ def _load_file(path: str) -> Any:
         spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[name]
-        raise ValueError(f"reward file {path!r} failed to import: {type(exc).__name__}: {exc}") from exc
+        raise ValueError(f"{what} file {path!r} failed to import: {type(exc).__name__}: {exc}") from exc
     return module
 
 
@@ -81,7 +82,7 @@ def load_reward(spec: str, weight: float = 1.0, options: dict[str, Any] | None =
     if not target or not attr:
         raise ValueError(f"reward {spec!r}: expected package.module:function or path/to/file.py:function")
     if target.endswith(".py") or os.sep in target:
-        module, source = _load_file(target), os.path.abspath(target)
+        module, source = load_module_file(target), os.path.abspath(target)
     else:
         try:
             module, source = importlib.import_module(target), target

@@ -1,0 +1,88 @@
+"""The environment interface, its registry, and loading the user's environment class."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from rlhf.tasks.scoring import load_module_file
+
+ENVS: dict[str, type["Env"]] = {}
+
+
+class EnvError(RuntimeError):
+    """An environment that cannot be built or answers wrongly (what, and which environment)."""
+
+
+@dataclass
+class StepResult:
+    observation: str = ""
+    """Text appended after the model's turn (its tokens are masked out of the loss and the KL); "" with done."""
+    reward: float | None = None
+    """This step's reward (an episode's reward is the sum of its steps'); None: the reward functions score it."""
+    done: bool = False
+    """The episode ends after this step."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """What happened: `tool_calls` and `tool_errors` (counted in steps.csv), anything else the environment keeps."""
+
+
+class Env:
+    """One episode's environment. A new instance per episode; reset once, then step once a model turn."""
+
+    def __init__(self, **options: Any) -> None:
+        self.options = options
+
+    def reset(self, row: dict[str, Any]) -> str:
+        """The episode's row (prompt, answer and the dataset's other columns); returns text to put after the
+        prompt before the first turn, or ""."""
+        return ""
+
+    def step(self, action: str) -> StepResult:
+        """The model's text of this turn; what the environment answers."""
+        raise NotImplementedError
+
+
+def register_env(name: str) -> Callable[[type[Env]], type[Env]]:
+    def deco(cls: type[Env]) -> type[Env]:
+        ENVS[name] = cls
+        return cls
+
+    return deco
+
+
+def build_env(spec: str, options: dict[str, Any] | None = None) -> Callable[[], Env]:
+    """A factory of fresh environments from env.path: a built-in name, path/to/file.py:Class or
+    package.module:Class (an Env subclass, or any class with reset(row) and step(action))."""
+    spec = spec.strip()
+    if ":" not in spec:
+        if spec not in ENVS:
+            raise EnvError(f"env.path: {spec!r} is not a built-in environment (built-in: {', '.join(sorted(ENVS))}); "
+                           "or give path/to/file.py:Class or package.module:Class")
+        cls: Any = ENVS[spec]
+    else:
+        target, _, attr = spec.rpartition(":")
+        if target.endswith(".py"):
+            module = load_module_file(target, "environment")
+        else:
+            try:
+                module = importlib.import_module(target)
+            except ImportError as exc:
+                raise EnvError(f"env.path {spec!r}: cannot import module {target!r}: {exc}") from exc
+        cls = getattr(module, attr, None)
+        if cls is None:
+            have = sorted(n for n, v in vars(module).items() if inspect.isclass(v) and not n.startswith("_"))
+            raise EnvError(f"env.path {spec!r}: {target} has no {attr!r} (its classes: {', '.join(have) or 'none'})")
+        missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
+        if not inspect.isclass(cls) or missing:
+            where = f"{inspect.getsourcefile(cls)}:{inspect.getsourcelines(cls)[1]}" if inspect.isclass(cls) else target
+            raise EnvError(f"env.path {spec!r} ({where}): an environment is a class with reset(row) and step(action)"
+                           + (f"; it lacks {', '.join(missing)}" if inspect.isclass(cls) else f"; {attr} is not a class"))
+    opts = dict(options or {})
+
+    def make() -> Env:
+        return cls(**opts)
+
+    make()  # built once now: a constructor that fails says so before any work starts
+    return make

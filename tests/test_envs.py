@@ -1,0 +1,115 @@
+"""Environments (env.path): the tool_calls environment, loading the user's class, the multi-turn rollout whose
+observation tokens are masked out of the loss, and a GRPO run whose every sample is an episode."""
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rlhf.envs import EnvError, build_env
+from tests.conftest import ROOT
+
+TOOLS = f"{ROOT}/examples/envs/calculator.py"
+
+
+def test_tool_calls_runs_each_call_and_answers_it_and_counts_what_went_wrong():
+    env = build_env("tool_calls", {"tools": TOOLS})()
+    assert env.reset({"prompt": "123*456=", "answer": "56088"}) == ""
+    both = env.step('<tool_call>{"name": "multiply", "arguments": {"a": 123, "b": 456}}</tool_call>'
+                    '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>')
+    assert (both.observation, both.done, both.info) == (
+        "<tool_response>56088</tool_response><tool_response>3</tool_response>", False,
+        {"tool_calls": 2, "tool_errors": 0})
+    bad = env.step('<tool_call>{"name": "divide", "arguments": {}}</tool_call><tool_call>{oops</tool_call>'
+                   '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
+    assert bad.info == {"tool_calls": 3, "tool_errors": 3}
+    assert "no tool 'divide' (tools: add, multiply)" in bad.observation and "not JSON" in bad.observation
+    assert "missing 1 required positional argument: 'b'" in bad.observation
+    end = env.step("the answer is 56088")
+    assert end.done and end.observation == "" and end.reward is None
+
+
+def test_a_bad_environment_is_one_error_naming_what_and_where(tmp_path):
+    with pytest.raises(EnvError, match="'sandbox' is not a built-in environment \\(built-in: tool_calls\\)"):
+        build_env("sandbox")
+    envs = tmp_path / "envs.py"
+    envs.write_text("class Half:\n    def reset(self, row):\n        return ''\n\ndef helper():\n    pass\n")
+    with pytest.raises(EnvError, match="has no 'Game' \\(its classes: Half\\)"):
+        build_env(f"{envs}:Game")
+    with pytest.raises(EnvError, match=rf"{envs}:1\): an environment is a class with reset\(row\) and step\(action\); "
+                                       "it lacks step"):
+        build_env(f"{envs}:Half")
+    (tmp_path / "none.py").write_text("X = 1\n")
+    with pytest.raises(EnvError, match="env.tools: .*none.py defines no public function"):
+        build_env("tool_calls", {"tools": str(tmp_path / "none.py")})
+
+
+def test_observation_tokens_are_out_of_the_loss_and_its_gradient(diverse):
+    """A response of model tokens and an environment's answer between them: what the masked tokens' old and
+    reference logprobs say changes neither the loss nor any gradient, and they are not counted."""
+    from rlhf.config import AlgorithmConfig, OptimConfig
+    from rlhf.data import rl_batch
+    from rlhf.train.engine import TrainEngine
+
+    model, _tok = diverse
+    gen = torch.Generator().manual_seed(1)
+    prompts = [[1, 5, 6, 7], [1, 8, 9]]
+    outputs = [torch.randint(4, 30, (9,), generator=gen).tolist(), torch.randint(4, 30, (7,), generator=gen).tolist()]
+    masks = [[1, 1, 1, 0, 0, 0, 1, 1, 1], [1, 1, 0, 0, 1, 1, 1]]  # model, observation, model
+    grads = []
+    for garbage in (0.0, 5.0):
+        lps = [[-1.0 if m else -garbage for m in mask] for mask in masks]
+        batch = rl_batch(prompts, outputs, lps, 0, masks)
+        batch["advantages"] = torch.tensor([1.0, -0.5])
+        batch["ref_logprobs"] = batch["old_logprobs"] - 0.3 + garbage * (1 - batch["response_mask"])
+        m = __import__("copy").deepcopy(model)
+        engine = TrainEngine(m, OptimConfig(micro_batch_size=2, mini_batches=1, grad_clip=0, warmup_steps=0),
+                             AlgorithmConfig(kl_coef=0.1), keep_reference=False)
+        engine.optimizer = torch.optim.SGD(engine.params, lr=1.0)  # the update is minus the gradient
+        before = [p.detach().clone() for p in engine.params]
+        metrics = engine.train_step(batch)
+        grads.append([(p.detach() - b) for p, b in zip(engine.params, before)])
+        assert metrics["tokens"] == sum(map(sum, masks))  # the observation tokens are not counted
+    assert any(g.abs().max() > 1e-6 for g in grads[0])
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-7)
+
+
+ENV = '''
+from rlhf.envs import Env, StepResult
+
+
+class Echo(Env):
+    """Answers every turn with '=' (an observation of one token) and a reward read from the turn's text; never
+    done by itself."""
+
+    def reset(self, row):
+        self.answer = row["answer"]
+        return ""
+
+    def step(self, action):
+        return StepResult(observation="=", reward=sum(map(ord, action)) % 3 / 2, info={"tool_calls": 1})
+'''
+
+
+def test_a_grpo_run_whose_samples_are_episodes(tmp_path):
+    """Every sample an episode of env.max_turns turns (the environment never ends one): steps.csv counts them,
+    the environment's rewards add to the reward functions', and the run trains on them."""
+    envs = tmp_path / "echo.py"
+    envs.write_text(ENV)
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, f"{ROOT}/examples/grpo_trainer.py", "--preset", "smoke", "--sft.max_steps",
+                          "0", "--env.path", f"{envs}:Echo", "--env.max_turns", "3", "--sampling.max_new_tokens", "3",
+                          "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    with open(run_dir / "steps.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == 2
+    for r in rows:
+        assert float(r["turns_mean"]) == 3 and int(r["tool_calls"]) == 3 * 16 and int(r["tool_errors"]) == 0
+        assert 0 < float(r["reward_env"]) <= 3 and float(r["env_s"]) >= 0 and float(r["grad_norm"]) > 0
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 2
