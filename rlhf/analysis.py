@@ -34,7 +34,7 @@ POINT_STAGE = [
     ("rollout.continue", "weights_update"), ("rollout.", "rollout"),
     ("reference.", "reference"), ("train.", "train"), ("collective.", "train"), ("sft.", "train"),
     ("checkpoint.", "latest_recover_save"), ("events.", "events"), ("scheduler.", "cleanup"),
-    ("data.split", "reward"), ("buffer.", "rollout"), ("env.", "rollout"), ("tool.", "rollout"), ("reward.", "reward"), ("reward_model.", "reward"), ("step.begin", "step"), ("rpc.", "rpc"),
+    ("data.split", "reward"), ("buffer.", "rollout"), ("env.", "rollout"), ("tool.", "rollout"), ("sandbox.", "rollout"), ("reward.", "reward"), ("reward_model.", "reward"), ("step.begin", "step"), ("rpc.", "rpc"),
 ]
 
 DIAGNOSIS = " rlhf.diagnosis: "  # our root-cause line: not one of the errors the seeds' system would have logged

@@ -12,6 +12,7 @@ import json
 import os
 
 from rlhf.config import Config, ConfigError
+from rlhf.envs import EnvError, build_env
 from rlhf.models import model_shape
 from rlhf.models.reward_model import check_reward_model_dir
 from rlhf.train.parallel import layout_problems
@@ -33,6 +34,11 @@ def input_problems(cfg: Config, world: int | None = None) -> list[str]:
     for key, value in (("env.path", cfg.env.path.rpartition(":")[0]), ("env.tools", cfg.env.tools)):
         if value.endswith(".py") and not os.path.isfile(value):
             problems.append(f"{key}: file {value!r} does not exist (from {os.getcwd()})")
+    if cfg.env.path and not problems:  # imported here, as the reward functions are: a bad class is one line now
+        try:
+            build_env(cfg.env.path, {"tools": cfg.env.tools} if cfg.env.tools else {})
+        except (EnvError, ValueError) as err:
+            problems.append(str(err))
     if cfg.reward_model.path:
         problem = check_reward_model_dir(cfg.reward_model.path)
         if problem:

@@ -157,7 +157,7 @@ def propagation_figure(run_dir: str, out: str) -> str:
 
 
 def _order(proc: str) -> tuple[int, str]:
-    rank = {"controller": 0, "trainer": 0, "metaserver": 1, "scheduler": 2, "train": 3, "rollout": 4, "reward": 5}
+    rank = {"controller": 0, "trainer": 0, "metaserver": 1, "scheduler": 2, "train": 3, "rollout": 4, "reward": 5, "env": 6}
     return rank.get(proc.split("-")[0], 9), proc
 
 

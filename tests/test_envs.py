@@ -11,6 +11,7 @@ import torch
 
 from rlhf.envs import EnvError, build_env
 from tests.conftest import ROOT
+from tests.test_scenarios import assert_none_left
 
 TOOLS = f"{ROOT}/examples/envs/calculator.py"
 
@@ -96,8 +97,9 @@ class Echo(Env):
 
 
 def test_a_grpo_run_whose_samples_are_episodes(tmp_path):
-    """Every sample an episode of env.max_turns turns (the environment never ends one): steps.csv counts them,
-    the environment's rewards add to the reward functions', and the run trains on them."""
+    """Every sample an episode of env.max_turns turns (the environment never ends one), its environment in the
+    environment server (job env-0): steps.csv counts them, the environment's rewards add to the reward functions',
+    and the run trains on them; env-0 has its log and exit record and is gone after the run."""
     envs = tmp_path / "echo.py"
     envs.write_text(ENV)
     run_dir = tmp_path / "run"
@@ -113,3 +115,52 @@ def test_a_grpo_run_whose_samples_are_episodes(tmp_path):
         assert 0 < float(r["reward_env"]) <= 3 and float(r["env_s"]) >= 0 and float(r["grad_norm"]) > 0
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 2
+    assert "environment server: " in (run_dir / "logs" / "env-0.log").read_text()
+    with open(run_dir / "exits.jsonl") as fh:
+        assert "env-0" in {json.loads(line).get("process") for line in fh}
+    assert_none_left(run_dir)
+
+
+def test_the_python_tool_runs_code_in_a_sandbox(monkeypatch):
+    """What the code prints comes back; past the wall-clock limit its process group is killed; it gets a fresh
+    working directory (removed after), nothing of the server's environment, and no network where a namespace can
+    be made (root); the memory limit holds."""
+    import os
+
+    from rlhf.envs import sandbox
+
+    monkeypatch.setattr(sandbox, "LIMITS", sandbox.Limits(timeout_s=1.0, cpu_s=1, memory_mb=256))
+    monkeypatch.setenv("RLHF_TOKEN", "secret")
+    assert sandbox.python("print(123 * 456)") == "56088\n"
+    assert sandbox.python("import time\nwhile True: time.sleep(0.01)") == \
+        "error: the code ran past 1 s and was stopped"
+    where = sandbox.python("import os; print(os.getcwd()); print(os.environ.get('RLHF_TOKEN'))").split()
+    assert where[0].startswith(os.path.join(os.path.realpath("/tmp"), "rlhf-sandbox-")) or "rlhf-sandbox-" in where[0]
+    assert where[1] == "None" and not os.path.exists(where[0])
+    assert "MemoryError" in sandbox.python("x = bytearray(1 << 30)")
+    assert sandbox.python("import sys; sys.exit(3)") == "error: exit status 3"
+    if sandbox.network_isolated():
+        assert "Network is unreachable" in sandbox.python(
+            "import socket; socket.create_connection(('192.0.2.1', 80), timeout=2)")
+    env = build_env("tool_calls", {"tools": "rlhf.envs.sandbox"})()
+    answer = env.step('<tool_call>{"name": "python", "arguments": {"code": "print(2 ** 10)"}}</tool_call>')
+    assert answer.observation == "<tool_response>1024\n</tool_response>" and answer.info["tool_errors"] == 0
+
+
+def test_a_killed_environment_server_fails_the_step_and_is_named(tmp_path):
+    """env-0 SIGKILLed at step 2's first /step: the step fails naming env-0 (no episode goes on with an error text
+    as the tool's answer), nothing is left running, and `rlhf diagnose` names env-0's death."""
+    from rlhf.diagnosis import diagnose
+
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, f"{ROOT}/examples/grpo_trainer.py", "--faults",
+                          f"{ROOT}/examples/faults/env_server_killed.yaml", "--run-dir", str(run_dir)],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode != 0
+    first = next(line for line in (run_dir / "logs" / "controller-0.log").read_text().splitlines()
+                 if " ERROR " in line and "run failed" in line)
+    assert "step 2, stage rollout: RpcConnectionError: cannot reach env-0" in first, first
+    assert_none_left(run_dir)
+    d = diagnose(str(run_dir))
+    assert d.root is not None and (d.root.process, d.root.category, d.root.step) == ("env-0", "process_death", 2), \
+        d.render()

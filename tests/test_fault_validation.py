@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from rlhf.config import Config
+from rlhf.config import HARDENED, Config
 from rlhf.faults import never_fired
 from rlhf.faults.cli import faults_main
 from rlhf.faults.parse import parse_faults_text
@@ -121,6 +121,7 @@ def test_never_fired_faults_are_named_with_the_reason(tmp_path):
 
 
 def test_the_route_table_is_what_the_services_serve(tmp_path):
+    from rlhf.services.env_server import EnvServer
     from rlhf.services.metaserver import MetaServer
     from rlhf.services.rollout_server import RolloutServer
     from rlhf.services.scheduler import Scheduler
@@ -138,7 +139,8 @@ def test_the_route_table_is_what_the_services_serve(tmp_path):
         dist.destroy_process_group()
     services = {"train": train.service, "rollout": RolloutServer(None, 0, "t").service,
                 "metaserver": MetaServer("t", transport="http").service,
-                "scheduler": Scheduler(str(tmp_path), "t", 5.0).service}
+                "scheduler": Scheduler(str(tmp_path), "t", 5.0).service,
+                "env": EnvServer("tool_calls", {"tools": f"{ROOT}/examples/envs/calculator.py"}, "t", HARDENED).service}
     for role, service in services.items():
         assert routes(service) == set(ROUTES[role]), role
 

@@ -123,10 +123,20 @@ class EnvConfig:
     answer the reward functions score."""
     max_tool_output_tokens: int = 64
     """An observation (a tool's answer) is cut to this many tokens before it is appended."""
+    sandbox_timeout_s: float = 5.0
+    """The python tool (env.tools rlhf.envs.sandbox): wall-clock seconds a run may take (its process group is killed
+    past it)."""
+    sandbox_cpu_s: int = 5
+    """The python tool: CPU seconds a run may use (RLIMIT_CPU)."""
+    sandbox_memory_mb: int = 512
+    """The python tool: the address space a run may map, MB (RLIMIT_AS)."""
 
     def __post_init__(self) -> None:
         _positive("env.max_turns", self.max_turns)
         _positive("env.max_tool_output_tokens", self.max_tool_output_tokens)
+        _positive("env.sandbox_timeout_s", self.sandbox_timeout_s)
+        _positive("env.sandbox_cpu_s", self.sandbox_cpu_s)
+        _positive("env.sandbox_memory_mb", self.sandbox_memory_mb)
         if self.path == "tool_calls" and not self.tools:
             raise ConfigError("env.tools: env.path tool_calls needs the file or module of its tools "
                               "(e.g. --env.tools examples/envs/calculator.py)")

@@ -49,7 +49,6 @@ from rlhf.control.survival import RolloutSurvival
 from rlhf.control.train_stage import TrainStage
 from rlhf.control.weights_sync import WeightSync
 from rlhf.data import PromptSampler
-from rlhf.envs import build_env
 from rlhf.evaluation import accuracy
 from rlhf.models import load_tokenizer, pad_token_id
 from rlhf.models.tokenizer import CharTokenizer
@@ -82,9 +81,8 @@ class Controller(RunLifecycle):
                                        self.loop, self.workers, self.services)
         self.fanout = RolloutFanout(cfg.rollout, cfg.sampling, cfg.task.chat_template, cfg.resilience, self.loop,
                                     self.services, self.tokenizer)
-        if cfg.env.path:  # each sample a multi-turn episode with the environment (control/episodes.py)
-            self.fanout.episodes = Episodes(cfg.env, build_env(cfg.env.path, {"tools": cfg.env.tools}
-                                                               if cfg.env.tools else {}), self.fanout)
+        if cfg.env.path:  # each sample a multi-turn episode, its environment at env-0 (control/episodes.py)
+            self.fanout.episodes = Episodes(cfg.env, self.fanout, self.services)
         self.survival = RolloutSurvival(cfg.resilience, self.services)
         self.rewards = RewardStage(cfg.reward, cfg.reward_model, cfg.rollout.group_size, cfg.algorithm.resample_rounds,
                                    self.loop, self.services)

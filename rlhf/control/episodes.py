@@ -1,13 +1,14 @@
 """Multi-turn rollout: every sample an episode of model turns and environment answers (env.path).
 
-    episodes = Episodes(cfg.env, make_env, fanout)     # fanout: the rollout servers' /generate, spread and migrated
+    episodes = Episodes(cfg.env, fanout, services)     # fanout: the rollout servers' /generate; services.env: env-0
     memory = episodes.generate(step, examples)           # the same batch columns as one completion a prompt, and:
         loss_mask    per response token: 1 the model's, 0 an observation's (out of the loss and the KL)
         turns, tool_calls, tool_errors, env_s, env_reward   per episode
 
 A step's episodes advance together, turn by turn: one /generate call a turn for every episode still running
 (each episode's prompt, its tokens so far and the answers, n = 1; the servers' prefill computes a common prefix once),
-then every environment's step on its turn's text. An episode ends when its environment says done, answers nothing,
+then one /step call to the environment server (job env-0, rlhf.services.env_server) with every episode's turn text;
+the environments live there, one per episode, from /reset to done (or /close). An episode ends when its environment says done, answers nothing,
 or after env.max_turns turns; its last turn's text is the completion the reward functions score, and the
 environment's rewards (if it gives any) add to theirs. The observation tokens are appended as they are
 (env.max_tool_output_tokens at most), with logprob 0 and mask 0.
@@ -17,13 +18,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from typing import Any
 
 from rlhf.batch import DistributedBatchMemory
 from rlhf.config import EnvConfig
 from rlhf.data import completion_text, encode_prompts
-from rlhf.envs import Env
-from rlhf.faults import fault_point
 from rlhf.rollout.sglang_api import output_logprobs
 
 log = logging.getLogger("rlhf.controller")
@@ -41,9 +40,15 @@ def episode_columns(batch: Any) -> dict[str, float]:
 
 
 class Episodes:
-    def __init__(self, cfg: EnvConfig, make_env: Callable[[], Env], fanout: Any) -> None:
-        self.cfg, self.make_env, self.fanout = cfg, make_env, fanout
-        self.stop = list(getattr(make_env(), "stop", None) or [])  # strings that end a model turn (tool_calls: a call)
+    def __init__(self, cfg: EnvConfig, fanout: Any, services: Any) -> None:
+        self.cfg, self.fanout, self.services = cfg, fanout, services
+        self.stop: list[str] | None = None  # strings that end a model turn (tool_calls: a call), from env-0's /health
+
+    def _env(self, path: str, body: dict[str, Any], step: int) -> dict[str, Any]:
+        """One call to the environment server (stage rollout: the episodes are the step's rollout)."""
+        client = self.services.env
+        assert client is not None, "env.path is set but the environment server (env-0) is not up"
+        return self.fanout.loop.run(client.call(path, body, stage="rollout", step=step))[0]
 
     def generate(self, step: int, examples: list[Any]) -> DistributedBatchMemory:
         """A GRPO batch: rollout.group_size episodes of every example, sampled."""
@@ -62,23 +67,26 @@ class Episodes:
         fanout, tok = self.fanout, self.fanout.tokenizer
         prompt_ids = encode_prompts(tok, [e.prompt for e in examples], fanout.chat_template)
         k_example = [i for i in range(len(examples)) for _ in range(g)]  # episode k's example: a group adjacent
-        envs = [self.make_env() for _ in k_example]
-        context, env_s = [], [0.0] * len(envs)
-        for k, (env, i) in enumerate(zip(envs, k_example)):
-            t0 = time.perf_counter()
-            fault_point("env.reset", step=step)
-            first = env.reset({"prompt": examples[i].prompt, "answer": examples[i].answer, **examples[i].fields})
-            env_s[k] += time.perf_counter() - t0
-            context.append(prompt_ids[i] + (tok.encode(first, add_special_tokens=False) if first else []))
-        ids: list[list[int]] = [[] for _ in envs]
-        lps: list[list[float]] = [[] for _ in envs]
-        mask: list[list[int]] = [[] for _ in envs]
-        versions: list[list[str]] = [[] for _ in envs]
-        answer, turns = [""] * len(envs), [0] * len(envs)
-        calls, errors, reward = [0] * len(envs), [0] * len(envs), [0.0] * len(envs)
+        if self.stop is None:
+            self.stop = list(self.fanout.loop.run(self.services.env.call("/health", method="GET"))[0].get("stop") or [])
+        n = len(k_example)
+        ids_of = [f"{step}-{k}" for k in range(n)]  # the episodes' ids at env-0 (step -1: an evaluation's)
+        t0 = time.perf_counter()
+        firsts = self._env("/reset", {"episodes": [
+            {"id": ids_of[k], "row": {"prompt": examples[i].prompt, "answer": examples[i].answer,
+                                      **examples[i].fields}} for k, i in enumerate(k_example)]}, step)["observations"]
+        env_s = [(time.perf_counter() - t0) / max(n, 1)] * n
+        context = [prompt_ids[i] + (tok.encode(first, add_special_tokens=False) if first else [])
+                   for i, first in zip(k_example, firsts)]
+        ids: list[list[int]] = [[] for _ in range(n)]
+        lps: list[list[float]] = [[] for _ in range(n)]
+        mask: list[list[int]] = [[] for _ in range(n)]
+        versions: list[list[str]] = [[] for _ in range(n)]
+        answer, turns = [""] * n, [0] * n
+        calls, errors, reward = [0] * n, [0] * n, [0.0] * n
         rewarded = False
         params = {**sampling, **({"stop": self.stop, "no_stop_trim": True} if self.stop else {})}
-        running = list(range(len(envs)))
+        running, closed = list(range(n)), set()
         for turn in range(self.cfg.max_turns):
             done, failed = fanout._spread(step, [context[k] + ids[k] for k in running], params, 1, True)
             if failed:
@@ -92,18 +100,24 @@ class Episodes:
                 versions[k] += [out["meta_info"]["weight_version"]] * len(out["output_ids"])
                 answer[k] = completion_text(tok, out)
                 turns[k] += 1
-                t0 = time.perf_counter()
-                fault_point("env.step", step=step)
-                result = envs[k].step(answer[k])
-                env_s[k] += time.perf_counter() - t0
-                calls[k] += int(result.info.get("tool_calls", 0))
-                errors[k] += int(result.info.get("tool_errors", 0))
-                if result.reward is not None:
-                    reward[k] += float(result.reward)
+            t0 = time.perf_counter()
+            results = self._env("/step", {"steps": [{"id": ids_of[k], "action": answer[k]} for k in running]},
+                                step)["results"]
+            for k in running:
+                env_s[k] += (time.perf_counter() - t0) / len(running)
+            last = turn == self.cfg.max_turns - 1
+            for k, result in zip(running, results):
+                info = result.get("info") or {}
+                calls[k] += int(info.get("tool_calls", 0))
+                errors[k] += int(info.get("tool_errors", 0))
+                if result.get("reward") is not None:
+                    reward[k] += float(result["reward"])
                     rewarded = True
-                if result.done or not result.observation or turn == self.cfg.max_turns - 1:
+                if result.get("done"):
+                    closed.add(k)  # env-0 closed it
+                if result.get("done") or not result.get("observation") or last:
                     continue
-                seen = tok.encode(result.observation, add_special_tokens=False)[:self.cfg.max_tool_output_tokens]
+                seen = tok.encode(result["observation"], add_special_tokens=False)[:self.cfg.max_tool_output_tokens]
                 ids[k] += seen
                 lps[k] += [0.0] * len(seen)
                 mask[k] += [0] * len(seen)
@@ -112,6 +126,9 @@ class Episodes:
             running = still
             if not running:
                 break
+        open_ids = [ids_of[k] for k in range(n) if k not in closed]  # ended here (the turn limit, no answer)
+        if open_ids:
+            self._env("/close", {"ids": open_ids}, step)
         rep = k_example
         return DistributedBatchMemory({
             "sample_index": list(range(len(rep))),

@@ -7,6 +7,8 @@
                      (sglang's launch flags in a 0600 YAML file: the API key never shows in `ps`)
     RewardServer     with reward_model.path: job reward-0 on this node (rlhf.services.reward_server), scoring each
                      step's completions with the reward model; not started again when it dies (the step fails)
+    EnvServer        with env.path: job env-0 on this node (rlhf.services.env_server), the episodes' environments;
+                     not started again when it dies (the step fails)
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class RolloutServices:
         self.remote: dict[int, RemoteScheduler] = {}  # the other nodes', started by their first train rank
         self.rollout: list[Client] = []
         self.reward: Client | None = None  # the reward server (reward_model.path), else None
+        self.env: Client | None = None  # the environment server (env.path), else None
         self.jobs: list[tuple[list[str], dict[str, str], str]] = []  # rollout server r's (command, env, ready file)
 
     @property
@@ -62,12 +65,13 @@ class RolloutServices:
         self.scheduler = self._start_scheduler()
         # async GRPO: the rollout servers generate while the train ranks train, so they share the CPUs
         threads = str(cpu_share(cfg.rollout.servers, self.train_ranks if cfg.rollout.overlaps else 0))
-        reward_ready = self._submit_reward_server()
+        jobs = {"reward-0": self._submit_service("reward-0", "rlhf.services.reward_server", bool(cfg.reward_model.path)),
+                "env-0": self._submit_service("env-0", "rlhf.services.env_server", bool(cfg.env.path))}
         if cfg.rollout.backend == "sglang":
             urls = self._start_sglang(threads)
             self.rollout = [Client(u, self.token, cfg.timeouts.rollout_s, peer=f"rollout-{r}",
                                    retries=cfg.resilience.retry_idempotent) for r, u in enumerate(urls)]
-            self._connect_reward_server(reward_ready)
+            self._connect_services(jobs)
             log.info("services up: metaserver %s, scheduler %s, %d sglang servers (%s)%s, %d train ranks",
                      self.metaserver_url, self.scheduler.url, len(urls), cfg.sglang.launcher,
                      ", reward-0" if self.reward else "", self.train_ranks)
@@ -89,41 +93,44 @@ class RolloutServices:
         self.rollout = [Client(u, self.token, cfg.timeouts.rollout_s, peer=f"rollout-{r}",
                                retries=cfg.resilience.retry_idempotent)
                         for r, u in enumerate(urls)]
-        self._connect_reward_server(reward_ready)
+        self._connect_services(jobs)
         log.info("services up: metaserver %s, scheduler %s%s, %d rollout servers%s, %d train ranks",
                  self.metaserver_url, self.scheduler.url,
                  "".join(f" (+ {s.name} {s.url})" for s in self.remote.values()), len(urls),
                  f", reward server {self.reward.base_url}" if self.reward else "", self.train_ranks)
 
-    def _submit_reward_server(self) -> str:
-        """reward_model.path: submit job reward-0 (role reward) to this node's scheduler; returns its ready file
-        ("" without a reward model). It loads while the rollout servers load."""
-        cfg = self.cfg
-        if not cfg.reward_model.path:
+    def _submit_service(self, name: str, module: str, wanted: bool) -> str:
+        """Submit job `name` (reward-0: reward_model.path; env-0: env.path) to this node's scheduler, the run's
+        config as its own; returns its ready file ("" when not wanted). It loads while the rollout servers load."""
+        if not wanted:
             return ""
         assert self.scheduler is not None
-        ready = os.path.join(self.run_dir, "reward-0.url")
+        ready = os.path.join(self.run_dir, f"{name}.url")
         if os.path.exists(ready):
             os.remove(ready)
-        cmd = [sys.executable, "-m", "rlhf.services.reward_server", "--run-dir", self.run_dir,
+        cmd = [sys.executable, "-m", module, "--run-dir", self.run_dir,
                "--config", os.path.join(self.run_dir, "config.yaml"), "--ready-file", ready]
         env = {"RLHF_TOKEN": self.token, "RLHF_REWARD_THREADS": "1", "PYTHONPATH": _pythonpath()}
-        self.scheduler.submit("reward-0", "reward", cmd, env)
+        self.scheduler.submit(name, name.split("-")[0], cmd, env)
         return ready
 
-    def _connect_reward_server(self, ready: str) -> None:
-        """Until reward-0's ready file appears; a job that ended first (a model it cannot load) fails at once,
-        with where its error is."""
+    def _connect_service(self, name: str, ready: str, what: str, timeout_s: float) -> Client | None:
+        """Until the job's ready file appears; a job that ended first (a model or an environment it cannot load)
+        fails at once, with where its error is."""
         if not ready:
-            return
+            return None
         deadline = time.monotonic() + self.cfg.timeouts.startup_s
         while not (os.path.exists(ready) and os.path.getsize(ready) > 0):
-            self._still_starting("reward-0", f"reward_model.path {self.cfg.reward_model.path}", "its ready file",
-                                 deadline, f"{self.run_dir}/logs/reward-0.log")
+            self._still_starting(name, what, "its ready file", deadline, f"{self.run_dir}/logs/{name}.log")
             time.sleep(0.1)  # a poll interval: the condition is the ready file (or the job's end)
         url = wait_for_file(ready, 1.0)
-        self.reward = Client(url, self.token, self.cfg.reward_model.timeout_s, peer="reward-0",
-                             retries=self.cfg.resilience.retry_idempotent)
+        return Client(url, self.token, timeout_s, peer=name, retries=self.cfg.resilience.retry_idempotent)
+
+    def _connect_services(self, ready: dict[str, str]) -> None:
+        cfg = self.cfg
+        self.reward = self._connect_service("reward-0", ready["reward-0"], f"reward_model.path {cfg.reward_model.path}",
+                                            cfg.reward_model.timeout_s)
+        self.env = self._connect_service("env-0", ready["env-0"], f"env.path {cfg.env.path}", cfg.timeouts.rollout_s)
 
     def _start_scheduler(self) -> SchedulerClient:
         cfg = self.cfg
@@ -362,7 +369,7 @@ class RolloutServices:
             scheduler.close()  # another node's: its first train rank stops the scheduler itself at shutdown
 
     def clients(self) -> list[Client]:
-        return self.rollout + ([self.reward] if self.reward else []) + \
+        return self.rollout + ([self.reward] if self.reward else []) + ([self.env] if self.env else []) + \
             ([self.scheduler.client] if self.scheduler else []) + \
             [s.client for s in self.remote.values()]
 

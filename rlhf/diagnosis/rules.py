@@ -29,7 +29,7 @@ _RULES = [  # first match wins; applied to the message and its traceback's last 
 LOG_LINE = re.compile(  # one line of logs/<role>-<rank>.log
     r"^(?P<ts>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}) (?P<proc>[a-z]+-\d+) (?P<level>[A-Z]+) "
     r"(?P<logger>[\w.]+): (?P<msg>.*)$")
-_PROC = re.compile(r"\b(train|rollout|reward|scheduler|metaserver|controller)-(\d+)\b")
+_PROC = re.compile(r"\b(train|rollout|reward|env|scheduler|metaserver|controller)-(\d+)\b")
 _FAILURE_WARNING = re.compile(r"failed|timed out|not delivered|\bdied\b|lapsed|cannot reach|unreachable|[Ee]rror|^retrying |: migrating |falling back to disk|"
                               r"logprobs differ by")
 _NOT_EVIDENCE = re.compile(r"^first failure of this run|^diagnosis failed|^fault \S+ never fired|^fault audit:|^stopping job|still running|^removed shared-memory|"
@@ -46,7 +46,7 @@ _ROUTE_STAGE = [("/generate", "rollout"), ("/update_weights", "weights_update"),
                 ("/score", "reward")]
 _STEP = re.compile(r"\b(?:at (?:its )?)?step (\d+)")
 _WITHIN = re.compile(r"within ([\d.]+) ?s\b")
-PARENT = {"rollout": "scheduler-0", "reward": "scheduler-0", "scheduler": "train-0"}  # a job dies with the scheduler, the scheduler with rank 0
+PARENT = {"rollout": "scheduler-0", "reward": "scheduler-0", "env": "scheduler-0", "scheduler": "train-0"}  # a job dies with the scheduler, the scheduler with rank 0
 _BUSY_MIN_S = 3.0
 _STALE_ROW_S = 1.6  # a heartbeat row older than this (1 Hz sampler) no longer says what a process is doing  # a request or collective entered this long before the failure and never left
 _NOTICE_LAG_S = 1.0  # how much later than a report a hard cause may be noticed and still be the cause

@@ -9,6 +9,10 @@ base.py        Env, StepResult, build_env (a built-in name or the user's class, 
 tool_calls.py  ToolCallsEnv (`tool_calls`): the model writes Hermes-style <tool_call>{"name": ..., "arguments": {...}}
                </tool_call>; the tools are the Python functions of env.tools (a file or a module); each call's
                output comes back as <tool_response>...</tool_response>
+sandbox.py     the `python` tool (env.tools rlhf.envs.sandbox): the model's code in a child process with rlimits, a
+               time limit, a fresh directory and no network
+
+The environments run in the environment server (rlhf.services.env_server, job env-0), not in the controller.
 """
 
 from rlhf.envs import tool_calls  # noqa: F401  (registers the built-in environments)

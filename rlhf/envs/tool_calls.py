@@ -31,7 +31,8 @@ STOP = "</tool_call>"  # a turn's generation stops after a call: the answer come
 
 
 def load_tools(spec: str) -> dict[str, Callable[..., Any]]:
-    """env.tools: a file (path/to/tools.py) or a module (package.module); every public function it defines."""
+    """env.tools: a file (path/to/tools.py) or a module (package.module); every public function it defines (those
+    of its __all__, if it has one). rlhf.envs.sandbox gives `python`, code run in a sandbox."""
     if not spec:
         raise EnvError("env.tools: the tool_calls environment needs the file or module of its tools "
                        "(e.g. --env.tools examples/envs/calculator.py)")
@@ -42,8 +43,10 @@ def load_tools(spec: str) -> dict[str, Callable[..., Any]]:
             module = importlib.import_module(spec)
         except ImportError as exc:
             raise EnvError(f"env.tools: cannot import module {spec!r}: {exc}") from exc
+    names = getattr(module, "__all__", None)  # a module may say which of its functions are tools
     tools = {name: fn for name, fn in vars(module).items()
-             if inspect.isfunction(fn) and not name.startswith("_") and fn.__module__ == module.__name__}
+             if inspect.isfunction(fn) and not name.startswith("_") and fn.__module__ == module.__name__
+             and (names is None or name in names)}
     if not tools:
         raise EnvError(f"env.tools: {spec} defines no public function to call")
     return tools

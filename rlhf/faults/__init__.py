@@ -268,7 +268,7 @@ def disarm() -> None:
 
 
 RL_ONLY = ("weights_update.", "rollout.", "events.", "metaserver.", "scheduler.", "data.split", "reference.",
-           "reward.", "buffer.", "env.", "tool.")
+           "reward.", "buffer.", "env.", "tool.", "sandbox.")
 
 
 def never_fired(run_dir: str, faults: list[dict[str, Any]], last_step: int, rl: bool = True, colocate: bool = False,

@@ -42,9 +42,10 @@ POINTS: dict[str, str] = {
                   "(an error there is raised by the step that takes the batch)",
     "buffer.get": "controller (rollout.mode async), before a step takes its batch from the buffer",
     "step.begin": "controller, at the start of every step (for faults that should start at a step)",
-    "env.reset": "controller (env.path), before an episode's environment is reset",
-    "env.step": "controller (env.path), before an environment answers a model turn",
-    "tool.call": "controller (env.path tool_calls), before a tool runs (peer: the tool's name)",
+    "env.reset": "environment server env-0 (env.path), before an episode's environment is reset",
+    "env.step": "environment server env-0 (env.path), before an environment answers a model turn",
+    "tool.call": "environment server env-0 (env.path tool_calls), before a tool runs (peer: the tool's name)",
+    "sandbox.exec": "environment server env-0 (the python tool, rlhf.envs.sandbox), before the model's code runs",
     "preflight.check": "train rank, in the pre-flight check (--preflight), pinned to its own CPU, before it times its matmul",
 }
 
@@ -56,12 +57,12 @@ POINT_ROLES: dict[str, tuple[str, ...]] = {
     "rollout.generate": _ROLLOUT, "reference.compute": _TRAIN, "train.step": _TRAIN, "sft.step": _TRAIN,
     "collective.all_reduce": _TRAIN, "collective.all_gather": _TRAIN, "collective.reduce_scatter": _TRAIN,
     "rpc.client.send": ("controller", "train", "rollout"),
-    "rpc.server.handle": ("train", "rollout", "metaserver", "scheduler", "reward"), "metaserver.put": ("metaserver",),
+    "rpc.server.handle": ("train", "rollout", "metaserver", "scheduler", "reward", "env"), "metaserver.put": ("metaserver",),
     "metaserver.get": ("metaserver",), "events.notify": _CONTROLLER, "events.handle": ("train", "rollout"),
     "checkpoint.write": _TRAIN, "checkpoint.fsync": _TRAIN, "checkpoint.load": _TRAIN,
     "scheduler.stop_job": _CONTROLLER, "data.split": _CONTROLLER, "step.begin": _CONTROLLER,
     "buffer.put": _CONTROLLER, "buffer.get": _CONTROLLER, "rollout.pause": _CONTROLLER,
-    "rollout.continue": _CONTROLLER, "env.reset": _CONTROLLER, "env.step": _CONTROLLER, "tool.call": _CONTROLLER,
+    "rollout.continue": _CONTROLLER, "env.reset": ("env",), "env.step": ("env",), "tool.call": ("env",), "sandbox.exec": ("env",),
     "reward.compute": _CONTROLLER, "reward_model.score": ("reward",),
     "preflight.check": _TRAIN,
 }
@@ -84,6 +85,7 @@ ROUTES: dict[str, tuple[str, ...]] = {
                    "/health"),
     "scheduler": ("/jobs", "/jobs/{name}", "/lease", "/health"),
     "reward": ("/score", "/health"),
+    "env": ("/reset", "/step", "/close", "/health"),
 }
 
 # Which requests may be repeated with the same effect (idempotent): the client retries only these (the policy's
@@ -109,7 +111,7 @@ def idempotent(method: str, path: str) -> bool:
 
 # What `target.peer` names at each point ({r}: any rank of the run); points not listed have no peer.
 POINT_PEERS: dict[str, tuple[str, ...]] = {
-    "rpc.client.send": ("train-{r}", "rollout-{r}", "metaserver-0", "scheduler-0", "reward-0"),
+    "rpc.client.send": ("train-{r}", "rollout-{r}", "metaserver-0", "scheduler-0", "reward-0", "env-0"),
     "events.notify": ("train-{r}", "rollout-{r}"),
     "events.handle": ("rollout_start", "rollout_end"),
     "scheduler.stop_job": ("scheduler-0",),

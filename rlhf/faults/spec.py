@@ -10,7 +10,7 @@ from typing import Any
 
 from rlhf.faults.points import POINT_PEERS, ROUTES
 
-ROLES = ("controller", "train", "rollout", "metaserver", "scheduler", "reward")
+ROLES = ("controller", "train", "rollout", "metaserver", "scheduler", "reward", "env")
 
 
 
@@ -129,7 +129,7 @@ def world_problems(name: str, target: Target, points: tuple[str, ...], train_ran
     """Why a fault (its target at its points) could never fire in a world of this size, each with the valid choices."""
     problems = []
     sizes = {"train": train_ranks, "rollout": rollout_servers, "controller": 1, "metaserver": 1, "scheduler": 1,
-             "reward": 1}
+             "reward": 1, "env": 1}
     n = sizes.get(target.role, max(train_ranks, rollout_servers))
     outside = [r for r in target.ranks if r >= n]
     if outside:

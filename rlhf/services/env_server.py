@@ -1,0 +1,109 @@
+"""Environment server: the run's environments (env.path) behind HTTP, one process started by the scheduler as job
+`env-0` (role `env`), like the reward server: the run token on every route but /health, a span per request, fault
+points, its own log (logs/env-0.log), exit records and heartbeat, and stopped at cleanup. The controller's episodes
+(control/episodes.py) reset and step their environments here, so a tool that hangs, crashes or eats memory does it
+in this process, not in the controller's.
+
+    python -m rlhf.services.env_server --run-dir D --config D/config.yaml --ready-file F
+    (token in the RLHF_TOKEN environment variable, never on the command line)
+
+    POST /reset  {"episodes": [{"id": str, "row": {...}}]}      ->  {"observations": [str]}
+    POST /step   {"steps": [{"id": str, "action": str}]}        ->  {"results": [{"observation", "reward", "done",
+                                                                      "info"}]}   (an episode that is done is closed)
+    POST /close  {"ids": [str]}                                 ->  {"closed": n}
+    GET  /health {"ok": true, "env": spec, "episodes": n, "stop": [...]}   (the strings that end a model turn)
+
+Fault points: env.reset and env.step (before each episode's reset or step), tool.call (tool_calls: before a tool
+runs; peer the tool's name), sandbox.exec (the python tool: before the model's code runs, rlhf.envs.sandbox).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Any
+
+from rlhf.envs import build_env, sandbox
+from rlhf.errors import BadRequest
+from rlhf.faults import fault_point
+from rlhf.services.boot import announce, boot, service_parser
+from rlhf.tracing.setup import stop_process_telemetry
+from rlhf.transport.http import Service, exit_now, run_process_loop, serve_forever
+
+log = logging.getLogger("rlhf.env_server")
+
+
+class EnvServer:
+    def __init__(self, spec: str, options: dict[str, Any], token: str, policy: Any) -> None:
+        self.spec, self.make = spec, build_env(spec, options)
+        self.stop = list(getattr(self.make(), "stop", None) or [])
+        self.envs: dict[str, Any] = {}  # the open episodes, by id
+        self.service = Service("env", 0, token, policy)
+        self.service.open_paths = ("/health",)
+        self.service.untraced_paths.add("/health")
+        self.service.route("/reset", self.reset)
+        self.service.route("/step", self.step)
+        self.service.route("/close", self.close)
+        self.service.route("/health", lambda a, t: {"ok": True, "env": self.spec, "episodes": len(self.envs),
+                                                    "stop": self.stop}, method="GET", inline=True)
+
+    def reset(self, args: dict, tensors: dict) -> dict:
+        episodes = args.get("episodes")
+        if not isinstance(episodes, list) or not all(isinstance(e, dict) and "id" in e for e in episodes):
+            raise BadRequest('/reset takes {"episodes": [{"id": str, "row": {...}}]}')
+        observations = []
+        for e in episodes:
+            fault_point("env.reset")
+            env = self.make()
+            observations.append(str(env.reset(dict(e.get("row") or {})) or ""))
+            self.envs[str(e["id"])] = env
+        return {"observations": observations}
+
+    def step(self, args: dict, tensors: dict) -> dict:
+        steps = args.get("steps")
+        if not isinstance(steps, list) or not all(isinstance(s, dict) and "id" in s for s in steps):
+            raise BadRequest('/step takes {"steps": [{"id": str, "action": str}]}')
+        unknown = [str(s["id"]) for s in steps if str(s["id"]) not in self.envs]
+        if unknown:
+            raise BadRequest(f"/step: no open episode {unknown[0]!r} ({len(self.envs)} open; reset it first)")
+        results = []
+        for s in steps:
+            fault_point("env.step")
+            r = self.envs[str(s["id"])].step(str(s.get("action", "")))
+            if r.done:
+                del self.envs[str(s["id"])]
+            results.append({"observation": str(r.observation or ""), "reward": r.reward, "done": bool(r.done),
+                            "info": r.info})
+        return {"results": results}
+
+    def close(self, args: dict, tensors: dict) -> dict:
+        ids = [str(i) for i in args.get("ids") or []]
+        closed = sum(self.envs.pop(i, None) is not None for i in ids)
+        return {"closed": closed}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = service_parser(__doc__, rank=False, config=True)
+    args = parser.parse_args(argv)
+    token, cfg = boot(parser, args, "env", 0)  # the scheduler records its exit status
+    sandbox.LIMITS = sandbox.Limits(cfg.env.sandbox_timeout_s, cfg.env.sandbox_cpu_s, cfg.env.sandbox_memory_mb)
+    server = EnvServer(cfg.env.path, {"tools": cfg.env.tools} if cfg.env.tools else {}, token, cfg.resilience)
+    log.info("environment server: %s%s", cfg.env.path, f" (tools {cfg.env.tools})" if cfg.env.tools else "")
+    ready = announce(args.ready_file, args.host, "environment server", log)
+
+    def on_term() -> None:  # at once: a step in flight is the controller's to fail
+        raise SystemExit(128 + signal.SIGTERM)
+
+    async def serve() -> None:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_term)
+        await serve_forever(server.service, args.host, args.port, ready)
+
+    code = run_process_loop(serve, stop_process_telemetry)
+    if code:  # a step still on the service's thread is not waited for
+        exit_now(code)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
