@@ -3,6 +3,7 @@ observation tokens are masked out of the loss, and a GRPO run whose every sample
 
 import csv
 import json
+import re
 import subprocess
 import sys
 
@@ -23,10 +24,10 @@ def test_tool_calls_runs_each_call_and_answers_it_and_counts_what_went_wrong():
                     '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>')
     assert (both.observation, both.done, both.info) == (
         "<tool_response>56088</tool_response><tool_response>3</tool_response>", False,
-        {"tool_calls": 2, "tool_errors": 0})
+        {"tool_calls": 2, "tool_errors": 0, "infra_errors": 0})
     bad = env.step('<tool_call>{"name": "divide", "arguments": {}}</tool_call><tool_call>{oops</tool_call>'
                    '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
-    assert bad.info == {"tool_calls": 3, "tool_errors": 3}
+    assert bad.info == {"tool_calls": 3, "tool_errors": 3, "infra_errors": 0}
     assert "no tool 'divide' (tools: add, multiply)" in bad.observation and "not JSON" in bad.observation
     assert "missing 1 required positional argument: 'b'" in bad.observation
     end = env.step("the answer is 56088")
@@ -164,3 +165,43 @@ def test_a_killed_environment_server_fails_the_step_and_is_named(tmp_path):
     d = diagnose(str(run_dir))
     assert d.root is not None and (d.root.process, d.root.category, d.root.step) == ("env-0", "process_death", 2), \
         d.render()
+
+
+INFRA_TOOLS = '''
+from rlhf.envs import InfraError
+
+
+def search(query):
+    raise ConnectionError("search service at 10.0.0.7:8080 refused the connection")
+
+
+def sandbox(code):
+    raise InfraError("the sandbox (pid 4242) was killed by SIGKILL, not by its limits")
+
+
+def parse(text):
+    return int(text)
+'''
+
+
+@pytest.mark.parametrize("policy", ["fail", "model"])
+def test_an_infrastructure_failure_is_not_the_models_tool_output_unless_asked(tmp_path, policy):
+    """A tool whose service is unreachable, or a sandbox killed from outside: with fail (hardened) the step's /step
+    raises naming the tool, and the model never reads it; with model (faithful, verl's) the error is the tool's
+    answer and infra_errors counts it. The model's own bad input (int('x')) is its answer either way."""
+    from rlhf.envs import InfraError
+
+    tools = tmp_path / "tools.py"
+    tools.write_text(INFRA_TOOLS)
+    env = build_env("tool_calls", {"tools": str(tools), "on_infra_error": policy})()
+    mistake = env.step('<tool_call>{"name": "parse", "arguments": {"text": "x"}}</tool_call>')
+    assert mistake.observation.startswith("<tool_response>error: ValueError: invalid literal") and \
+        mistake.info == {"tool_calls": 1, "tool_errors": 1, "infra_errors": 0}
+    for call, what in (('{"name": "search", "arguments": {"query": "q"}}', "ConnectionError: search service"),
+                       ('{"name": "sandbox", "arguments": {"code": "1"}}', "InfraError: the sandbox (pid 4242)")):
+        if policy == "fail":
+            with pytest.raises(InfraError, match=f"tool .* failed: {re.escape(what)}.*not the model.s call"):
+                env.step(f"<tool_call>{call}</tool_call>")
+        else:
+            out = env.step(f"<tool_call>{call}</tool_call>")
+            assert what in out.observation and out.info["infra_errors"] == 1

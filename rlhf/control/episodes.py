@@ -27,7 +27,7 @@ from rlhf.rollout.sglang_api import output_logprobs
 
 log = logging.getLogger("rlhf.controller")
 
-EPISODE_COLUMNS = ("turns_mean", "tool_calls", "tool_errors", "env_s")  # steps.csv, with an environment
+EPISODE_COLUMNS = ("turns_mean", "tool_calls", "tool_errors", "infra_errors", "env_s")  # steps.csv, with an env
 
 
 def episode_columns(batch: Any) -> dict[str, float]:
@@ -36,7 +36,8 @@ def episode_columns(batch: Any) -> dict[str, float]:
         return {}
     n = max(len(batch["turns"]), 1)
     return {"turns_mean": sum(batch["turns"]) / n, "tool_calls": sum(batch["tool_calls"]),
-            "tool_errors": sum(batch["tool_errors"]), "env_s": sum(batch["env_s"])}
+            "tool_errors": sum(batch["tool_errors"]), "infra_errors": sum(batch["infra_errors"]),
+            "env_s": sum(batch["env_s"])}
 
 
 class Episodes:
@@ -83,7 +84,7 @@ class Episodes:
         mask: list[list[int]] = [[] for _ in range(n)]
         versions: list[list[str]] = [[] for _ in range(n)]
         answer, turns = [""] * n, [0] * n
-        calls, errors, reward = [0] * n, [0] * n, [0.0] * n
+        calls, errors, infra, reward = [0] * n, [0] * n, [0] * n, [0.0] * n
         rewarded = False
         params = {**sampling, **({"stop": self.stop, "no_stop_trim": True} if self.stop else {})}
         running, closed = list(range(n)), set()
@@ -110,6 +111,7 @@ class Episodes:
                 info = result.get("info") or {}
                 calls[k] += int(info.get("tool_calls", 0))
                 errors[k] += int(info.get("tool_errors", 0))
+                infra[k] += int(info.get("infra_errors", 0))
                 if result.get("reward") is not None:
                     reward[k] += float(result["reward"])
                     rewarded = True
@@ -138,6 +140,7 @@ class Episodes:
             "prompts": [examples[i].prompt for i in rep], "answers": [examples[i].answer for i in rep],
             "fields": [examples[i].fields for i in rep], "completions": answer,
             "weight_version": [next((v for v in vs if v), "") for vs in versions],
-            "token_versions": versions, "turns": turns, "tool_calls": calls, "tool_errors": errors, "env_s": env_s,
+            "token_versions": versions, "turns": turns, "tool_calls": calls, "tool_errors": errors, "infra_errors": infra,
+            "env_s": env_s,
             **({"env_reward": reward} if rewarded else {}),
         }, g, strict=False)

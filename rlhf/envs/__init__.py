@@ -16,6 +16,6 @@ The environments run in the environment server (rlhf.services.env_server, job en
 """
 
 from rlhf.envs import tool_calls  # noqa: F401  (registers the built-in environments)
-from rlhf.envs.base import ENVS, Env, EnvError, StepResult, build_env, register_env
+from rlhf.envs.base import ENVS, Env, EnvError, InfraError, StepResult, build_env, register_env
 
-__all__ = ["ENVS", "Env", "EnvError", "StepResult", "build_env", "register_env"]
+__all__ = ["ENVS", "Env", "EnvError", "InfraError", "StepResult", "build_env", "register_env"]

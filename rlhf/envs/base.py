@@ -16,6 +16,13 @@ class EnvError(RuntimeError):
     """An environment that cannot be built or answers wrongly (what, and which environment)."""
 
 
+class InfraError(RuntimeError):
+    """The infrastructure failed, not the model: a tool's service unreachable, a sandbox killed or unable to start.
+    Raise it from a tool or an environment; tool_calls also counts OSError (ConnectionError, TimeoutError ...) as
+    one. With env.on_infra_error fail it fails the step naming the tool; with model the model reads it as the
+    tool's answer (verl's behaviour)."""
+
+
 @dataclass
 class StepResult:
     observation: str = ""

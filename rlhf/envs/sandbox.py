@@ -7,7 +7,8 @@
 Each call runs `python -I -c CODE` in a fresh working directory (removed after) as a process group of its own, with
 rlimits (CPU seconds, address space, file size, no core files), a wall-clock limit (the group is killed past it),
 an environment with nothing of the server's (no token), and — where this process may make one (root, Linux) — a
-network namespace of its own with no interface but loopback (no network). What the limits are is LIMITS, set by
+network namespace of its own with no interface but loopback (no network). A sandbox that cannot start (OSError) or
+is killed from outside is the infrastructure's failure (InfraError), not the code's. What the limits are is LIMITS, set by
 the environment server from env.sandbox_* keys. Its answer is what the code printed (stdout, then stderr), cut to
 LIMITS.output_chars; a code that fails says how (its exit status, or the limit it passed). Fault point sandbox.exec
 (before each run).
@@ -25,6 +26,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+from rlhf.envs.base import InfraError
 from rlhf.faults import fault_point
 
 __all__ = ["python"]  # the tools this module gives the tool_calls environment
@@ -74,10 +76,11 @@ def python(code: str) -> str:
             proc.communicate()
             return f"error: the code ran past {LIMITS.timeout_s:g} s and was stopped"
         text = (out + err)[:LIMITS.output_chars]
-        if proc.returncode < 0:
-            name = signal.Signals(-proc.returncode).name
-            why = {"SIGXCPU": f"its {LIMITS.cpu_s} s of CPU", "SIGKILL": "a limit"}.get(name, name)
-            return f"error: the code was stopped by {why} ({name})\n{text}".rstrip()
+        if proc.returncode == -signal.SIGXCPU:
+            return f"error: the code used its {LIMITS.cpu_s} s of CPU and was stopped\n{text}".rstrip()
+        if proc.returncode < 0:  # killed from outside (the OOM killer, an operator): the sandbox's failure
+            raise InfraError(f"the sandbox (pid {proc.pid}) was killed by {signal.Signals(-proc.returncode).name}, "
+                             "not by its limits")
         return text if proc.returncode == 0 else f"error: exit status {proc.returncode}\n{text}".rstrip()
     finally:
         shutil.rmtree(work, ignore_errors=True)

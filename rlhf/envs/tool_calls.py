@@ -11,7 +11,11 @@ episode goes on with their outputs after it, each as
 
 A turn without a call ends the episode (its text is the answer the reward functions score). A call that is not
 JSON, names no known tool or has arguments the function does not take is answered with what is wrong (the model's
-mistake: `tool_errors` counts it); a tool that raises is answered with the error's class and message, also counted.
+mistake: `tool_errors` counts it); so is a tool that raises (its class and message). A failure of the
+infrastructure — InfraError, or an OSError (ConnectionError, TimeoutError, ...) from the tool — is not the
+model's: with on_infra_error fail (env.on_infra_error; hardened) it is raised, naming the tool, and fails the
+step; with model (faithful) the model reads it as the tool's answer, as verl hands it over, and `infra_errors`
+counts it.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import json
 import re
 from typing import Any, Callable
 
-from rlhf.envs.base import Env, EnvError, StepResult, register_env
+from rlhf.envs.base import Env, EnvError, InfraError, StepResult, register_env
 from rlhf.faults import fault_point
 from rlhf.tasks.scoring import load_module_file
 
@@ -54,9 +58,9 @@ def load_tools(spec: str) -> dict[str, Callable[..., Any]]:
 
 @register_env("tool_calls")
 class ToolCallsEnv(Env):
-    def __init__(self, tools: str = "", **options: Any) -> None:
-        super().__init__(tools=tools, **options)
-        self.tools = load_tools(tools)
+    def __init__(self, tools: str = "", on_infra_error: str = "fail", **options: Any) -> None:
+        super().__init__(tools=tools, on_infra_error=on_infra_error, **options)
+        self.tools, self.on_infra_error = load_tools(tools), on_infra_error
         self.row: dict[str, Any] = {}
 
     def reset(self, row: dict[str, Any]) -> str:
@@ -67,28 +71,36 @@ class ToolCallsEnv(Env):
         calls = CALL.findall(action)
         if not calls:
             return StepResult(done=True, info={"tool_calls": 0, "tool_errors": 0})
-        answers, errors = [], 0
+        answers, errors, infra = [], 0, 0
         for text in calls:
-            output, ok = self.call(text)
+            output, ok, infra_failed = self.call(text)
             errors += not ok
+            infra += infra_failed
             answers.append(f"<tool_response>{output}</tool_response>")
-        return StepResult(observation="".join(answers), info={"tool_calls": len(calls), "tool_errors": errors})
+        return StepResult(observation="".join(answers), info={"tool_calls": len(calls), "tool_errors": errors,
+                                                              "infra_errors": infra})
 
-    def call(self, text: str) -> tuple[str, bool]:
-        """One call's answer and whether it ran."""
+    def call(self, text: str) -> tuple[str, bool, bool]:
+        """One call's answer, whether it ran, and whether the infrastructure failed it (handed to the model)."""
         try:
             call = json.loads(text)
         except ValueError as exc:
-            return f"error: the call is not JSON ({exc})", False
+            return f"error: the call is not JSON ({exc})", False, False
         if not isinstance(call, dict) or not isinstance(call.get("arguments", {}), dict):
-            return 'error: a call is {"name": ..., "arguments": {...}}', False
-        fn = self.tools.get(call.get("name"))
+            return 'error: a call is {"name": ..., "arguments": {...}}', False, False
+        name = call.get("name")
+        fn = self.tools.get(name)
         if fn is None:
-            return f"error: no tool {call.get('name')!r} (tools: {', '.join(sorted(self.tools))})", False
+            return f"error: no tool {name!r} (tools: {', '.join(sorted(self.tools))})", False, False
         try:
-            fault_point("tool.call", peer=str(call.get("name")))
-            return str(fn(**call.get("arguments", {}))), True
+            fault_point("tool.call", peer=str(name))
+            return str(fn(**call.get("arguments", {}))), True, False
         except TypeError as exc:
-            return f"error: {exc}", False
-        except Exception as exc:  # noqa: BLE001 — the tool's own failure is its answer
-            return f"error: {type(exc).__name__}: {exc}", False
+            return f"error: {exc}", False, False
+        except (InfraError, OSError) as exc:  # not the model's doing
+            if self.on_infra_error == "fail":
+                raise InfraError(f"tool {name!r} failed: {type(exc).__name__}: {exc} (the infrastructure, not the "
+                                 "model's call; env.on_infra_error fail)") from exc
+            return f"error: {type(exc).__name__}: {exc}", False, True
+        except Exception as exc:  # noqa: BLE001 — the tool's own failure on the model's input is its answer
+            return f"error: {type(exc).__name__}: {exc}", False, False

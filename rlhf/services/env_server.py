@@ -83,12 +83,23 @@ class EnvServer:
         return {"closed": closed}
 
 
+def env_options(cfg: Any) -> dict[str, Any]:
+    """The environment's constructor options: tool_calls' tools and what it does with an infrastructure failure
+    (env.on_infra_error; auto: the policy's infra_errors_fail)."""
+    if cfg.env.path != "tool_calls":
+        return {"tools": cfg.env.tools} if cfg.env.tools else {}
+    on_infra = cfg.env.on_infra_error
+    if on_infra == "auto":
+        on_infra = "fail" if cfg.resilience.infra_errors_fail else "model"
+    return {"tools": cfg.env.tools, "on_infra_error": on_infra}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = service_parser(__doc__, rank=False, config=True)
     args = parser.parse_args(argv)
     token, cfg = boot(parser, args, "env", 0)  # the scheduler records its exit status
     sandbox.LIMITS = sandbox.Limits(cfg.env.sandbox_timeout_s, cfg.env.sandbox_cpu_s, cfg.env.sandbox_memory_mb)
-    server = EnvServer(cfg.env.path, {"tools": cfg.env.tools} if cfg.env.tools else {}, token, cfg.resilience)
+    server = EnvServer(cfg.env.path, env_options(cfg), token, cfg.resilience)
     log.info("environment server: %s%s", cfg.env.path, f" (tools {cfg.env.tools})" if cfg.env.tools else "")
     ready = announce(args.ready_file, args.host, "environment server", log)
 
