@@ -205,3 +205,26 @@ def test_an_infrastructure_failure_is_not_the_models_tool_output_unless_asked(tm
         else:
             out = env.step(f"<tool_call>{call}</tool_call>")
             assert what in out.observation and out.info["infra_errors"] == 1
+
+
+@pytest.mark.slow
+def test_a_long_tail_tool_call_is_named_in_seconds_not_at_the_timeout(tmp_path):
+    """One multiply call hangs 60 s in env-0 at step 2 while the step's other episodes wait: the stall watchdog
+    names env-0, the tool and the episode runtime.watchdog_stall_s (5 s) in, and the run fails then (hardened),
+    not at timeouts.rollout_s; `rlhf diagnose` names env-0 (hang)."""
+    from rlhf.diagnosis import diagnose
+    from tests.test_scenarios import stamp
+
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, f"{ROOT}/examples/grpo_trainer.py", "--faults",
+                          f"{ROOT}/examples/faults/tool_long_tail.yaml", "--task.operations", "*", "--run-dir",
+                          str(run_dir)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode != 0
+    log = (run_dir / "logs" / "controller-0.log").read_text().splitlines()
+    first = next(line for line in log if " ERROR " in line and "run failed" in line)
+    assert "step 2, stage rollout: SyncStall: stall watchdog" in first and "env-0 has been in tool 'multiply'" in first
+    began = next(line for line in log if "step 1/3" in line)  # step 2 began about here
+    assert stamp(first) - stamp(began) < 15, first
+    assert_none_left(run_dir)
+    d = diagnose(str(run_dir))
+    assert d.root is not None and (d.root.process, d.root.category) == ("env-0", "hang"), d.render()

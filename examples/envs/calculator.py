@@ -16,3 +16,33 @@ def multiply(a: int, b: int) -> int:
 def add(a: int, b: int) -> int:
     """a plus b."""
     return int(a) + int(b)
+
+
+class AlwaysCalls:
+    """A tool_calls environment that makes the model's first turn a call of `multiply` on the row's operands
+    (whatever the model wrote), then hands the rest to tool_calls: for scenarios and demos with a model that has
+    not learned the call format yet (examples/faults/tool_long_tail.yaml)."""
+
+    def __init__(self, tools: str = "examples/envs/calculator.py", **options):
+        from rlhf.envs.tool_calls import ToolCallsEnv
+
+        self.inner = ToolCallsEnv(tools, **options)
+        self.turn = 0
+
+    @property
+    def current_tool(self):
+        return self.inner.current_tool
+
+    def reset(self, row):
+        self.turn = 0
+        left, _, right = row["prompt"].rstrip("=").partition("*")
+        self.call = {"name": "multiply", "arguments": {"a": int(left or 0), "b": int(right or 0)}}
+        return self.inner.reset(row)
+
+    def step(self, action):
+        import json
+
+        self.turn += 1
+        if self.turn == 1:
+            action = f"<tool_call>{json.dumps(self.call)}</tool_call>"
+        return self.inner.step(action)

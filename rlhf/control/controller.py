@@ -82,7 +82,8 @@ class Controller(RunLifecycle):
         self.fanout = RolloutFanout(cfg.rollout, cfg.sampling, cfg.task.chat_template, cfg.resilience, self.loop,
                                     self.services, self.tokenizer)
         if cfg.env.path:  # each sample a multi-turn episode, its environment at env-0 (control/episodes.py)
-            self.fanout.episodes = Episodes(cfg.env, self.fanout, self.services)
+            self.fanout.episodes = Episodes(cfg.env, self.fanout, self.services, cfg.runtime.watchdog_stall_s,
+                                            cfg.resilience)
         self.survival = RolloutSurvival(cfg.resilience, self.services)
         self.rewards = RewardStage(cfg.reward, cfg.reward_model, cfg.rollout.group_size, cfg.algorithm.resample_rounds,
                                    self.loop, self.services)

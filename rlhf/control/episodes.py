@@ -16,13 +16,17 @@ environment's rewards (if it gives any) add to theirs. The observation tokens ar
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
 
+from rlhf.analysis import WATCHDOG_REPORT_ONLY
 from rlhf.batch import DistributedBatchMemory
-from rlhf.config import EnvConfig
+from rlhf.config import EnvConfig, Policy
+from rlhf.control.watchdog import POLL_S
 from rlhf.data import completion_text, encode_prompts
+from rlhf.errors import SyncStall
 from rlhf.rollout.sglang_api import output_logprobs
 
 log = logging.getLogger("rlhf.controller")
@@ -41,15 +45,48 @@ def episode_columns(batch: Any) -> dict[str, float]:
 
 
 class Episodes:
-    def __init__(self, cfg: EnvConfig, fanout: Any, services: Any) -> None:
-        self.cfg, self.fanout, self.services = cfg, fanout, services
+    def __init__(self, cfg: EnvConfig, fanout: Any, services: Any, stall_s: float = 0.0,
+                 policy: Policy | None = None) -> None:
+        """stall_s: runtime.watchdog_stall_s (0: no watchdog); policy: resilience (stall_stops_run)."""
+        self.cfg, self.fanout, self.services, self.stall_s, self.policy = cfg, fanout, services, stall_s, policy
         self.stop: list[str] | None = None  # strings that end a model turn (tool_calls: a call), from env-0's /health
 
     def _env(self, path: str, body: dict[str, Any], step: int) -> dict[str, Any]:
-        """One call to the environment server (stage rollout: the episodes are the step's rollout)."""
+        """One call to the environment server (stage rollout: the episodes are the step's rollout); a /step
+        under the stall watchdog."""
         client = self.services.env
         assert client is not None, "env.path is set but the environment server (env-0) is not up"
-        return self.fanout.loop.run(client.call(path, body, stage="rollout", step=step))[0]
+        if path != "/step" or not self.stall_s:
+            return self.fanout.loop.run(client.call(path, body, stage="rollout", step=step))[0]
+        return self.fanout.loop.run(self._watched_step(client, body, step))
+
+    async def _watched_step(self, client: Any, body: dict[str, Any], step: int) -> dict[str, Any]:
+        """The stall watchdog of an environment step: one episode inside it (a tool, the environment) for
+        runtime.watchdog_stall_s while the step's other episodes wait for their turn is named in seconds, not at
+        timeouts.rollout_s: SyncStall with the policy's stall_stops_run, else one ERROR line and the step waits."""
+        call = asyncio.ensure_future(client.call("/step", body, stage="rollout", step=step))
+        reported = False
+        while True:
+            done, _ = await asyncio.wait([call], timeout=POLL_S)
+            if done:
+                return call.result()[0]
+            if reported:
+                continue
+            try:
+                busy = (await client.call("/health", method="GET", timeout_s=2.0, traced=False))[0].get("busy")
+            except Exception:  # noqa: BLE001 — the step's own error says more
+                continue
+            if not busy or busy["for_s"] < self.stall_s:
+                continue
+            where = f"tool {busy['tool']!r}" if busy.get("tool") else "its environment's step"
+            found = (f"env-0 has been in {where} of episode {busy['episode']} for {busy['for_s']:.1f} s at step "
+                     f"{step}, while the step's other {len(body['steps']) - 1} episodes wait for their turn")
+            if self.policy is not None and self.policy.stall_stops_run:
+                call.cancel()
+                raise SyncStall(f"stall watchdog (step {step}, stage rollout, env-0 /step): {found}")
+            log.error("stall watchdog (step %d, stage rollout, env-0 /step): %s; %s", step, found,
+                      WATCHDOG_REPORT_ONLY)
+            reported = True
 
     def generate(self, step: int, examples: list[Any]) -> DistributedBatchMemory:
         """A GRPO batch: rollout.group_size episodes of every example, sampled."""

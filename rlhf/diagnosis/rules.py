@@ -18,7 +18,7 @@ _RULES = [  # first match wins; applied to the message and its traceback's last 
     ("oom_host", r"\bMemoryError|Cannot allocate memory|bad_alloc"),
     ("disk", r"No space left|ENOSPC|Errno 28|Disk quota|Read-only file system|Input/output error|SafetensorError|"
              r"incomplete metadata|not fully covered|IncompleteCheckpoint|never finished"),
-    ("hang", r"SyncStall|has been inside|\bstuck\b|lease lapsed|never left"),
+    ("hang", r"SyncStall|has been inside|has been in tool|\bstuck\b|lease lapsed|never left"),
     ("weights_drift", r"logprobs differ by|rollout_train_logprob_diff"),
     ("data_mismatch", r"Mismatch|InvalidTensorShape|CorruptPayload|must match the size|has shape|checksum"),
     ("timeout", r"RpcTimeout|timed out|no reply from|within [\d.]+ ?s\b|TimeoutError|HTTP 504|\"incomplete\""),
@@ -89,9 +89,9 @@ def _subject(reporter: str, msg: str) -> tuple[str, bool]:
         missing = [r for r in range(int(m.group(2) or m.group(4))) if str(r) not in have]
         if missing:
             return f"train-{missing[0]}", False
-    m = re.search(r"while ([a-z]+-\d+) is in |([a-z]+-\d+) is missing from ", body)  # the stall watchdog names
-    if m:                                                                             # the one that is elsewhere
-        return m.group(1) or m.group(2), False
+    m = re.search(r"while ([a-z]+-\d+) is in |([a-z]+-\d+) is missing from |(env-\d+) has been in ", body)
+    if m:  # the stall watchdog names the one that is elsewhere (or the environment that holds the others)
+        return m.group(1) or m.group(2) or m.group(3), False
     for m in _PROC.finditer(body):
         name = m.group(0)
         if name != reporter and not (reporter == "controller-0" and name == "train-0" and "held by" in body):

@@ -62,6 +62,7 @@ class ToolCallsEnv(Env):
         super().__init__(tools=tools, on_infra_error=on_infra_error, **options)
         self.tools, self.on_infra_error = load_tools(tools), on_infra_error
         self.row: dict[str, Any] = {}
+        self.current_tool: str | None = None  # the tool running now (the environment server's /health shows it)
 
     def reset(self, row: dict[str, Any]) -> str:
         self.row = row
@@ -92,8 +93,9 @@ class ToolCallsEnv(Env):
         fn = self.tools.get(name)
         if fn is None:
             return f"error: no tool {name!r} (tools: {', '.join(sorted(self.tools))})", False, False
+        self.current_tool = str(name)
         try:
-            fault_point("tool.call", peer=str(name))
+            fault_point("tool.call")
             return str(fn(**call.get("arguments", {}))), True, False
         except TypeError as exc:
             return f"error: {exc}", False, False
@@ -104,3 +106,5 @@ class ToolCallsEnv(Env):
             return f"error: {type(exc).__name__}: {exc}", False, True
         except Exception as exc:  # noqa: BLE001 — the tool's own failure on the model's input is its answer
             return f"error: {type(exc).__name__}: {exc}", False, False
+        finally:
+            self.current_tool = None

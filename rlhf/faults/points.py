@@ -44,7 +44,7 @@ POINTS: dict[str, str] = {
     "step.begin": "controller, at the start of every step (for faults that should start at a step)",
     "env.reset": "environment server env-0 (env.path), before an episode's environment is reset",
     "env.step": "environment server env-0 (env.path), before an environment answers a model turn",
-    "tool.call": "environment server env-0 (env.path tool_calls), before a tool runs (peer: the tool's name)",
+    "tool.call": "environment server env-0 (env.path tool_calls), before a tool runs",
     "sandbox.exec": "environment server env-0 (the python tool, rlhf.envs.sandbox), before the model's code runs",
     "preflight.check": "train rank, in the pre-flight check (--preflight), pinned to its own CPU, before it times its matmul",
 }

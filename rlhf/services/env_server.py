@@ -11,10 +11,11 @@ in this process, not in the controller's.
     POST /step   {"steps": [{"id": str, "action": str}]}        ->  {"results": [{"observation", "reward", "done",
                                                                       "info"}]}   (an episode that is done is closed)
     POST /close  {"ids": [str]}                                 ->  {"closed": n}
-    GET  /health {"ok": true, "env": spec, "episodes": n, "stop": [...]}   (the strings that end a model turn)
+    GET  /health {"ok": true, "env": spec, "episodes": n, "stop": [...], "busy": {"episode", "tool", "for_s"} | null}
+                 (stop: the strings that end a model turn; busy: the episode stepping now, its tool, how long)
 
 Fault points: env.reset and env.step (before each episode's reset or step), tool.call (tool_calls: before a tool
-runs; peer the tool's name), sandbox.exec (the python tool: before the model's code runs, rlhf.envs.sandbox).
+runs), sandbox.exec (the python tool: before the model's code runs, rlhf.envs.sandbox).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from typing import Any
 
 from rlhf.envs import build_env, sandbox
@@ -39,14 +41,24 @@ class EnvServer:
         self.spec, self.make = spec, build_env(spec, options)
         self.stop = list(getattr(self.make(), "stop", None) or [])
         self.envs: dict[str, Any] = {}  # the open episodes, by id
+        self.busy: tuple[str, Any, float] | None = None  # (episode, its environment, since) while one steps
         self.service = Service("env", 0, token, policy)
         self.service.open_paths = ("/health",)
         self.service.untraced_paths.add("/health")
         self.service.route("/reset", self.reset)
         self.service.route("/step", self.step)
         self.service.route("/close", self.close)
-        self.service.route("/health", lambda a, t: {"ok": True, "env": self.spec, "episodes": len(self.envs),
-                                                    "stop": self.stop}, method="GET", inline=True)
+        self.service.route("/health", self.health, method="GET", inline=True)
+
+    def health(self, args: dict, tensors: dict) -> dict:
+        """Open on the event loop while a step runs: which episode is stepping, in which tool, for how long (the
+        controller's stall watchdog reads it)."""
+        busy = None
+        if self.busy is not None:
+            episode, env, since = self.busy
+            busy = {"episode": episode, "tool": getattr(env, "current_tool", None),
+                    "for_s": time.monotonic() - since}
+        return {"ok": True, "env": self.spec, "episodes": len(self.envs), "stop": self.stop, "busy": busy}
 
     def reset(self, args: dict, tensors: dict) -> dict:
         episodes = args.get("episodes")
@@ -69,8 +81,13 @@ class EnvServer:
             raise BadRequest(f"/step: no open episode {unknown[0]!r} ({len(self.envs)} open; reset it first)")
         results = []
         for s in steps:
-            fault_point("env.step")
-            r = self.envs[str(s["id"])].step(str(s.get("action", "")))
+            env = self.envs[str(s["id"])]
+            self.busy = (str(s["id"]), env, time.monotonic())
+            try:
+                fault_point("env.step")
+                r = env.step(str(s.get("action", "")))
+            finally:
+                self.busy = None
             if r.done:
                 del self.envs[str(s["id"])]
             results.append({"observation": str(r.observation or ""), "reward": r.reward, "done": bool(r.done),
