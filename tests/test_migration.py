@@ -88,6 +88,31 @@ def test_samples_aborted_mid_rollout_continue_from_their_tokens(sglang_server, l
     assert memory["num_tokens"] == [len(p) + long for p in memory["prompt_ids"]]
 
 
+def new_version_while_paused(url, mode, thread, check=None):
+    """Start `thread` (a /generate under way), wait until its call decodes, pause the server in `mode`, run
+    `check`, set the weights version to "next", continue; the thread's reply then comes. Returns the version before
+    (restored after)."""
+    auth = {"Authorization": f"Bearer {SGLANG_KEY}"}
+    before = requests.get(url + "/health", headers=auth).json()["weight_version"]
+
+    def decoding():  # some tokens generated: the head that the old version writes
+        return requests.get(url + "/server_info", headers=auth).json()["internal_states"][0]["running_decode_steps"] > 2
+
+    thread.start()
+    wait_until(decoding, 30, "the call to decode")
+    try:
+        assert requests.post(url + "/pause_generation", json={"mode": mode}, headers=auth).status_code == 200
+        if check is not None:
+            check()
+        assert requests.post(url + "/update_weight_version", json={"new_version": "next", "abort_all_requests": False},
+                             headers=auth).json()["success"]
+    finally:
+        requests.post(url + "/continue_generation", json={}, headers=auth)
+    thread.join(120)
+    requests.post(url + "/update_weight_version", json={"new_version": before}, headers=auth)
+    return before
+
+
 def test_a_sample_paused_by_abort_and_continued_carries_each_tokens_weights_version(sglang_server, loop):
     """rollout.interrupt abort: /pause_generation (mode abort) ends the step's call with the tokens each sample
     has; the weights version changes while paused; after /continue_generation every sample goes on from its tokens
@@ -97,24 +122,9 @@ def test_a_sample_paused_by_abort_and_continued_carries_each_tokens_weights_vers
     long = 600
     batch = fanout(url, loop, model_dir, max_new_tokens=long)
     batch.sampling.ignore_eos = True
-    auth = {"Authorization": f"Bearer {SGLANG_KEY}"}
-    before = requests.get(url + "/health", headers=auth).json()["weight_version"]
-
-    def decoding():  # the call has generated some tokens (the head that the old version writes)
-        return requests.get(url + "/server_info", headers=auth).json()["internal_states"][0]["running_decode_steps"] > 2
-
     box = {}
     thread = threading.Thread(target=lambda: box.setdefault("memory", batch.generate(2, examples(1))), daemon=True)
-    thread.start()
-    wait_until(decoding, 30, "the step's call to decode")
-    try:
-        assert requests.post(url + "/pause_generation", json={"mode": "abort"}, headers=auth).status_code == 200
-        assert requests.post(url + "/update_weight_version", json={"new_version": "next", "abort_all_requests": False},
-                             headers=auth).json()["success"]
-    finally:
-        requests.post(url + "/continue_generation", json={}, headers=auth)
-    thread.join(120)
-    requests.post(url + "/update_weight_version", json={"new_version": before}, headers=auth)
+    before = new_version_while_paused(url, "abort", thread)
     memory = box["memory"]
     assert batch.migrated == GROUP and [len(ids) for ids in memory["output_ids"]] == [long] * GROUP
     for versions in memory["token_versions"]:
@@ -130,29 +140,18 @@ def test_retract_stops_a_call_at_a_decode_step_and_it_goes_on_under_the_new_vers
     once, at full length, each token's version recorded and the retraction counted (sglang's num_retractions)."""
     url, _model_dir = sglang_server
     auth = {"Authorization": f"Bearer {SGLANG_KEY}"}
-    before = requests.get(url + "/health", headers=auth).json()["weight_version"]
     long = 400
     body = {"input_ids": [[1, 5, 6], [1, 7]], "return_logprob": True,
             "sampling_params": {"max_new_tokens": long, "ignore_eos": True, "n": 2}}
     box = {}
     thread = threading.Thread(target=lambda: box.setdefault("reply", requests.post(
         url + "/generate", json=body, headers=auth, timeout=120).json()), daemon=True)
-    thread.start()
 
-    def decoding():
-        return requests.get(url + "/server_info", headers=auth).json()["internal_states"][0]["running_decode_steps"] > 2
-
-    wait_until(decoding, 30, "the call to decode")
-    try:
-        assert requests.post(url + "/pause_generation", json={"mode": "retract"}, headers=auth).status_code == 200
+    def stopped_not_answered():
         state = requests.get(url + "/server_info", headers=auth).json()["internal_states"][0]
-        assert state["running_calls"] == 0 and state["paused"] and "reply" not in box  # stopped, not answered
-        assert requests.post(url + "/update_weight_version", json={"new_version": "next", "abort_all_requests": False},
-                             headers=auth).json()["success"]
-    finally:
-        requests.post(url + "/continue_generation", json={}, headers=auth)
-    thread.join(120)
-    requests.post(url + "/update_weight_version", json={"new_version": before}, headers=auth)
+        assert state["running_calls"] == 0 and state["paused"] and "reply" not in box
+
+    before = new_version_while_paused(url, "retract", thread, stopped_not_answered)
     outputs = box["reply"]
     assert len(outputs) == 4
     for out in outputs:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from rlhf.tasks.scoring import load_module_file
+from rlhf.tasks.scoring import load_module
 
 ENVS: dict[str, type["Env"]] = {}
 
@@ -70,13 +69,10 @@ def build_env(spec: str, options: dict[str, Any] | None = None) -> Callable[[], 
         cls: Any = ENVS[spec]
     else:
         target, _, attr = spec.rpartition(":")
-        if target.endswith(".py"):
-            module = load_module_file(target, "environment")
-        else:
-            try:
-                module = importlib.import_module(target)
-            except ImportError as exc:
-                raise EnvError(f"env.path {spec!r}: cannot import module {target!r}: {exc}") from exc
+        try:
+            module = load_module(target, "environment")
+        except ValueError as exc:
+            raise EnvError(f"env.path {spec!r}: {exc}") from exc
         cls = getattr(module, attr, None)
         if cls is None:
             have = sorted(n for n, v in vars(module).items() if inspect.isclass(v) and not n.startswith("_"))

@@ -20,7 +20,6 @@ counts it.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 import re
@@ -28,7 +27,7 @@ from typing import Any, Callable
 
 from rlhf.envs.base import Env, EnvError, InfraError, StepResult, register_env
 from rlhf.faults import fault_point
-from rlhf.tasks.scoring import load_module_file
+from rlhf.tasks.scoring import load_module
 
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 STOP = "</tool_call>"  # a turn's generation stops after a call: the answer comes before the model goes on
@@ -40,13 +39,10 @@ def load_tools(spec: str) -> dict[str, Callable[..., Any]]:
     if not spec:
         raise EnvError("env.tools: the tool_calls environment needs the file or module of its tools "
                        "(e.g. --env.tools examples/envs/calculator.py)")
-    if spec.endswith(".py"):
-        module = load_module_file(spec, "tools")
-    else:
-        try:
-            module = importlib.import_module(spec)
-        except ImportError as exc:
-            raise EnvError(f"env.tools: cannot import module {spec!r}: {exc}") from exc
+    try:
+        module = load_module(spec, "tools")
+    except ValueError as exc:
+        raise EnvError(f"env.tools: {exc}") from exc
     names = getattr(module, "__all__", None)  # a module may say which of its functions are tools
     tools = {name: fn for name, fn in vars(module).items()
              if inspect.isfunction(fn) and not name.startswith("_") and fn.__module__ == module.__name__

@@ -70,6 +70,16 @@ def load_module_file(path: str, what: str = "reward") -> Any:
     return module
 
 
+def load_module(target: str, what: str = "reward") -> Any:
+    """The user's module: a file (path/to/file.py, imported once a process) or a dotted name (package.module)."""
+    if target.endswith(".py") or os.sep in target:
+        return load_module_file(target, what)
+    try:
+        return importlib.import_module(target)
+    except ImportError as exc:
+        raise ValueError(f"{what} {target!r}: cannot import module {target!r}: {exc}") from exc
+
+
 def load_reward(spec: str, weight: float = 1.0, options: dict[str, Any] | None = None) -> Reward:
     """One reward from its spec: a registered name, `package.module:function` or `path/file.py:function`."""
     spec = spec.strip()
@@ -81,13 +91,8 @@ def load_reward(spec: str, weight: float = 1.0, options: dict[str, Any] | None =
     target, _, attr = spec.rpartition(":")
     if not target or not attr:
         raise ValueError(f"reward {spec!r}: expected package.module:function or path/to/file.py:function")
-    if target.endswith(".py") or os.sep in target:
-        module, source = load_module_file(target), os.path.abspath(target)
-    else:
-        try:
-            module, source = importlib.import_module(target), target
-        except ImportError as exc:
-            raise ValueError(f"reward {spec!r}: cannot import module {target!r}: {exc}") from exc
+    module = load_module(target)
+    source = os.path.abspath(target) if target.endswith(".py") or os.sep in target else target
     fn = getattr(module, attr, None)
     if fn is None:
         have = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))

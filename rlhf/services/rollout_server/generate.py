@@ -153,14 +153,7 @@ class GenerateRoutes:
                 prompts = [call.prompts[i] for i in idx]
                 rows = [(i, j) for i in idx for j in range(call.prompts[i].sampling.n)]
                 control = RequestControl(prompts, tok, self._chunker(call, rows, offsets, on_chunk) if on_chunk else None)
-                with self._state:
-                    self.active.append(control)
-                try:
-                    results = engine.generate([p.ids for p in prompts], prompts[0].sampling, prompts[0].return_logprob,
-                                              prompts[0].top_logprobs_num, control, detokenize=False)
-                finally:
-                    with self._state:
-                        self.active.remove(control)
+                results = self._engine_call(prompts, control)
                 extra = {}
                 for i in idx:
                     p = call.prompts[i]
@@ -196,6 +189,17 @@ class GenerateRoutes:
 
         return on_tokens
 
+    def _engine_call(self, prompts: list[Any], control: RequestControl) -> list[dict]:
+        """One engine call of prompts with equal sampling, running (abort, pause) while it does."""
+        with self._state:
+            self.active.append(control)
+        try:
+            return self.engine.generate([p.ids for p in prompts], prompts[0].sampling, prompts[0].return_logprob,
+                                        prompts[0].top_logprobs_num, control, detokenize=False)
+        finally:
+            with self._state:
+                self.active.remove(control)
+
     def _resume_call(self, call: GenerateCall, outputs: list[dict | None]) -> list[dict | None]:
         """A call's retracted outputs go on from their tokens (prompt + tokens in, the rest of max_new_tokens; the
         prefill computes their cache under the weights loaded now), as sglang's retract re-queues them. Rows stopped
@@ -203,7 +207,7 @@ class GenerateRoutes:
         with self._state:
             self.queued.remove(call)
         self._check_lease()
-        engine, tok = self.engine, self.engine.tokenizer
+        tok = self.engine.tokenizer
         pending, call.retracted = call.retracted, []
         groups: dict[tuple, list[tuple[int, int, int, dict, Any]]] = {}
         for index, i, j, head in pending:
@@ -221,15 +225,7 @@ class GenerateRoutes:
         with tracing.span("generate.resume", outputs=len(pending)):
             for members in groups.values():
                 conts = [m[4] for m in members]
-                control = RequestControl(conts, tok)
-                with self._state:
-                    self.active.append(control)
-                try:
-                    results = engine.generate([c.ids for c in conts], conts[0].sampling, conts[0].return_logprob,
-                                              conts[0].top_logprobs_num, control, detokenize=False)
-                finally:
-                    with self._state:
-                        self.active.remove(control)
+                results = self._engine_call(conts, RequestControl(conts, tok))
                 for (index, i, j, head, _c), tail in zip(members, results):
                     joined = resumed(head, tail)
                     if retracted(tail):  # paused again before it finished
