@@ -5,10 +5,9 @@
     RolloutServer r  one job each (sglang-compatible HTTP API), colocated with train rank r or not;
                      with rollout.backend sglang, `python -m <sglang.launcher> --config FILE` instead
                      (sglang's launch flags in a 0600 YAML file: the API key never shows in `ps`)
-    RewardServer     with reward_model.path: job reward-0 on this node (rlhf.services.reward_server), scoring each
-                     step's completions with the reward model; not started again when it dies (the step fails)
-    EnvServer        with env.path: job env-0 on this node (rlhf.services.env_server), the episodes' environments;
-                     not started again when it dies (the step fails)
+    RewardServer     with reward_model.path: job reward-0 on this node (rlhf.services.reward_server)
+    EnvServer        with env.path: job env-0 on this node (rlhf.services.env_server), the episodes' environments
+                     (either one not started again when it dies: the step fails)
 """
 
 from __future__ import annotations
@@ -106,8 +105,7 @@ class RolloutServices:
             return ""
         assert self.scheduler is not None
         ready = os.path.join(self.run_dir, f"{name}.url")
-        if os.path.exists(ready):
-            os.remove(ready)
+        os.path.exists(ready) and os.remove(ready)
         cmd = [sys.executable, "-m", module, "--run-dir", self.run_dir,
                "--config", os.path.join(self.run_dir, "config.yaml"), "--ready-file", ready]
         env = {"RLHF_TOKEN": self.token, "RLHF_REWARD_THREADS": "1", "PYTHONPATH": _pythonpath()}
