@@ -167,13 +167,18 @@ def test_off_policy_weights_each_token_by_the_capped_importance_ratio(mode, expe
 
 def test_scenario15_a_slow_server_starves_the_trainer_without_an_error_and_is_named(tmp_path):
     """Async, 2 ranks, 2 servers: every /generate to rollout-1 waits 3 s from batch 2 on. Nothing fails and no
-    process logs an error; the train side waits most of each step from step 2, and `rlhf diagnose` names rollout-1
-    (slow_rollout) from steps.csv and the servers' /generate spans."""
+    process logs an error; the train side waits most of each step from step 2, the starvation watchdog names
+    rollout-1 live (a WARNING, 2 s into a wait), and `rlhf diagnose` names rollout-1 (slow_rollout) from steps.csv
+    and the servers' /generate spans."""
     from rlhf.diagnosis import diagnose
     from tests.test_scenarios import log_lines, run_scenario
 
-    run_dir, out = run_scenario(tmp_path, 15, "--steps", "4")
+    run_dir, out = run_scenario(tmp_path, 15, "--steps", "4", "--runtime.watchdog_stall_s", "2")
     assert out.returncode == 0, out.stderr[-3000:]
+    starved = [line for line in log_lines(run_dir, "controller-0", "WARNING") if "starvation watchdog" in line]
+    assert starved and "still generating it: rollout-1 (its /generate unanswered for " in starved[0] and \
+        "nothing running there: in transit" in starved[0] and \
+        "idle: rollout-0" in starved[0], starved  # named live, 2 s into the wait (runtime.watchdog_stall_s)
     with open(run_dir / "steps.csv") as fh:
         rows = list(csv.DictReader(fh))
     idle = [float(r["train_idle_s"]) for r in rows]

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from rlhf.control.watchdog import POLL_S
 from rlhf.faults import fault_point
 
 log = logging.getLogger("rlhf.controller")
@@ -89,15 +90,22 @@ class RolloutPipeline:
                 del self.drawn[b]
             return self.drawn.get(step + 1) or self.sampler_state()
 
-    def take(self, batch: int) -> tuple[Produced, dict[str, float]]:
+    def take(self, batch: int, waiting: Callable[[float], None] | None = None) -> tuple[Produced, dict[str, float]]:
         """The batch, once produced (the producer's error, if it failed on it), and the wait: train_idle_s (how long
         the train side waited for it), rollout_idle_s (how long the producer waited for admission since the last
-        take) and buffer_groups (the groups produced ahead, still waiting)."""
+        take) and buffer_groups (the groups produced ahead, still waiting). `waiting(seconds)` is called about every
+        POLL_S while the train side waits (the starvation watchdog), outside the lock."""
         fault_point("buffer.get", step=batch)
         t0 = time.perf_counter()
         with self.cond:
             while batch not in self.ready and self.error is None and not self.closed:
-                self.cond.wait()
+                self.cond.wait(POLL_S if waiting is not None else None)
+                if waiting is not None and batch not in self.ready:
+                    self.cond.release()
+                    try:
+                        waiting(time.perf_counter() - t0)
+                    finally:
+                        self.cond.acquire()
             if batch not in self.ready:
                 if self.error is not None:
                     raise self.error[1]

@@ -98,7 +98,7 @@ class Controller(RunLifecycle):
         self.layout = self.workers.layout
         self.sft_result: dict[str, Any] = {}
         self.rollout = RolloutStage(cfg.rollout, cfg.steps, self.sampler, self.fanout, self.survival, self.rewards,
-                                    self.events, self._update_weights)
+                                    self.events, self._update_weights, cfg.runtime.watchdog_stall_s)
 
     def startup(self) -> None:
         log.info("train layout: %s over %d rank%s", self.layout.describe(), len(self.workers),

@@ -16,6 +16,7 @@ When a server fails or times out, the policy decides:
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -48,6 +49,7 @@ class RolloutFanout:
         self.rollout, self.sampling, self.chat_template, self.policy = rollout, sampling, chat_template, policy
         self.loop, self.services, self.tokenizer = loop, services, tokenizer
         self.episodes: Any = None  # control.episodes.Episodes with env.path: each sample a multi-turn episode
+        self.waiting_on: dict[str, float] = {}  # rollout-R -> since when its /generate call has not answered
         self.migrated = 0  # samples of the last call generated (or continued) on another server than planned
 
     def _spread(self, step: int, prompt_ids: list[list[int]], params: dict[str, Any] | list[dict[str, Any]],
@@ -67,7 +69,11 @@ class RolloutFanout:
             body = {"input_ids": [prompt_ids[i] for i in idx], "sampling_params": sampling, "return_logprob": logprobs}
             if logprobs and self.rollout.backend == "native":
                 body["return_logprob_packed"] = True  # our servers' extension: float32 logprobs, a third of the JSON
-            out = (await client.call("/generate", body, stage="rollout", step=step))[0]
+            self.waiting_on[client.peer] = time.monotonic()  # the starvation watchdog reads who has not answered
+            try:
+                out = (await client.call("/generate", body, stage="rollout", step=step))[0]
+            finally:
+                self.waiting_on.pop(client.peer, None)
             if logprobs:
                 for res in out:
                     res["logprobs"] = output_logprobs(res)

@@ -18,6 +18,7 @@ batch is produced: in the step (sync) or in the producer (async), so a batch in 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable
 
 from rlhf import tracing
@@ -37,10 +38,11 @@ log = logging.getLogger("rlhf.controller")
 class RolloutStage:
     def __init__(self, cfg: RolloutConfig, steps: int, sampler: PromptSampler, fanout: RolloutFanout,
                  survival: RolloutSurvival, rewards: RewardStage, events: ColocationEvents,
-                 update_weights: Callable[[int, dict[str, Any]], None]) -> None:
-        """cfg: the rollout section; steps: the run's last step (the producer makes no batch past it)."""
+                 update_weights: Callable[[int, dict[str, Any]], None], stall_s: float = 0.0) -> None:
+        """cfg: the rollout section; steps: the run's last step (the producer makes no batch past it); stall_s:
+        runtime.watchdog_stall_s (the starvation watchdog's; 0: off)."""
         self.cfg, self.sampler, self.fanout, self.survival = cfg, sampler, fanout, survival
-        self.rewards, self.events, self.update_weights = rewards, events, update_weights
+        self.rewards, self.events, self.update_weights, self.stall_s = rewards, events, update_weights, stall_s
         self.pipeline = RolloutPipeline(self._produce_ahead, cfg.max_staleness, steps, cfg.group_size,
                                         sampler.state_dict) if cfg.mode == "async" else None
 
@@ -63,13 +65,46 @@ class RolloutStage:
             produced = self._produce(step, row, clock, lambda: self.sampler.next(self.cfg.prompts_per_step))
         else:
             with clock.stage("rollout"):
-                produced, waits = pipeline.take(step)
+                produced, waits = pipeline.take(step, self._starving(step))
             row.update(produced.row, **waits)
         if ahead:
             self._weights(step, row, clock)
         with clock.stage("events"):
             row["rollout_release_mb"] = freed_mb(self.events.notify("rollout_end", step), "rollout")
         return produced
+
+    def _starving(self, step: int) -> Callable[[float], None]:
+        """The starvation watchdog of a step waiting for its batch: once past runtime.watchdog_stall_s, one WARNING
+        naming the rollout servers still generating it (the producer's /generate calls they have not answered, and
+        their /server_info: running and queued calls) beside those that are idle — the trainer starved by a slow
+        server is named in seconds, with no error."""
+        told = False
+
+        def waiting(seconds: float) -> None:
+            nonlocal told
+            if told or not self.stall_s or seconds < self.stall_s:
+                return
+            told = True
+            now, waiting_on = time.monotonic(), dict(self.fanout.waiting_on)
+            infos = self.fanout.loop.gather(*[c.call("/server_info", method="GET", timeout_s=2.0, traced=False)
+                                              for c in self.fanout.services.rollout], return_exceptions=True)
+            busy, idle = [], []
+            for r, info in enumerate(infos):
+                state = info[0]["internal_states"][0] if not isinstance(info, BaseException) else {}
+                since = waiting_on.get(f"rollout-{r}")
+                if since is None and not state.get("running_calls") and not state.get("queued_calls"):
+                    idle.append(f"rollout-{r}")
+                    continue
+                inside = ("it does not answer /server_info" if not state else
+                          f"{state['running_calls']} call(s) running, {state['queued_calls']} queued there"
+                          if state["running_calls"] or state["queued_calls"] else "nothing running there: in transit")
+                busy.append(f"rollout-{r} ({'its /generate unanswered for %.1f s; ' % (now - since) if since else ''}"
+                            f"{inside})")
+            log.warning("starvation watchdog (step %d, stage rollout): the train side has waited %.1f s for batch "
+                        "%d; still generating it: %s%s", step, seconds, step, ", ".join(busy) or "no server",
+                        f"; idle: {', '.join(idle)}" if idle else "")
+
+        return waiting
 
     def _weights(self, step: int, row: dict[str, Any], clock: Any) -> None:
         """The step's weights update; async: inside a pause of every rollout server (rollout.interrupt), continued
