@@ -228,3 +228,34 @@ def test_a_long_tail_tool_call_is_named_in_seconds_not_at_the_timeout(tmp_path):
     assert_none_left(run_dir)
     d = diagnose(str(run_dir))
     assert d.root is not None and (d.root.process, d.root.category) == ("env-0", "hang"), d.render()
+
+
+FLAKY_TOOLS = '''
+def multiply(a, b):
+    if (a + b) % 3 == 0:
+        raise ConnectionError(f"calculator service refused multiply({a}, {b})")
+    return a * b
+'''
+
+
+def test_drop_group_trains_the_step_without_the_groups_an_infrastructure_failure_hit(tmp_path):
+    """env.on_infra_error drop_group: the episodes whose tool's service refused them end with the failure, their
+    groups leave the step's batch (steps.csv dropped_groups, a WARNING naming the failure), and the run trains on
+    the others."""
+    tools = tmp_path / "flaky.py"
+    tools.write_text(FLAKY_TOOLS)
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, f"{ROOT}/examples/grpo_trainer.py", "--preset", "smoke", "--sft.max_steps",
+                          "0", "--rollout.prompts_per_step", "8", "--task.operations", "*", "--env.path",
+                          f"{ROOT}/examples/envs/calculator.py:AlwaysCalls", "--env.tools", str(tools),
+                          "--env.on_infra_error", "drop_group", "--env.max_turns", "2", "--run-dir", str(run_dir)],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    with open(run_dir / "steps.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    dropped = [int(r["dropped_groups"]) for r in rows]
+    assert sum(dropped) > 0 and all(0 <= d < 8 for d in dropped), dropped
+    assert [int(r["batch_size"]) for r in rows] == [(8 - d) * 4 for d in dropped]
+    warned = [line for line in (run_dir / "logs" / "controller-0.log").read_text().splitlines()
+              if " WARNING " in line and "dropped" in line and "groups" in line]
+    assert warned and "calculator service refused multiply" in warned[0], warned

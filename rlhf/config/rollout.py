@@ -124,10 +124,11 @@ class EnvConfig:
     max_tool_output_tokens: int = 64
     """An observation (a tool's answer) is cut to this many tokens before it is appended."""
     on_infra_error: str = "auto"
-    """tool_calls: a tool whose infrastructure failed (InfraError, an OSError: its service unreachable, a sandbox
-    killed from outside). fail: the step fails naming the tool (the model never reads it); model: the model reads
-    the error as the tool's answer (verl's behaviour; steps.csv infra_errors counts it); auto:
-    resilience.infra_errors_fail decides (on in hardened, off in faithful)."""
+    """A tool whose infrastructure failed (InfraError, an OSError: its service unreachable, a sandbox killed from
+    outside). fail: the step fails naming the tool (the model never reads it); drop_group: that episode's group
+    leaves the step's batch (a WARNING; steps.csv dropped_groups; every group lost fails the step); model: the model
+    reads the error as the tool's answer (verl's behaviour; steps.csv infra_errors counts it); auto:
+    resilience.infra_errors_fail decides (fail in hardened, model in faithful)."""
     sandbox_timeout_s: float = 5.0
     """The python tool (env.tools rlhf.envs.sandbox): wall-clock seconds a run may take (its process group is killed
     past it)."""
@@ -139,7 +140,7 @@ class EnvConfig:
     def __post_init__(self) -> None:
         _positive("env.max_turns", self.max_turns)
         _positive("env.max_tool_output_tokens", self.max_tool_output_tokens)
-        _choice("env.on_infra_error", self.on_infra_error, ("auto", "fail", "model"))
+        _choice("env.on_infra_error", self.on_infra_error, ("auto", "fail", "drop_group", "model"))
         _positive("env.sandbox_timeout_s", self.sandbox_timeout_s)
         _positive("env.sandbox_cpu_s", self.sandbox_cpu_s)
         _positive("env.sandbox_memory_mb", self.sandbox_memory_mb)

@@ -154,7 +154,7 @@ class Controller(RunLifecycle):
         with clock.stage("reference"):
             batches = self.trainer.logprobs(step, shares, row)
         with clock.stage("train"):
-            merged = self.trainer.train(step, batches)
+            merged = self.trainer.train(step, batches, len(batch) if row.get("dropped_groups") else None)
         row["weights_drift"] = self.weights.drift(step, {**merged, **row})  # row: the recompute pass's, if any
         row["saves_failed"] = self._save(step, clock)
         tokens, seconds = int(sum(batch["num_tokens"])), time.perf_counter() - t0

@@ -31,11 +31,12 @@ from rlhf.rollout.sglang_api import output_logprobs
 
 log = logging.getLogger("rlhf.controller")
 
-EPISODE_COLUMNS = ("turns_mean", "tool_calls", "tool_errors", "infra_errors", "env_s")  # steps.csv, with an env
+EPISODE_COLUMNS = ("turns_mean", "tool_calls", "tool_errors", "infra_errors", "dropped_groups", "env_s")  # steps.csv
 
 
 def episode_columns(batch: Any) -> dict[str, float]:
-    """The step's episode statistics (steps.csv); {} without an environment."""
+    """The step's episode statistics (steps.csv; dropped_groups comes from the rollout stage); {} without an
+    environment."""
     if "turns" not in batch.keys():
         return {}
     n = max(len(batch["turns"]), 1)
@@ -50,6 +51,7 @@ class Episodes:
         """stall_s: runtime.watchdog_stall_s (0: no watchdog); policy: resilience (stall_stops_run)."""
         self.cfg, self.fanout, self.services, self.stall_s, self.policy = cfg, fanout, services, stall_s, policy
         self.stop: list[str] | None = None  # strings that end a model turn (tool_calls: a call), from env-0's /health
+        self.dropped = 0  # groups the last batch lost to infrastructure failures (env.on_infra_error drop_group)
 
     def _env(self, path: str, body: dict[str, Any], step: int) -> dict[str, Any]:
         """One call to the environment server (stage rollout: the episodes are the step's rollout); a /step
@@ -124,7 +126,7 @@ class Episodes:
         calls, errors, infra, reward = [0] * n, [0] * n, [0] * n, [0.0] * n
         rewarded = False
         params = {**sampling, **({"stop": self.stop, "no_stop_trim": True} if self.stop else {})}
-        running, closed = list(range(n)), set()
+        running, closed, dropped = list(range(n)), set(), {}
         for turn in range(self.cfg.max_turns):
             done, failed = fanout._spread(step, [context[k] + ids[k] for k in running], params, 1, True)
             if failed:
@@ -154,6 +156,8 @@ class Episodes:
                     rewarded = True
                 if result.get("done"):
                     closed.add(k)  # env-0 closed it
+                if result.get("infra_error"):  # env.on_infra_error drop_group: the episode's group leaves the batch
+                    dropped.setdefault(k // g, result["infra_error"])
                 if result.get("done") or not result.get("observation") or last:
                     continue
                 seen = tok.encode(result["observation"], add_special_tokens=False)[:self.cfg.max_tool_output_tokens]
@@ -169,7 +173,7 @@ class Episodes:
         if open_ids:
             self._env("/close", {"ids": open_ids}, step)
         rep = k_example
-        return DistributedBatchMemory({
+        memory = DistributedBatchMemory({
             "sample_index": list(range(len(rep))),
             "prompt_ids": [context[k] for k in range(len(rep))],
             "output_ids": ids, "logprobs": lps, "loss_mask": mask,
@@ -181,3 +185,20 @@ class Episodes:
             "env_s": env_s,
             **({"env_reward": reward} if rewarded else {}),
         }, g, strict=False)
+        self.dropped = len(dropped)
+        if not dropped:
+            return memory
+        if step < 0:  # evaluation: an example whose episode the infrastructure ended counts as not answered
+            log.warning("evaluation: %d of %d episodes ended by an infrastructure failure count as wrong; first: %s",
+                        len(dropped), len(examples), next(iter(dropped.values())))
+            memory["completions"] = ["" if k // g in dropped else a for k, a in enumerate(memory["completions"])]
+            return memory
+        if len(dropped) == len(examples):
+            raise RuntimeError(f"step {step}: every group lost an episode to an infrastructure failure (env-0): "
+                               f"{next(iter(dropped.values()))}")
+        log.warning("step %d: dropped %d of %d groups, each with an episode an infrastructure failure ended "
+                    "(env.on_infra_error drop_group); first: %s", step, len(dropped), len(examples),
+                    next(iter(dropped.values())))
+        kept = memory.groups([i for i in range(len(examples)) if i not in dropped])
+        kept["sample_index"] = list(range(len(kept)))  # the batch's rows, numbered again
+        return kept

@@ -158,6 +158,8 @@ class RolloutStage:
         else:
             batch = self.fanout.generate(step, examples)
         row["rollout_migrated"] = row.get("rollout_migrated", 0) + self.fanout.migrated
+        if self.fanout.episodes is not None:  # groups an infrastructure failure took out (env.on_infra_error)
+            row["dropped_groups"] = row.get("dropped_groups", 0) + self.fanout.episodes.dropped
         return batch
 
     def sampler_state(self, step: int) -> dict:

@@ -75,9 +75,11 @@ class TrainStage:
                 b[key] = out["logprobs"]
         return batches
 
-    def train(self, step: int, batches: list[dict[str, Any]]) -> dict[str, Any]:
-        """Every rank's train_step on its share; the metrics of one rank of each TP group (their parts add up)."""
-        replies = self.workers.call("train_step", {"step": step}, self.per_rank(batches), step, "train")
+    def train(self, step: int, batches: list[dict[str, Any]], rows: int | None = None) -> dict[str, Any]:
+        """Every rank's train_step on its share; the metrics of one rank of each TP group (their parts add up).
+        rows: the global batch's rows when groups were taken out on purpose (else the configured batch is checked)."""
+        replies = self.workers.call("train_step", {"step": step, **({"rows": rows} if rows else {})},
+                                    self.per_rank(batches), step, "train")
         return merge_train_metrics([m for m, _ in replies[::self.layout.tp]])
 
     def per_rank(self, batches: list[dict[str, Any]]) -> list[dict[str, Any]]:

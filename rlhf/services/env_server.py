@@ -26,7 +26,7 @@ import signal
 import time
 from typing import Any
 
-from rlhf.envs import build_env, sandbox
+from rlhf.envs import InfraError, build_env, sandbox
 from rlhf.errors import BadRequest
 from rlhf.faults import fault_point
 from rlhf.services.boot import announce, boot, service_parser
@@ -37,8 +37,10 @@ log = logging.getLogger("rlhf.env_server")
 
 
 class EnvServer:
-    def __init__(self, spec: str, options: dict[str, Any], token: str, policy: Any) -> None:
-        self.spec, self.make = spec, build_env(spec, options)
+    def __init__(self, spec: str, options: dict[str, Any], token: str, policy: Any, drop_on_infra: bool = False) -> None:
+        """drop_on_infra (env.on_infra_error drop_group): an episode whose step raises InfraError ends with the error
+        in its result (`infra_error`), for the controller to drop its group; otherwise /step fails with it."""
+        self.spec, self.make, self.drop_on_infra = spec, build_env(spec, options), drop_on_infra
         self.stop = list(getattr(self.make(), "stop", None) or [])
         self.envs: dict[str, Any] = {}  # the open episodes, by id
         self.busy: tuple[str, Any, float] | None = None  # (episode, its environment, since) while one steps
@@ -86,6 +88,14 @@ class EnvServer:
             try:
                 fault_point("env.step")
                 r = env.step(str(s.get("action", "")))
+            except InfraError as exc:
+                if not self.drop_on_infra:
+                    raise
+                log.warning("episode %s: %s; its group is dropped (env.on_infra_error drop_group)", s["id"], exc)
+                del self.envs[str(s["id"])]
+                results.append({"observation": "", "reward": None, "done": True, "info": {"infra_errors": 1},
+                                "infra_error": str(exc)})
+                continue
             finally:
                 self.busy = None
             if r.done:
@@ -108,7 +118,7 @@ def env_options(cfg: Any) -> dict[str, Any]:
     on_infra = cfg.env.on_infra_error
     if on_infra == "auto":
         on_infra = "fail" if cfg.resilience.infra_errors_fail else "model"
-    return {"tools": cfg.env.tools, "on_infra_error": on_infra}
+    return {"tools": cfg.env.tools, "on_infra_error": "fail" if on_infra == "drop_group" else on_infra}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     token, cfg = boot(parser, args, "env", 0)  # the scheduler records its exit status
     sandbox.LIMITS = sandbox.Limits(cfg.env.sandbox_timeout_s, cfg.env.sandbox_cpu_s, cfg.env.sandbox_memory_mb)
-    server = EnvServer(cfg.env.path, env_options(cfg), token, cfg.resilience)
+    server = EnvServer(cfg.env.path, env_options(cfg), token, cfg.resilience, cfg.env.on_infra_error == "drop_group")
     log.info("environment server: %s%s", cfg.env.path, f" (tools {cfg.env.tools})" if cfg.env.tools else "")
     ready = announce(args.ready_file, args.host, "environment server", log)
 

@@ -190,7 +190,7 @@ class TrainWorker(SftAndPreflight, WeightsAndCheckpoints):
         self._require_device("train_step")
         t0 = time.perf_counter()
         fault_point("train.step")
-        self._check_global_batch(tensors)
+        self._check_global_batch(tensors, args.get("rows"))
         metrics = self._engine().train_step(tensors)
         self.sync_hf()
         metrics["train_seconds"] = time.perf_counter() - t0
@@ -224,12 +224,13 @@ class TrainWorker(SftAndPreflight, WeightsAndCheckpoints):
                 "cpu_s": time.process_time(), "disk_wait_threads": disk_wait_threads()}
 
 
-    def _check_global_batch(self, tensors: dict) -> None:
-        """The global batch must be rollout.prompts_per_step x group_size rows, as the engine is configured."""
+    def _check_global_batch(self, tensors: dict, rows_sent: int | None = None) -> None:
+        """The global batch must be rollout.prompts_per_step x group_size rows, as the engine is configured, or the
+        rows the controller says it sends (it took groups out on purpose: env.on_infra_error drop_group)."""
 
         rows = int(tensors["input_ids"].shape[0])
         total = int(self.dp.all_reduce_sum(torch.tensor([float(rows)]))[0].item())
-        expected = self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size
+        expected = int(rows_sent) if rows_sent else self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size
         if total != expected:
             raise BatchSizeMismatch({"global_rows": total, "this_rank_rows": rows, "expected_global_batch": expected},
                                     "train step (rollout.prompts_per_step x rollout.group_size)")
