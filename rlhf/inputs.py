@@ -15,6 +15,7 @@ from rlhf.config import Config, ConfigError
 from rlhf.envs import EnvError, build_env
 from rlhf.models import model_shape
 from rlhf.models.reward_model import check_reward_model_dir
+from rlhf.services.env_server import env_options
 from rlhf.train.parallel import layout_problems
 
 SGLANG_SERVER_MODULES = ("sglang", "sgl_kernel", "fastapi", "uvicorn", "zmq")  # what sglang.launch_server imports
@@ -36,7 +37,7 @@ def input_problems(cfg: Config, world: int | None = None) -> list[str]:
             problems.append(f"{key}: file {value!r} does not exist (from {os.getcwd()})")
     if cfg.env.path and not problems:  # imported here, as the reward functions are: a bad class is one line now
         try:
-            build_env(cfg.env.path, {"tools": cfg.env.tools} if cfg.env.tools else {})
+            build_env(cfg.env.path, env_options(cfg))
         except (EnvError, ValueError) as err:
             problems.append(str(err))
     if cfg.reward_model.path:

@@ -155,7 +155,7 @@ def test_a_killed_environment_server_fails_the_step_and_is_named(tmp_path):
 
     run_dir = tmp_path / "run"
     out = subprocess.run([sys.executable, f"{ROOT}/examples/grpo_trainer.py", "--faults",
-                          f"{ROOT}/examples/faults/env_server_killed.yaml", "--run-dir", str(run_dir)],
+                          f"{ROOT}/examples/faults/scenario16.yaml", "--run-dir", str(run_dir)],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode != 0
     first = next(line for line in (run_dir / "logs" / "controller-0.log").read_text().splitlines()
@@ -217,7 +217,7 @@ def test_a_long_tail_tool_call_is_named_in_seconds_not_at_the_timeout(tmp_path):
 
     run_dir = tmp_path / "run"
     out = subprocess.run([sys.executable, f"{ROOT}/examples/grpo_trainer.py", "--faults",
-                          f"{ROOT}/examples/faults/tool_long_tail.yaml", "--task.operations", "*", "--run-dir",
+                          f"{ROOT}/examples/faults/scenario17.yaml", "--task.operations", "*", "--run-dir",
                           str(run_dir)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode != 0
     log = (run_dir / "logs" / "controller-0.log").read_text().splitlines()
@@ -259,3 +259,25 @@ def test_drop_group_trains_the_step_without_the_groups_an_infrastructure_failure
     warned = [line for line in (run_dir / "logs" / "controller-0.log").read_text().splitlines()
               if " WARNING " in line and "dropped" in line and "groups" in line]
     assert warned and "calculator service refused multiply" in warned[0], warned
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("resilience", ["faithful", "hardened"])
+def test_scenario18_a_tool_service_down_is_the_models_output_only_when_faithful(tmp_path, resilience):
+    """Every multiply call raises ConnectionError from step 2: faithful hands it to the model and the run goes on
+    (steps.csv infra_errors the only trace); hardened fails step 2 naming the tool and the infrastructure."""
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, f"{ROOT}/examples/grpo_trainer.py", "--faults",
+                          f"{ROOT}/examples/faults/scenario18.yaml", "--resilience", resilience, "--run-dir",
+                          str(run_dir)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    with open(run_dir / "steps.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    if resilience == "faithful":
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert [int(r["infra_errors"]) for r in rows] == [0, 64, 64]
+    else:
+        assert out.returncode != 0 and len(rows) == 1
+        first = next(line for line in (run_dir / "logs" / "controller-0.log").read_text().splitlines()
+                     if " ERROR " in line and "run failed" in line)
+        assert "step 2, stage rollout" in first and "tool 'multiply' failed: ConnectionError" in first, first
+    assert_none_left(run_dir)

@@ -21,7 +21,7 @@ def add(a: int, b: int) -> int:
 class AlwaysCalls:
     """A tool_calls environment that makes the model's first turn a call of `multiply` on the row's operands
     (whatever the model wrote), then hands the rest to tool_calls: for scenarios and demos with a model that has
-    not learned the call format yet (examples/faults/tool_long_tail.yaml)."""
+    not learned the call format yet (examples/faults/scenario17.yaml)."""
 
     def __init__(self, tools: str = "examples/envs/calculator.py", **options):
         from rlhf.envs.tool_calls import ToolCallsEnv

@@ -83,6 +83,9 @@ def build_env(spec: str, options: dict[str, Any] | None = None) -> Callable[[], 
             raise EnvError(f"env.path {spec!r} ({where}): an environment is a class with reset(row) and step(action)"
                            + (f"; it lacks {', '.join(missing)}" if inspect.isclass(cls) else f"; {attr} is not a class"))
     opts = dict(options or {})
+    params = inspect.signature(cls).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):  # what the class takes
+        opts = {k: v for k, v in opts.items() if k in params}
 
     def make() -> Env:
         return cls(**opts)

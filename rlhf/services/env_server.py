@@ -111,14 +111,14 @@ class EnvServer:
 
 
 def env_options(cfg: Any) -> dict[str, Any]:
-    """The environment's constructor options: tool_calls' tools and what it does with an infrastructure failure
-    (env.on_infra_error; auto: the policy's infra_errors_fail)."""
-    if cfg.env.path != "tool_calls":
-        return {"tools": cfg.env.tools} if cfg.env.tools else {}
+    """The environment's constructor options (those its class takes): env.tools and what to do with an
+    infrastructure failure (env.on_infra_error; auto: the policy's infra_errors_fail; drop_group: raise it, the
+    server drops the episode)."""
     on_infra = cfg.env.on_infra_error
     if on_infra == "auto":
         on_infra = "fail" if cfg.resilience.infra_errors_fail else "model"
-    return {"tools": cfg.env.tools, "on_infra_error": "fail" if on_infra == "drop_group" else on_infra}
+    return {**({"tools": cfg.env.tools} if cfg.env.tools else {}),
+            "on_infra_error": "fail" if on_infra == "drop_group" else on_infra}
 
 
 def main(argv: list[str] | None = None) -> int:
