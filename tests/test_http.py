@@ -213,3 +213,39 @@ print(json.dumps(seen))
     assert (seen["main"], seen["compute"], seen["other"], seen["later"]) == (1, 2, 1, 1), seen
     assert seen["compute_pool"] == 1, seen  # its own pool: one OpenMP worker beside the thread itself
     assert seen["main_pool"] == 0 and seen["later_pool"] == 0, seen  # serial threads start no pool
+
+
+def test_a_parked_worker_thread_runs_what_is_submitted_meanwhile_then_returns_to_its_call():
+    """rlhf.transport.worker.WorkerThread (the rollout server's engine thread): a call that parks the thread waits
+    there while later submissions still run on the same thread, in order; it returns once its condition holds."""
+    import threading
+
+    from rlhf.transport.worker import WorkerThread
+    from tests.conftest import wait_until
+
+    worker = WorkerThread("test-worker")
+    release = threading.Event()
+    seen = []
+
+    def held():
+        seen.append(("held", threading.current_thread().name))
+        worker.park(release.is_set)
+        return "resumed"
+
+    try:
+        first = worker.submit(held)
+        wait_until(lambda: worker.parked, 10, "the call to park")
+        second = worker.submit(lambda: threading.current_thread().name)
+        assert second.result(10) == "test-worker" and not first.done()  # served while the first is parked
+        failing = worker.submit(lambda: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            failing.result(10)
+        release.set()
+        worker.wake()
+        assert first.result(10) == "resumed" and not worker.parked
+        with pytest.raises(RuntimeError, match="worker thread only"):
+            worker.park(lambda: True)
+    finally:
+        worker.shutdown(wait=True)
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        worker.submit(int)

@@ -141,7 +141,7 @@ def test_retract_stops_a_call_at_a_decode_step_and_it_goes_on_under_the_new_vers
     url, _model_dir = sglang_server
     auth = {"Authorization": f"Bearer {SGLANG_KEY}"}
     long = 400
-    body = {"input_ids": [[1, 5, 6], [1, 7]], "return_logprob": True,
+    body = {"input_ids": [[1, 5, 6], [1, 7]], "return_logprob": True, "logprob_start_len": 0,
             "sampling_params": {"max_new_tokens": long, "ignore_eos": True, "n": 2}}
     box = {}
     thread = threading.Thread(target=lambda: box.setdefault("reply", requests.post(
@@ -159,7 +159,58 @@ def test_retract_stops_a_call_at_a_decode_step_and_it_goes_on_under_the_new_vers
         assert len(out["output_ids"]) == long and meta["finish_reason"]["type"] == "length"
         assert meta["num_retractions"] == 1 and meta["weight_version"] == "next"
         assert len(meta["output_token_logprobs"]) == long
+        assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"]  # the prompt's, as without the pause
         versions = meta["output_token_weight_versions"]
         cut = versions.index("next")
         assert len(versions) == long and 2 < cut < long
         assert set(versions[:cut]) == {before} and set(versions[cut:]) == {"next"}
+
+
+def test_in_place_holds_a_call_with_its_cache_while_the_weights_change_under_it(sglang_server, tmp_path):
+    """/pause_generation mode in_place: the running call stops at its next decode step and stays there, still
+    running (its KV cache kept); a weights load from disk meanwhile runs on the engine's thread that holds it; after
+    /continue_generation the call goes on from the same cache under the new weights: one reply, no retraction, no
+    second prefill, each token's version recorded, and the tokens after the switch are the new weights' (greedy: the
+    same call unpaused under the old weights gives the same head and another tail)."""
+    from safetensors.torch import load_file, save_file
+
+    url, model_dir = sglang_server
+    auth = {"Authorization": f"Bearer {SGLANG_KEY}"}
+    long = 400
+    body = {"input_ids": [1, 5, 6], "return_logprob": True,
+            "sampling_params": {"max_new_tokens": long, "ignore_eos": True, "temperature": 0}}
+    flipped = tmp_path / "flipped"
+    flipped.mkdir()
+    tensors = load_file(f"{model_dir}/model.safetensors")
+    save_file({k: -v if "lm_head" in k or "embed_tokens" in k else v for k, v in tensors.items()},
+              str(flipped / "model.safetensors"))
+    box = {}
+    thread = threading.Thread(target=lambda: box.setdefault("reply", requests.post(
+        url + "/generate", json=body, headers=auth, timeout=120).json()), daemon=True)
+
+    def held():
+        state = requests.get(url + "/server_info", headers=auth).json()["internal_states"][0]
+        assert state["running_calls"] == 1 and state["held"] and "reply" not in box
+        steps = state["running_decode_steps"]
+        load = requests.post(url + "/update_weights_from_disk", headers=auth, timeout=60,
+                             json={"model_path": str(flipped), "weight_version": "next"})
+        assert load.status_code == 200 and load.json()["success"], load.text
+        state = requests.get(url + "/server_info", headers=auth).json()["internal_states"][0]
+        assert state["running_decode_steps"] == steps and "reply" not in box  # still held where it stopped
+
+    try:
+        before = new_version_while_paused(url, "in_place", thread, held)
+        reply = box["reply"]
+    finally:
+        requests.post(url + "/update_weights_from_disk", headers=auth, timeout=60,
+                      json={"model_path": model_dir, "weight_version": "0"})
+    unpaused = requests.post(url + "/generate", json=body, headers=auth, timeout=120).json()  # the old weights
+    meta = reply["meta_info"]
+    assert len(reply["output_ids"]) == long and meta["num_retractions"] == 0 and meta["weight_version"] == "next"
+    assert meta["cached_tokens"] == 0 and len(meta["output_token_logprobs"]) == long
+    versions = meta["output_token_weight_versions"]
+    cut = versions.index("next")
+    assert len(versions) == long and 2 < cut < long
+    assert set(versions[:cut]) == {before} and set(versions[cut:]) == {"next"}
+    assert reply["output_ids"][:cut] == unpaused["output_ids"][:cut]
+    assert reply["output_ids"][cut:] != unpaused["output_ids"][cut:]

@@ -37,7 +37,8 @@ class RolloutConfig:
     then /continue_generation after the update). retract: running requests stop at the next decode step, keep their
     tokens and go on from them after the update (re-prefilled under the new weights; each token's version in
     meta_info output_token_weight_versions, and a sample's staleness counts its oldest token's); in_place: running
-    engine calls finish first (the native engine cannot hold a call's cache across a weights update); abort: running
+    requests stop at the next decode step and keep their KV cache; after the update they go on from it under the
+    new weights (no re-prefill, each token's version recorded); abort: running
     requests end now with their tokens (finish_reason abort) and, with resilience.migrate_requests, continue from
     them under the new weights."""
     max_queued_requests: int = 16

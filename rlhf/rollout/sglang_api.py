@@ -222,8 +222,10 @@ class RequestControl(StepControl):
     decoded text of each running row; `on_tokens(control, t, rows, finished)` (streaming) sees every step.
     """
 
-    def __init__(self, prompts: list[Prompt], tokenizer: Any, on_tokens: Callable | None = None) -> None:
-        self.prompts, self.tokenizer, self.on_tokens = prompts, tokenizer, on_tokens
+    def __init__(self, prompts: list[Prompt], tokenizer: Any, on_tokens: Callable | None = None,
+                 hold: Callable[[RequestControl], None] | None = None) -> None:
+        """hold: called first at every step; it may block the call there (/pause_generation mode in_place)."""
+        self.prompts, self.tokenizer, self.on_tokens, self.hold = prompts, tokenizer, on_tokens, hold
         self.rows = [(p, j) for p in prompts for j in range(p.sampling.n)]
         self.ids = [output_id(p, j) for p, j in self.rows]  # what each row's reply calls itself
         self.rids = {p.rid for p in prompts} | set(self.ids)
@@ -232,6 +234,10 @@ class RequestControl(StepControl):
         self._abort: dict[str, str] = {}  # rid -> message ("*": all)
         self._lock = threading.Lock()
         self.decode_steps = 0  # decode steps the call has run (the server's /server_info shows its progress)
+
+    @property
+    def aborting(self) -> bool:
+        return bool(self._abort)
 
     def abort(self, rid: str = "*", message: str = "aborted by /abort_request") -> bool:
         """Finish a request's rows (its rid: all n samples; an output's id: that sample; "*": every row) after the
@@ -245,6 +251,8 @@ class RequestControl(StepControl):
     def step(self, t: int, rows: list[int] | None, tokens: list[int] | None) -> dict[int, dict[str, Any]]:
         finished: dict[int, dict[str, Any]] = {}
         self.decode_steps = t + 1
+        if self.hold is not None:
+            self.hold(self)
         with self._lock:
             aborted = dict(self._abort)
         if aborted:

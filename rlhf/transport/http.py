@@ -40,6 +40,7 @@ from rlhf.faults import afault_effects
 from rlhf.procs import freeze_gc, own_threads
 from rlhf.tracing.metrics import ACTIVITY
 from rlhf.transport import wire
+from rlhf.transport.worker import WorkerThread
 
 TOKEN_HEADER = "X-RLHF-Token"
 STAGE_HEADER = "X-RLHF-Stage"
@@ -60,14 +61,18 @@ _EFFECTS: contextvars.ContextVar[list] = contextvars.ContextVar("rlhf_transport_
 class Service:
     """An aiohttp application with auth, typed errors and handlers run on one worker thread."""
 
-    def __init__(self, role: str, rank: int, token: str, policy: Policy = HARDENED, threads: int = 1) -> None:
+    def __init__(self, role: str, rank: int, token: str, policy: Policy = HARDENED, threads: int = 1,
+                 parkable: bool = False) -> None:
         """threads: torch's intra-op threads on the worker thread: a process's one computing service gets the
         process's threads, every other thread stays serial (rlhf.procs.own_threads). The worker thread starts here;
         with threads > 1 the constructing thread (a process's main thread) is set serial again afterwards, which
-        also makes threads started later start serial."""
+        also makes threads started later start serial. parkable: a handler may park the worker thread and have it
+        run the other handlers' calls meanwhile (rlhf.transport.worker: the rollout server's pause in place)."""
         self.role, self.rank, self.token, self.policy = role, rank, token, policy
-        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{role}-{rank}",
-                                                              initializer=own_threads, initargs=(threads,))
+        self.executor: concurrent.futures.Executor = (
+            WorkerThread(f"{role}-{rank}", own_threads, (threads,)) if parkable else
+            concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{role}-{rank}",
+                                                  initializer=own_threads, initargs=(threads,)))
         self.executor.submit(int).result()
         if threads != 1:
             own_threads(1)

@@ -34,6 +34,7 @@ class DecodeLoop:
                 valid[i, P - len(p):] = True
             ids, valid = ids.to(device), valid.to(device)
         fused = self._fused_layers()
+        version = self.weight_version  # weights loaded while a pause holds the call change it (see below)
         scales = {f["scale"] for f in fused[:-1]}
         if len(scales) != 1:
             raise NotImplementedError(f"native rollout engine: attention scale differs between layers ({sorted(scales)})")
@@ -137,6 +138,11 @@ class DecodeLoop:
                     reasons.update((r, finished[r]) for r in ended)
                     stop_at[torch.tensor(ended, device=device)] = t + 1
                     tracking = True
+                if self.weight_version != version:  # loaded while /pause_generation in_place held the call: the
+                    # next tokens come from the new weights, on the cache the old ones computed (sglang's in_place)
+                    _copy_into(state["fused"], self._fused_layers())
+                    version = self.weight_version
+                    control.switches = (*control.switches, (t + 1, version))
             if t == M - 1:
                 break
             if tracking and static and t % 16 == 15 and not bool((stop_at > M).any()):
@@ -210,3 +216,16 @@ class DecodeLoop:
             values, ids = out_top[0].tolist(), out_top[1].tolist()
             tops = [list(zip(values[r][:lengths_host[r]], ids[r][:lengths_host[r]])) for r in range(B)]
         return out_t, out_l, finish, tops, cached
+
+
+def _copy_into(old: Any, new: Any) -> None:
+    """The fused weights rebuilt after a load, copied into the ones the call (and a captured CUDA graph) reads."""
+    if isinstance(old, torch.Tensor):
+        if old.data_ptr() != new.data_ptr():
+            old.copy_(new)
+    elif isinstance(old, (list, tuple)):
+        for o, n in zip(old, new):
+            _copy_into(o, n)
+    elif isinstance(old, dict):
+        for key, value in old.items():
+            _copy_into(value, new[key])

@@ -101,7 +101,9 @@ class RolloutEngine(DecodeLoop, Forward, Attention, CudaGraphs, FusedWeights):
         self.device, self.dtype = self._params[0].device, self._params[0].dtype
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.weight_version = "0"
-        self.lock = threading.Lock()  # one generate or weight load at a time
+        # one generate or weight load at a time; reentrant: a call held by a pause in place loads weights on its
+        # own thread (rlhf.transport.worker)
+        self.lock = threading.RLock()
         cfg = model.config
         ids = stop_token_ids if stop_token_ids is not None else model_stop_ids(model, tokenizer)
         self.stop_ids = list(dict.fromkeys(int(i) for i in ids))  # ordered: the first is what SFT teaches
@@ -189,6 +191,7 @@ class RolloutEngine(DecodeLoop, Forward, Attention, CudaGraphs, FusedWeights):
         if not input_ids or any(len(p) == 0 for p in input_ids):
             raise ValueError("generate: every prompt needs at least one token")
         with self.lock, torch.inference_mode():
+            first_version = self.weight_version
             out_tokens, out_logprobs, finish, tops, cached = self._decode(
                 [list(p) for p in input_ids], sp, top=top_logprobs_num if return_logprob else 0, control=control)
             version = self.weight_version
@@ -205,6 +208,8 @@ class RolloutEngine(DecodeLoop, Forward, Attention, CudaGraphs, FusedWeights):
                 "cached_tokens": len(prompt) if row % sp.n else cached[row // sp.n],
                 "weight_version": version,
             }
+            if control is not None and control.switches:  # the weights changed under the call: each token's version
+                meta["output_token_weight_versions"] = token_versions(first_version, list(control.switches), len(toks))
             if return_logprob:
                 meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, toks)]
                 if tops is not None:
@@ -236,3 +241,12 @@ class RolloutEngine(DecodeLoop, Forward, Attention, CudaGraphs, FusedWeights):
                     entry["input_top_logprobs"] = rows[start:]
                 out.append(entry)
         return out
+
+
+def token_versions(first: str, switches: list[tuple[int, str]], count: int) -> list[str]:
+    """Each of `count` tokens' weights version: `first` until the first switch's step, and so on."""
+    out, version, at = [], first, 0
+    for step, new in switches + [(count, "")]:
+        out += [version] * (min(step, count) - at)
+        at, version = min(step, count), new
+    return out

@@ -55,6 +55,9 @@ class StepControl:
     """
 
     wants_tokens = False  # pass each step's new tokens to `step` (one host transfer a step)
+    # (step, version): weights loaded while `step` held the call (a pause in place); the tokens from that step on
+    # come from them (the decode loop sets it)
+    switches: tuple[tuple[int, str], ...] = ()
 
     def step(self, t: int, rows: list[int] | None, tokens: list[int] | None) -> dict[int, dict[str, Any]]:
         return {}

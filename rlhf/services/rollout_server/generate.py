@@ -152,7 +152,8 @@ class GenerateRoutes:
             for idx in groups.values():
                 prompts = [call.prompts[i] for i in idx]
                 rows = [(i, j) for i in idx for j in range(call.prompts[i].sampling.n)]
-                control = RequestControl(prompts, tok, self._chunker(call, rows, offsets, on_chunk) if on_chunk else None)
+                control = RequestControl(prompts, tok, self._chunker(call, rows, offsets, on_chunk) if on_chunk else None,
+                                         self._hold)
                 results = self._engine_call(prompts, control)
                 extra = {}
                 for i in idx:
@@ -207,7 +208,7 @@ class GenerateRoutes:
         with self._state:
             self.queued.remove(call)
         self._check_lease()
-        tok = self.engine.tokenizer
+        engine, tok = self.engine, self.engine.tokenizer
         pending, call.retracted = call.retracted, []
         groups: dict[tuple, list[tuple[int, int, int, dict, Any]]] = {}
         for index, i, j, head in pending:
@@ -225,15 +226,20 @@ class GenerateRoutes:
         with tracing.span("generate.resume", outputs=len(pending)):
             for members in groups.values():
                 conts = [m[4] for m in members]
-                results = self._engine_call(conts, RequestControl(conts, tok))
+                control = RequestControl(conts, tok, hold=self._hold)
+                for r, member in enumerate(members):  # stop strings are looked for across the pause
+                    control.generated[r] = list(member[3]["output_ids"])
+                results = self._engine_call(conts, control)
                 for (index, i, j, head, _c), tail in zip(members, results):
                     joined = resumed(head, tail)
                     if retracted(tail):  # paused again before it finished
                         call.retracted.append((index, i, j, joined))
                         continue
-                    outputs[index] = sglang_reply(call.prompts[i], j, joined, tail["meta_info"]["weight_version"],
-                                                  call.started, tok, None, call.return_text_in_logprobs,
-                                                  call.packed_logprobs)
+                    p = call.prompts[i]
+                    extra = (engine.prompt_logprobs([p.ids], p.logprob_start_len, p.top_logprobs_num)[0]
+                             if p.return_logprob and p.logprob_start_len >= 0 else None)
+                    outputs[index] = sglang_reply(p, j, joined, tail["meta_info"]["weight_version"], call.started,
+                                                  tok, extra, call.return_text_in_logprobs, call.packed_logprobs)
         return outputs if call.retracted else [o for o in outputs if o is not None]
 
     def _check_lease(self) -> None:
@@ -255,6 +261,8 @@ class GenerateRoutes:
         for control in active:
             for rid in ([p.rid for p in prompts] if prompts is not None else ["*"]):
                 hits += control.abort(rid, message)
+        if hits:
+            self.service.executor.wake()  # a call held by a pause in place ends now
         return hits
 
     def abort_request(self, args: dict, tensors: dict) -> Any:
@@ -271,7 +279,9 @@ class GenerateRoutes:
             queued = any(p.rid == rid for call in self.queued for p in call.prompts)
             if queued:
                 self.pending_aborts.add(rid)
-        if not [c for c in active if c.abort(rid)] and not queued:
+        if [c for c in active if c.abort(rid)]:
+            self.service.executor.wake()
+        elif not queued:
             log.info("abort_request: no running or queued request %r", rid)
         return web.Response(status=200)
 
@@ -280,9 +290,11 @@ class GenerateRoutes:
         retract: running requests stop at the next decode step and go back to the queue with their tokens; after
         /continue_generation they go on from them (a prefill of prompt + tokens under the weights then loaded) and
         reply once, each token's weights version in meta_info output_token_weight_versions, num_retractions
-        counted (a streamed call is not retracted: it finishes); in_place: running engine calls finish (the native
-        engine runs a weights update on the thread that decodes, so it cannot hold a call's cache across one). The
-        reply comes once no engine call runs. New requests wait for /continue_generation in every mode."""
+        counted (a streamed call is not retracted: it finishes); in_place: running requests stop at the next decode
+        step and keep their tokens and KV cache; a weights update meanwhile runs on the engine's thread while it
+        holds them, and after /continue_generation they go on from the same cache under the new weights (each
+        token's version in output_token_weight_versions, no re-prefill). The reply comes once no engine call runs
+        or the running one is held. New requests wait for /continue_generation in every mode."""
         mode = args.get("mode", "abort")
         if mode not in ("abort", "in_place", "retract"):
             raise BadRequest(f"pause_generation: mode {mode!r}; valid: abort, in_place, retract")
@@ -294,13 +306,27 @@ class GenerateRoutes:
                 active = [c for c in self.active if c.on_tokens is None]  # not a stream's
             for control in active:
                 control.abort("*", RETRACTED)
-        while True:  # the engine thread empties; what is queued stays queued (it waits on the pause)
+            self.service.executor.wake()
+        else:
+            self.holding = True
+        while True:  # the engine thread empties or holds; what is queued stays queued (it waits on the pause)
             with self._state:
-                if not self.active:
+                if not self.active or self.service.executor.parked:
                     break
             await asyncio.sleep(0.02)
         return {"message": "Generation paused successfully.", "status": "ok"}
 
     def continue_generation(self, args: dict, tensors: dict) -> dict:
+        self.holding = False
+        self.service.executor.wake()
         self.unpaused.set()
         return {"message": "Generation continued successfully.", "status": "ok"}
+
+    def _hold(self, control: RequestControl) -> None:
+        """At each decode step of a running call, on the engine thread: while /pause_generation in_place holds
+        the server, stay here running what the other routes submit (the weights update), until
+        /continue_generation or an abort of this call."""
+        if self.holding:
+            log.info("rollout-%d: a call held at decode step %d (pause in place), its cache kept", self.rank,
+                     control.decode_steps)
+            self.service.executor.park(lambda: not self.holding or control.aborting)

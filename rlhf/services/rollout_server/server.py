@@ -54,7 +54,7 @@ class RolloutServer(GenerateRoutes, WeightsAndMemory, DistributedWeights):
         self.verify_checksum = verify_checksum  # algorithm of /weights_checksum (weights.verify)
         self.device = device_name("rollout", rank, lease is not None)
         self.lease, self.lease_timeout_s = lease, lease_timeout_s
-        self.service = Service("rollout", rank, token, policy, threads=threads)
+        self.service = Service("rollout", rank, token, policy, threads=threads, parkable=True)
         self.service.open_paths = ("/health", "/ready")  # probes without the token, as sglang leaves them
         self.service.untraced_paths.update(("/health", "/ready"))  # the controller probes every step: no span each
         self.policy, self.sglang_only = policy, sglang_only
@@ -66,6 +66,7 @@ class RolloutServer(GenerateRoutes, WeightsAndMemory, DistributedWeights):
         self.pending_aborts: set[str] = set()  # rids aborted before their call started
         self.unpaused = asyncio.Event()  # cleared while /pause_generation holds new calls
         self.unpaused.set()
+        self.holding = False  # /pause_generation in_place: running calls wait at their next decode step
         self.draining = False  # SIGTERM with graceful_drain: no new calls, the others finish
         self.calls = 0  # /generate calls accepted and not yet answered (queued or running)
         self.drain_left = 0  # calls a drain that timed out left behind
@@ -186,7 +187,7 @@ class RolloutServer(GenerateRoutes, WeightsAndMemory, DistributedWeights):
                 "internal_states": [{"running_calls": running, "queued_calls": queued, "shed_calls": self.shed,
                                      "max_queued_requests": self.max_queued,
                                      "paused": not self.unpaused.is_set(), "weight_version": self.engine.weight_version,
-                                     "running_decode_steps": steps}],
+                                     "running_decode_steps": steps, "held": self.service.executor.parked}],
                 "host": self.host, "port": self.port, "incremental_streaming_output": False,
                 "disaggregation_mode": "null", "startup_time": self.started, "frontend": "rlhf",
                 "device": str(self.engine.device), "dtype": str(next(self.engine.model.parameters()).dtype)}
