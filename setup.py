@@ -30,11 +30,13 @@ setup(
         # your own data and rewards: Parquet files (pyarrow), Hugging Face datasets directories (datasets), the
         # math_equal reward (math-verify)
         "data": ["pyarrow>=14", "datasets>=2.16", "math-verify>=0.7"],
+        # --logger tensorboard,wandb,mlflow: the experiment trackers' own libraries (each imported only when named)
+        "trackers": ["tensorboard>=2.14", "wandb>=0.19", "mlflow-skinny>=2.14"],
         # megatron-core: the tests check its weight conversion on the CPU (its GPTModel runs only on CUDA); mkdocs:
         # tests/test_docs.py builds the docs site (mkdocs build --strict)
         "test": ["pytest>=8", "hypothesis>=6", "ruff>=0.5", "requests>=2.28", "msgspec>=0.18", "pybase64>=1.3",
                  "ipython>=8", "pyarrow>=14", "datasets>=2.16", "math-verify>=0.7", "megatron-core>=0.16",
-                 "mkdocs>=1.6"],
+                 "mkdocs>=1.6", "tensorboard>=2.14", "wandb>=0.19", "mlflow-skinny>=2.14"],
         # Never installed by the default commands: GPU-only and multi-GB.
         "gpu": ["sglang", "megatron-core>=0.16", "nvidia-ml-py"],
     },

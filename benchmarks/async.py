@@ -18,6 +18,10 @@ accuracy against the GRPO phase's wall time (--eval-every steps apart).
     python benchmarks/async.py                                     # 1+1: sync, async-k1, async-k2 (~7 min here)
     python benchmarks/async.py --setups 1+1,2+2 --modes sync,async-k1 --figure docs/async_accuracy.png
     python benchmarks/async.py --steps 3 --modes sync,async-k1 -- --preset smoke   # seconds: a smoke check
+    python benchmarks/async.py --modes sync,async-k1 --judge-latency 0.3   # a remote judge's 0.3 s (emulated)
+
+--judge-latency S scores every run with benchmarks/remote_judge.py:judged: exact match after S seconds of wall time
+that use no CPU here (EMULATED: asyncio.sleep), as a remote LLM judge or a sandbox farm would take.
 """
 
 from __future__ import annotations
@@ -45,9 +49,10 @@ def command(setup: str, mode: str, run_dir: str, seed: int, port: int, extra: li
     return head + ["--seed", str(seed), "--run-dir", run_dir, *MODES[mode], *extra]
 
 
-def one(setup: str, mode: str, work: str, seed: int, port: int, extra: list[str]) -> dict:
+def one(setup: str, mode: str, work: str, seed: int, port: int, extra: list[str], env: dict[str, str]) -> dict:
     run_dir = os.path.join(work, f"{setup}-{mode}")
-    out = subprocess.run(command(setup, mode, run_dir, seed, port, extra), capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run(command(setup, mode, run_dir, seed, port, extra), capture_output=True, text=True, cwd=ROOT,
+                         env=env)
     if out.returncode != 0:
         return {"setup": setup, "mode": mode, "error": (out.stderr.strip().splitlines() or ["?"])[-1][:200]}
     summary = json.loads(out.stdout.strip().splitlines()[-1])
@@ -72,7 +77,7 @@ def one(setup: str, mode: str, work: str, seed: int, port: int, extra: list[str]
             "curve": curve}
 
 
-def figure(results: list[dict], path: str) -> None:
+def figure(results: list[dict], path: str, judge_s: float = 0.0) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -85,7 +90,8 @@ def figure(results: list[dict], path: str) -> None:
             ax.plot(xs, ys, marker="o", markersize=3, label=f"{r['setup']} {r['mode']}")
     ax.set_xlabel("GRPO wall time, s (after the SFT warm start)")
     ax.set_ylabel("greedy eval accuracy")
-    ax.set_title("Sync against async GRPO, the default workload")
+    ax.set_title("Sync against async GRPO, the default workload" + (
+        f",\nscored by a remote judge (emulated: {judge_s:g} s a call)" if judge_s else ""))
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -102,6 +108,8 @@ def main() -> int:
     ap.add_argument("--eval-every", type=int, default=0, help="an eval every N steps, for --figure (default: none)")
     ap.add_argument("--figure", default="", help="write eval accuracy against wall time here (PNG)")
     ap.add_argument("--out", default="", help="keep the runs here (default: a temporary folder, removed)")
+    ap.add_argument("--judge-latency", type=float, default=0.0, metavar="S",
+                    help="score with benchmarks/remote_judge.py:judged, S seconds a call (EMULATED latency: no CPU)")
     ap.add_argument("extra", nargs="*", help="more flags for every run, after --")
     args = ap.parse_args()
     setups, modes = args.setups.split(","), args.modes.split(",")
@@ -111,11 +119,17 @@ def main() -> int:
             raise SystemExit(f"{name}: {', '.join(bad)} not known (valid: {', '.join(valid)})")
     extra = list(args.extra) + (["--steps", str(args.steps)] if args.steps else []) + (
         ["--eval_every", str(args.eval_every)] if args.eval_every else [])
+    env = dict(os.environ)
+    if args.judge_latency < 0:
+        raise SystemExit(f"--judge-latency: {args.judge_latency} (at least 0)")
+    if args.judge_latency:
+        env["RLHF_JUDGE_LATENCY_S"] = str(args.judge_latency)
+        extra += ["--reward.functions", os.path.join(ROOT, "benchmarks", "remote_judge.py") + ":judged"]
     work = args.out or tempfile.mkdtemp(prefix="rlhf-async-")
     results = []
     try:
         for k, (setup, mode) in enumerate((s, m) for s in setups for m in modes):
-            r = one(setup, mode, work, args.seed, 29700 + k, extra)
+            r = one(setup, mode, work, args.seed, 29700 + k, extra, env)
             results.append(r)
             print(f"{setup} {mode}: " + (f"failed: {r['error']}" if "error" in r else
                   f"{r['samples_per_s']:.1f} trained samples/s, eval {r['before']:.3f} -> {r['after']:.3f}, "
@@ -138,7 +152,7 @@ def main() -> int:
               f"{r['rollout_busy']:.0%} | {r['staleness']:.2f} | {r['lp_diff']:.2g} | {r['before']:.3f} | "
               f"{r['after']:.3f} | {r['wall']:.0f} |")
     if args.figure:
-        figure(results, args.figure)
+        figure(results, args.figure, args.judge_latency)
     return 0 if all("error" not in r for r in results) else 1
 
 

@@ -41,6 +41,9 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
     parser.add_argument("--resilience", choices=list(PRESET_NAMES),
                         help="resilience preset (= --resilience.preset); switch one behaviour with "
                              "--resilience.<behaviour> true|false (listed below)")
+    parser.add_argument("--logger", metavar="NAMES",
+                        help="experiment trackers, comma-separated: console, tensorboard, wandb, mlflow "
+                             "(= --logger.backends; default console)")
     parser.add_argument("--faults", action="append", metavar="FILE", default=[],
                         help="fault spec YAML (repeatable), or the name of a bundled one (scenario2.yaml); validated before "
                              "anything starts (rlhf faults list)")
@@ -74,7 +77,8 @@ def parse_config(argv: list[str] | None, parser: argparse.ArgumentParser) -> tup
             preset=args.preset,
             config_file=args.config,
             dotted=[("runtime.colocate", "true")] * bool(args.colocate) + [("preflight.enabled", "true")] * bool(args.preflight)
-            + [("resilience.preset", args.resilience)] * bool(args.resilience) + dotted,
+            + [("resilience.preset", args.resilience)] * bool(args.resilience)
+            + [("logger.backends", args.logger)] * bool(args.logger) + dotted,
             scenario=scenario,
             top_level={"seed": args.seed, "steps": args.steps, "run_dir": args.run_dir, "eval_every": args.eval_every},
         )

@@ -16,6 +16,7 @@ from rlhf.envs import EnvError, build_env
 from rlhf.models import model_shape
 from rlhf.models.reward_model import check_reward_model_dir
 from rlhf.services.env_server import env_options
+from rlhf.trackers import missing_packages
 from rlhf.train.parallel import layout_problems
 
 SGLANG_SERVER_MODULES = ("sglang", "sgl_kernel", "fastapi", "uvicorn", "zmq")  # what sglang.launch_server imports
@@ -28,6 +29,7 @@ def input_problems(cfg: Config, world: int | None = None) -> list[str]:
     problems = _model_problems(cfg) + layout_problems(cfg.parallel.layout, cfg.parallel.tp_size, world,
                                                       model_shape(cfg.model))
     problems += _engine_problems(cfg)
+    problems += missing_packages(cfg.logger.names)  # a tracker's library, before anything starts
     for spec in (s.strip() for s in cfg.reward.functions.split(",")):
         target = spec.rpartition(":")[0]
         if target.endswith(".py") and not os.path.isfile(target):

@@ -246,6 +246,15 @@ def matrix_figure(csv_path: str, out: str) -> str:
     return path
 
 
+def run_figures(run_dir: str) -> list[str]:
+    """A run's figures into <run-dir>/report (what `rlhf report RUN_DIR` draws): the trackers log them at the end."""
+    out = os.path.join(run_dir, "report")
+    os.makedirs(out, exist_ok=True)
+    written = [propagation_figure(run_dir, out)]
+    m = metrics_figure(run_dir, out)
+    return written + ([m] if m else [])
+
+
 def report_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlhf report", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)

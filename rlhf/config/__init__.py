@@ -16,7 +16,7 @@ What is where:
     reward.py      RewardConfig (the reward functions), RewardModelConfig (`reward_model`)
     rollout.py     RolloutConfig, SamplingConfig (`sampling`), SglangConfig (`sglang`), EnvConfig (`env`)
     services.py    how the processes run (WeightsConfig, RuntimeConfig, TimeoutsConfig, CheckpointConfig,
-                   PreflightConfig, TracingConfig)
+                   PreflightConfig, TracingConfig, LoggerConfig as `logger`: the experiment trackers)
 
 Every check that reads the disk or imports (a model or reward-model directory, a reward file, a dataset, sglang's
 and megatron's modules, the layout against the model) is rlhf.inputs.input_problems, all reported together.
@@ -44,6 +44,7 @@ from rlhf.config.sections import (
     CheckpointConfig,
     Config,
     EnvConfig,
+    LoggerConfig,
     ModelConfig,
     OptimConfig,
     ParallelConfig,
@@ -62,7 +63,7 @@ from rlhf.config.sections import (
 )
 
 __all__ = ["FAITHFUL", "HARDENED", "MOVED_KEYS", "PRESETS", "AlgorithmConfig",
-           "CheckpointConfig", "Config", "ConfigError", "EnvConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "Policy",
+           "CheckpointConfig", "Config", "ConfigError", "EnvConfig", "LoggerConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "Policy",
            "PreflightConfig", "RewardConfig", "RewardModelConfig", "RolloutConfig", "RuntimeConfig", "SFTConfig",
            "SamplingConfig", "SglangConfig", "TaskConfig", "TimeoutsConfig", "TracingConfig", "WeightsConfig",
            "apply_overrides", "build_config", "dotted_to_nested", "format_help", "iter_fields", "load_yaml",

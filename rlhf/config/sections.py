@@ -1,6 +1,6 @@
 """The config tree's root, `Config`: one section per component. The sections live in workload.py (model, task,
 train, parallel, algorithm, sft), reward.py (reward, reward_model), rollout.py (rollout, sampling, sglang) and
-services.py (weights, runtime, timeouts, checkpoint, preflight, tracing); the resilience policy in resilience.py.
+services.py (weights, runtime, timeouts, checkpoint, preflight, tracing, logger); the resilience policy in resilience.py.
 What needs the disk or an import (a model directory, a reward file, sglang's modules) is checked in inputs.py. Each field's docstring (the string after it) is what `--help` prints."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from rlhf.config.reward import RewardConfig, RewardModelConfig
 from rlhf.config.rollout import EnvConfig, RolloutConfig, SamplingConfig, SglangConfig
 from rlhf.config.services import (
     CheckpointConfig,
+    LoggerConfig,
     PreflightConfig,
     RuntimeConfig,
     TimeoutsConfig,
@@ -33,7 +34,7 @@ from rlhf.config.workload import (
     TaskConfig,
 )
 
-__all__ = ["PARALLEL_LAYOUTS", "AlgorithmConfig", "CheckpointConfig", "Config", "EnvConfig", "ModelConfig", "OptimConfig",
+__all__ = ["PARALLEL_LAYOUTS", "AlgorithmConfig", "CheckpointConfig", "Config", "EnvConfig", "LoggerConfig", "ModelConfig", "OptimConfig",
            "ParallelConfig", "PreflightConfig", "RewardConfig", "RewardModelConfig", "RolloutConfig", "RuntimeConfig",
            "SFTConfig", "SamplingConfig", "SglangConfig", "TaskConfig", "TimeoutsConfig", "TracingConfig",
            "WeightsConfig"]
@@ -42,7 +43,7 @@ __all__ = ["PARALLEL_LAYOUTS", "AlgorithmConfig", "CheckpointConfig", "Config", 
 @dataclass
 class Config:
     """The whole run: one section per component (model, task, reward, reward_model, rollout, sampling, sglang, env, train,
-    parallel, algorithm, sft, weights, runtime, timeouts, checkpoint, preflight, tracing, resilience)."""
+    parallel, algorithm, sft, weights, runtime, timeouts, checkpoint, preflight, tracing, logger, resilience)."""
 
     seed: int = 1
     """Run seed: model init, data order, sampling."""
@@ -70,6 +71,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
     resilience: Policy = field(default_factory=Policy)
     faults: list = field(default_factory=list)
     """Armed faults (docs/faults.md), normally from --faults FILE; every process arms those that target it."""

@@ -156,3 +156,28 @@ class TracingConfig:
         _positive("tracing.metrics_interval_s", self.metrics_interval_s, allow_zero=True)
         if self.otlp_endpoint and not self.otlp_endpoint.startswith(("http://", "https://")):
             raise ConfigError(f"tracing.otlp_endpoint: {self.otlp_endpoint!r} must start with http:// or https://")
+
+
+LOGGER_BACKENDS = ("console", "tensorboard", "wandb", "mlflow")
+
+
+@dataclass
+class LoggerConfig:
+    backends: str = "console"
+    """Where each step's metrics go (--logger for short): comma-separated, of console (the log and steps.csv, always on), tensorboard (<run-dir>/tensorboard), wandb (offline under <run-dir>/wandb without WANDB_API_KEY), mlflow (a local store under <run-dir>/mlruns); faults, restarts and the diagnosis go with them as events. Only rank 0's controller logs; a tracker that fails mid-run warns once and is dropped, never failing a step."""
+    mlflow_uri: str = ""
+    """MLflow tracking URI (http://host:5000, sqlite:///mlflow.db); empty: a file store at <run-dir>/mlruns."""
+    project: str = "rlhf"
+    """The W&B project and the MLflow experiment the run goes to."""
+
+    def __post_init__(self) -> None:
+        names = self.names
+        unknown = [n for n in names if n not in LOGGER_BACKENDS]
+        if unknown or not names:
+            raise ConfigError(f"logger.backends: {', '.join(unknown) or repr(self.backends)} not known; choose any of: "
+                              f"{', '.join(LOGGER_BACKENDS)} (comma-separated)")
+
+    @property
+    def names(self) -> list[str]:
+        raw = self.backends if isinstance(self.backends, str) else ",".join(self.backends)
+        return list(dict.fromkeys(n.strip() for n in raw.split(",") if n.strip()))

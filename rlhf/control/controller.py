@@ -159,7 +159,8 @@ class Controller(RunLifecycle):
         row["saves_failed"] = self._save(step, clock)
         tokens, seconds = int(sum(batch["num_tokens"])), time.perf_counter() - t0
         generating = produced.seconds.get("rollout") or clock.seconds["rollout"]
-        row.setdefault("train_idle_s", clock.seconds["rollout"])  # sync: the train ranks wait out the rollout
+        # sync: the train ranks wait out the rollout and its scoring (a judge's round trips, dynamic sampling's rounds)
+        row.setdefault("train_idle_s", clock.seconds["rollout"] + clock.seconds.get("reward", 0.0))
         row.setdefault("rollout_idle_s", seconds - clock.seconds["rollout"])  # and the servers the rest
         row.setdefault("buffer_groups", 0)
         return {**row, **stats, **merged, "seconds": seconds, "rollout_tokens": tokens,

@@ -26,6 +26,7 @@ from rlhf.control.controller import Controller
 from rlhf.control.sft_controller import SFTController
 from rlhf.inputs import check_inputs
 from rlhf.procs import bound_heap, cpu_share, freeze_gc, own_threads, second_sigterm_stops, set_pdeathsig
+from rlhf.report import run_figures
 from rlhf.run_dir import default_run_dir, make_run_dir, setup_logging
 from rlhf.services.train_worker import TrainWorker
 from rlhf.tracing import metrics
@@ -148,6 +149,7 @@ def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
             nodes = [int(fetch(f"node/{r}")) for r in range(world)]
             controller = SFTController(cfg, run_dir, urls, token) if mode == "sft" else \
                 Controller(cfg, run_dir, urls, token, nodes=nodes)
+            controller.draw_figures = run_figures  # the trackers (--logger) log them at the end
             summary = controller.run()
         else:
             # SIGTERM (torchrun passes on an operator's or a cluster scheduler's): the controller finishes its step

@@ -106,6 +106,7 @@ class RunLifecycle(FailureReports, CheckpointSaves):
                     row = self.step(step)
                 self.after_step(step, row)
                 writer.write(row)
+                self.track_step(step, row)
                 rows.append(row)
                 if self.drain_requested and step < self.total_steps():
                     self._drain(step)
@@ -156,18 +157,22 @@ class RunLifecycle(FailureReports, CheckpointSaves):
 
     def run(self) -> dict[str, Any]:
         start = time.perf_counter()
+        summary = None
         try:
             with tracing.span("startup", new_trace=True, world_size=len(self.workers)):
                 self.startup()
                 preflight = self.preflight()
+            self.start_trackers()
             freeze_gc()  # the services, clients and the warm-started model stay for the run
             now = self.evaluate()
             log.info("eval accuracy %s: %.3f%s", "at resume" if self.resumed else f"before {self.label}", now,
                      self.eval_note())
             before = now if self.eval_before is None else self.eval_before
             self.eval_before = before
+            self.track_eval(self.start_step, now)
             rows = self.train()
             after = self.evaluate()
+            self.track_eval(self.total_steps(), after)
             log.info("eval accuracy after %s: %.3f (before %.3f, gain %+.3f)", self.label, after, before, after - before)
             times = [r["seconds"] for r in rows]
             unfired = self.report_unfired(self.total_steps())
@@ -215,6 +220,7 @@ class RunLifecycle(FailureReports, CheckpointSaves):
                 log.error("first failure of this run: %s", self.first_failure)
             if self.first_failure and not self.interrupted:
                 self.report_root_cause()
+            self.finish_trackers(summary)
 
     def preflight(self) -> dict[str, Any] | None:
         """preflight.enabled: every rank times a matmul and an all_gather; a rank much slower than the others in two

@@ -69,3 +69,52 @@ class FailureReports:
         for fault in unfired:
             log.warning("fault %s never fired: %s", fault["name"], fault["why"])
         return unfired
+
+    # ------------------------------------------------------------------ experiment trackers (logger.backends)
+
+    def start_trackers(self) -> None:
+        """The trackers --logger names (rank 0's controller only), with the resolved config; a world restart is an
+        event at the step it resumes at."""
+        import dataclasses
+
+        from rlhf.trackers import Trackers
+        from rlhf.train.dist import restart_count
+
+        lg = self.cfg.logger
+        self.trackers = Trackers(lg.names, self.run_dir, dataclasses.asdict(self.cfg), lg.project, lg.mlflow_uri)
+        self.tracker_events = []
+        if restart_count():
+            self.tracker_events.append({"step": self.start_step + 1, "kind": "world_restart",
+                                        "what": f"world restart {restart_count()}: resumed after step {self.start_step}"})
+
+    def track_step(self, step: int, row: dict) -> None:
+        trackers = getattr(self, "trackers", None)
+        if trackers is not None:
+            trackers.step(step, row, self.tracker_events)
+            self.tracker_events = []
+
+    def track_eval(self, step: int, accuracy: float) -> None:
+        trackers = getattr(self, "trackers", None)
+        if trackers is not None:
+            trackers.scalars(step, {"eval/accuracy": accuracy})
+
+    def finish_trackers(self, summary: dict | None) -> None:
+        """At the end, whatever happened: the diagnosis (the failure's root cause; a faulted run that finished is
+        diagnosed too), the summary and `rlhf report`'s figures (draw_figures, set by the entry point)."""
+        trackers = getattr(self, "trackers", None)
+        if trackers is None or not trackers.active:
+            return
+        verdict = self.root_cause
+        if not verdict and self.cfg.faults:
+            try:
+                verdict = diagnosis.diagnose(self.run_dir).headline()
+            except Exception as exc:  # noqa: BLE001 — the trackers never fail the run
+                log.warning("diagnosis for the trackers failed: %s: %s", type(exc).__name__, exc)
+        images: list[str] = []
+        draw = getattr(self, "draw_figures", None)
+        if draw is not None:
+            try:
+                images = draw(self.run_dir)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("figures for the trackers failed: %s: %s", type(exc).__name__, exc)
+        trackers.finish(max(self.where["step"], 0), summary, verdict, images)
