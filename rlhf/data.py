@@ -133,16 +133,28 @@ def rl_batch(prompt_ids: list[list[int]], output_ids: list[list[int]], logprobs:
 
 
 def build_sft_batch(tokenizer: Any, examples: list[Example], chat_template: bool = False,
-                    stop_id: int | None = None) -> dict[str, torch.Tensor]:
+                    stop_id: int | None = None,
+                    demos: list[list[tuple[str, bool]] | None] | None = None) -> dict[str, torch.Tensor]:
     """Prompt (as encode_prompts) + answer + stop token, loss on the answer and the stop token.
 
     stop_id: the token that ends an answer (default: the tokenizer's EOS; see rlhf.models.stop_token_ids).
+    demos: per example, an environment's worked episode (rlhf.envs.Env.demonstration) in place of the answer: its
+    texts in order, the model's trained on, the environment's masked out (as the rollout masks observations).
     """
     stop = tokenizer.eos_token_id if stop_id is None else stop_id
     if stop is None:
         raise ValueError("build_sft_batch: the tokenizer has no EOS token and no stop_id was given")
     prompts = encode_prompts(tokenizer, [e.prompt for e in examples], chat_template)
-    answers = [tokenizer.encode(e.answer, add_special_tokens=False) + [stop] for e in examples]
+    answers, masks = [], []
+    for i, e in enumerate(examples):
+        parts = (demos[i] if demos is not None else None) or [(e.answer, True)]
+        ids, mask = [], []
+        for text, trained in parts:
+            piece = tokenizer.encode(text, add_special_tokens=False)
+            ids += piece
+            mask += [float(trained)] * len(piece)
+        answers.append(ids + [stop])
+        masks.append(mask + [1.0])
     width = max(len(p) + len(a) for p, a in zip(prompts, answers))
     B = len(examples)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop
@@ -152,5 +164,5 @@ def build_sft_batch(tokenizer: Any, examples: list[Example], chat_template: bool
     for i, (p, a) in enumerate(zip(prompts, answers)):
         input_ids[i, : len(p) + len(a)] = torch.tensor(p + a)
         attention_mask[i, : len(p) + len(a)] = 1
-        response_mask[i, len(p) : len(p) + len(a)] = 1.0
+        response_mask[i, len(p) : len(p) + len(a)] = torch.tensor(masks[i])
     return {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask}

@@ -1,10 +1,11 @@
-"""Greedy evaluation of a policy on a held-out split."""
+"""Greedy evaluation of a policy on a held-out split: one completion a prompt, or episodes with an environment."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from rlhf.data import completion_text, encode_prompts
+from rlhf.rollout.engine.layout import StepControl
 from rlhf.tasks import Example, RewardFn
 from rlhf.tasks.scoring import row_fields
 
@@ -25,3 +26,56 @@ def accuracy(completions: list[str], examples: list[Example], reward: RewardFn) 
     rewards = reward(completions, [e.answer for e in examples], [e.prompt for e in examples],
                      row_fields([e.fields for e in examples]))
     return sum(rewards) / len(rewards)
+
+
+class _StopStrings(StepControl):
+    """Rows end once their text holds one of `stops` (a tool call's end): the episode's turn ends there."""
+
+    wants_tokens = True
+
+    def __init__(self, tokenizer: Any, stops: list[str], rows: int) -> None:
+        self.tokenizer, self.stops, self.ids = tokenizer, stops, [[] for _ in range(rows)]
+
+    def step(self, t: int, rows: list[int] | None, tokens: list[int] | None) -> dict[int, dict[str, Any]]:
+        finished = {}
+        for r, token in zip(rows or [], tokens or []):
+            self.ids[r].append(token)
+            text = self.tokenizer.decode(self.ids[r][-16:], skip_special_tokens=True)  # a stop string's tail
+            matched = next((s for s in self.stops if text.endswith(s)), None)
+            if matched is not None:
+                finished[r] = {"type": "stop", "matched": matched}
+        return finished
+
+
+def evaluate_episodes(engine: Any, tokenizer: Any, examples: list[Example], reward: RewardFn, max_new_tokens: int,
+                      make_env: Any, max_turns: int, max_tool_output_tokens: int,
+                      chat_template: bool = False) -> dict[str, float]:
+    """Accuracy of greedy episodes in this process (the SFT warm start's val check with an environment): each
+    turn greedy until the end or a stop string of the environment's, the environment's answer appended (cut to
+    max_tool_output_tokens), up to max_turns; the last turn's text is what the reward scores. The rollout's episodes
+    (rlhf.control.episodes) do the same through the rollout and environment servers."""
+    prompt_ids = encode_prompts(tokenizer, [e.prompt for e in examples], chat_template)
+    envs = [make_env() for _ in examples]
+    context = []
+    for env, e, ids in zip(envs, examples, prompt_ids):
+        first = env.reset({"prompt": e.prompt, "answer": e.answer, **e.fields})
+        context.append(list(ids) + (tokenizer.encode(first, add_special_tokens=False) if first else []))
+    stops = list(getattr(envs[0], "stop", None) or []) if envs else []
+    answers, running = [""] * len(examples), list(range(len(examples)))
+    for turn in range(max_turns):
+        control = _StopStrings(tokenizer, stops, len(running)) if stops else None
+        results = engine.generate([context[k] for k in running], {"max_new_tokens": max_new_tokens,
+                                                                  "temperature": 0.0}, control=control)
+        still = []
+        for k, result in zip(running, results):
+            answers[k] = completion_text(tokenizer, result)
+            step = envs[k].step(answers[k])
+            if step.done or not step.observation or turn == max_turns - 1:
+                continue
+            seen = tokenizer.encode(step.observation, add_special_tokens=False)[:max_tool_output_tokens]
+            context[k] += list(result["output_ids"]) + seen
+            still.append(k)
+        running = still
+        if not running:
+            break
+    return {"accuracy": accuracy(answers, examples, reward), "n": len(examples)}

@@ -149,14 +149,14 @@ def test_the_python_tool_runs_code_in_a_sandbox(monkeypatch):
 
 
 def test_a_killed_environment_server_fails_the_step_and_is_named(tmp_path):
-    """env-0 SIGKILLed at step 2's first /step: the step fails naming env-0 (no episode goes on with an error text
-    as the tool's answer), nothing is left running, and `rlhf diagnose` names env-0's death."""
+    """Faithful: env-0 SIGKILLed at step 2's first /step: the step fails naming env-0 (no episode goes on with an
+    error text as the tool's answer), nothing is left running, and `rlhf diagnose` names env-0's death."""
     from rlhf.diagnosis import diagnose
 
     run_dir = tmp_path / "run"
     out = subprocess.run([sys.executable, f"{ROOT}/examples/grpo_trainer.py", "--faults",
-                          f"{ROOT}/examples/faults/scenario16.yaml", "--run-dir", str(run_dir)],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+                          f"{ROOT}/examples/faults/scenario16.yaml", "--run-dir", str(run_dir), "--resilience",
+                          "faithful"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode != 0
     first = next(line for line in (run_dir / "logs" / "controller-0.log").read_text().splitlines()
                  if " ERROR " in line and "run failed" in line)
@@ -165,6 +165,24 @@ def test_a_killed_environment_server_fails_the_step_and_is_named(tmp_path):
     d = diagnose(str(run_dir))
     assert d.root is not None and (d.root.process, d.root.category, d.root.step) == ("env-0", "process_death", 2), \
         d.render()
+
+
+def test_hardened_starts_a_killed_environment_server_again_and_runs_the_steps_episodes_again(tmp_path):
+    """Hardened (restart_rollout): the same kill; env-0 starts again, step 2's episodes run again from their reset
+    on it, and the run finishes; steps.csv counts the restart at step 2 and env-0's log shows two starts."""
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, f"{ROOT}/examples/grpo_trainer.py", "--faults",
+                          f"{ROOT}/examples/faults/scenario16.yaml", "--run-dir", str(run_dir)],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    with open(run_dir / "steps.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [int(r["rollout_restarts"] or 0) for r in rows] == [0, 1, 0]
+    assert [r["batch_size"] for r in rows] == [rows[0]["batch_size"]] * 3  # step 2 kept its whole batch
+    log = (run_dir / "logs" / "controller-0.log").read_text()
+    assert "env-0 is down (lost during the rollout: " in log and "starting it again" in log
+    assert (run_dir / "logs" / "env-0.log").read_text().count("environment server: tool_calls") == 2
+    assert_none_left(run_dir)
 
 
 INFRA_TOOLS = '''
@@ -281,3 +299,68 @@ def test_scenario18_a_tool_service_down_is_the_models_output_only_when_faithful(
                      if " ERROR " in line and "run failed" in line)
         assert "step 2, stage rollout" in first and "tool 'multiply' failed: ConnectionError" in first, first
     assert_none_left(run_dir)
+
+
+def test_the_environment_server_steps_a_turns_episodes_at_once(tmp_path):
+    """env.parallel_calls: the episodes of one /step run their tools at the same time (a barrier that only opens
+    when all four calls are inside it), their results in the request's order and their open episodes kept; one
+    at a time, the first call waits alone at the barrier and breaks it."""
+    from rlhf.config import HARDENED
+    from rlhf.services.env_server import EnvServer
+
+    tools = tmp_path / "tools.py"
+    tools.write_text("import threading\n_gate = threading.Barrier(4)\n\n"
+                     "def meet(n: int) -> int:\n    _gate.wait(timeout=2)\n    return n * 10\n")
+    call = '<tool_call>{{"name": "meet", "arguments": {{"n": {}}}}}</tool_call>'
+    for parallel, answers in ((4, [f"<tool_response>{n * 10}</tool_response>" for n in range(4)]), (1, None)):
+        server = EnvServer("tool_calls", {"tools": str(tools)}, "t", HARDENED, parallel=parallel)
+        ids = [f"e{n}" for n in range(4)]
+        server.reset({"episodes": [{"id": i, "row": {"prompt": "1*2="}} for i in ids]}, {})
+        results = server.step({"steps": [{"id": i, "action": call.format(n)} for n, i in enumerate(ids)]}, {})["results"]
+        if answers is not None:
+            assert [r["observation"] for r in results] == answers and not any(r["done"] for r in results)
+            assert sorted(server.envs) == ids and server.busy == {}
+        else:  # one after another: nobody joins the first call at the barrier
+            assert "BrokenBarrierError" in results[0]["observation"] and results[0]["info"]["tool_errors"] == 1
+        server.service.executor.shutdown(wait=False)
+
+
+def test_the_calculator_demonstrates_its_call_and_the_warm_start_masks_the_tools_answer():
+    """Env.demonstration (examples/envs/calculator.py:Calculator): the call in compact JSON, the tool's real answer
+    and the final answer; build_sft_batch trains on the call, the answer and the stop token, never on the tool's
+    answer (the model reads it at rollout, as the episodes mask it); a turn ends after a call (env-0's stop)."""
+    from rlhf.data import build_sft_batch
+    from rlhf.models.tokenizer import CharTokenizer
+    from rlhf.tasks.base import Example
+
+    make = build_env(f"{TOOLS}:Calculator", {})
+    env = make()
+    row = {"prompt": "123*456=", "answer": "56088"}
+    env.reset(row)
+    demo = env.demonstration(row)
+    call = '<tool_call>{"name":"multiply","arguments":{"a":123,"b":456}}</tool_call>'
+    assert demo == [(call, True), ("<tool_response>56088</tool_response>", False), ("56088", True)]
+    assert env.stop == ["</tool_call>"] and build_env("tool_calls", {"tools": TOOLS})().stop == ["</tool_call>"]
+    tok = CharTokenizer()
+    batch = build_sft_batch(tok, [Example("123*456=", "56088")], demos=[demo])
+    ids, mask = batch["input_ids"][0].tolist(), batch["response_mask"][0].tolist()
+    prompt = len(tok.encode("123*456="))
+    trained = tok.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=True)
+    assert trained == call + "56088" and mask[-1] == 1.0 and sum(mask[:prompt]) == 0
+    assert len(ids) == prompt + len(call) + len("<tool_response>56088</tool_response>") + len("56088") + 1
+
+
+def test_the_warm_starts_val_episodes_end_a_turn_at_the_environments_stop_string():
+    """rlhf.evaluation's episodes (the SFT warm start's val check with an environment) end a row's turn on the
+    step whose token completes a stop string, and only that row."""
+    from rlhf.evaluation import _StopStrings
+    from rlhf.models.tokenizer import CharTokenizer
+
+    tok = CharTokenizer()
+    call, other = tok.encode('<tool_call>{"a":1}</tool_call>', False), tok.encode("12345 and more text here", False)
+    control = _StopStrings(tok, ["</tool_call>"], 2)
+    ended = {}
+    for t in range(len(call)):
+        for r, how in control.step(t, [0, 1], [call[t], other[t % len(other)]]).items():
+            ended.setdefault(r, (t, how))
+    assert ended == {0: (len(call) - 1, {"type": "stop", "matched": "</tool_call>"})}

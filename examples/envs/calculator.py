@@ -1,10 +1,12 @@
-"""Tools for the tool_calls environment: a calculator the model calls instead of multiplying in its head.
+"""A calculator the model calls instead of multiplying in its head: tools for the tool_calls environment, and the
+Calculator environment that also shows the warm start how to call them.
 
-    python examples/grpo_trainer.py --env.path tool_calls --env.tools examples/envs/calculator.py \
-        --task.operations '*' --task.max_operand 999
+    python examples/grpo_trainer.py --env.path examples/envs/calculator.py:Calculator --task.operations '*' \
+        --task.max_operand 999 --model.name tiny-llama-256 --sampling.max_new_tokens 80 --env.max_turns 2 --sft.max_steps 400
 
-The model writes <tool_call>{"name": "multiply", "arguments": {"a": 123, "b": 456}}</tool_call> and reads
-<tool_response>56088</tool_response> after it (docs/environments.md).
+The model writes <tool_call>{"name":"multiply","arguments":{"a":123,"b":456}}</tool_call> and reads
+<tool_response>56088</tool_response> after it, then answers 56088 (docs/environments.md). With
+`--env.path tool_calls --env.tools examples/envs/calculator.py` the same tools come without the demonstration.
 """
 
 
@@ -16,6 +18,46 @@ def multiply(a: int, b: int) -> int:
 def add(a: int, b: int) -> int:
     """a plus b."""
     return int(a) + int(b)
+
+
+class Calculator:
+    """tool_calls with this file's tools (multiply, add), and a demonstration for the SFT warm start: the call of
+    multiply on the row's operands (compact JSON), the tool's answer (masked out of the loss: the model reads it,
+    it does not learn to predict it) and the final answer."""
+
+    def __init__(self, on_infra_error: str = "fail", **options):
+        from rlhf.envs.tool_calls import ToolCallsEnv
+
+        self.inner = ToolCallsEnv(__file__, on_infra_error=on_infra_error)
+        self.stop = ["</tool_call>"]
+
+    @property
+    def current_tool(self):
+        return self.inner.current_tool
+
+    def reset(self, row):
+        return self.inner.reset(row)
+
+    def step(self, action):
+        return self.inner.step(action)
+
+    def demonstration(self, row):
+        import json
+
+        left, op, right = _operands(row["prompt"])
+        name = {"*": "multiply", "+": "add"}[op]
+        call = "<tool_call>" + json.dumps({"name": name, "arguments": {"a": left, "b": right}},
+                                          separators=(",", ":")) + "</tool_call>"
+        return [(call, True), (self.inner.step(call).observation, False), (row["answer"], True)]
+
+
+def _operands(prompt):
+    """'123*456=' -> (123, '*', 456)."""
+    for op in "*+":
+        left, found, right = prompt.rstrip("=").partition(op)
+        if found:
+            return int(left or 0), op, int(right or 0)
+    raise ValueError(f"not a product or a sum: {prompt!r}")
 
 
 class AlwaysCalls:

@@ -130,6 +130,9 @@ class EnvConfig:
     leaves the step's batch (a WARNING; steps.csv dropped_groups; every group lost fails the step); model: the model
     reads the error as the tool's answer (verl's behaviour; steps.csv infra_errors counts it); auto:
     resilience.infra_errors_fail decides (fail in hardened, model in faithful)."""
+    parallel_calls: int = 8
+    """The environment server steps this many episodes of a turn at once (threads: a tool that waits on a service or
+    a sandbox process overlaps the others'; the turn takes its slowest step, not their sum); 1: one after another."""
     sandbox_timeout_s: float = 5.0
     """The python tool (env.tools rlhf.envs.sandbox): wall-clock seconds a run may take (its process group is killed
     past it)."""
@@ -141,6 +144,7 @@ class EnvConfig:
     def __post_init__(self) -> None:
         _positive("env.max_turns", self.max_turns)
         _positive("env.max_tool_output_tokens", self.max_tool_output_tokens)
+        _positive("env.parallel_calls", self.parallel_calls)
         _choice("env.on_infra_error", self.on_infra_error, ("auto", "fail", "drop_group", "model"))
         _positive("env.sandbox_timeout_s", self.sandbox_timeout_s)
         _positive("env.sandbox_cpu_s", self.sandbox_cpu_s)

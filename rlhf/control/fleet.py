@@ -124,6 +124,14 @@ class RolloutServices:
         url = wait_for_file(ready, 1.0)
         return Client(url, self.token, timeout_s, peer=name, retries=self.cfg.resilience.retry_idempotent)
 
+    def restart_env(self) -> None:
+        """env-0 started again (resilience.restart_rollout), the episodes' client pointed at it."""
+        ready = self._submit_service("env-0", "rlhf.services.env_server", True)
+        old, self.env = self.env, self._connect_service("env-0", ready, f"env.path {self.cfg.env.path}",
+                                                        self.cfg.timeouts.rollout_s)
+        if old is not None:
+            self.loop.run(old.close())
+
     def _connect_services(self, ready: dict[str, str]) -> None:
         cfg = self.cfg
         self.reward = self._connect_service("reward-0", ready["reward-0"], f"reward_model.path {cfg.reward_model.path}",

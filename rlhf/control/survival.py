@@ -1,5 +1,7 @@
 """Surviving a rollout server's loss (the policy's restart_rollout): the servers found dead before a step start again,
-and a stage that lost one in its middle runs once more after they did.
+and a stage that lost one in its middle runs once more after they did. The environment server (env-0) is part of
+the rollout too: found dead before a step, or lost in the middle of the step's episodes, it starts again and the
+step's episodes run again from their reset (an episode's state died with it).
 
     survival = RolloutSurvival(policy, services)
     row["rollout_restarts"] = survival.revive_dead(step)            # before the step
@@ -16,7 +18,7 @@ from typing import Any, Callable
 
 from rlhf.config.resilience import Policy
 from rlhf.control.fleet import RolloutServices
-from rlhf.errors import RpcConnectionError
+from rlhf.errors import HTTPStatusError, RpcConnectionError, RpcTimeout
 
 log = logging.getLogger("rlhf.controller")
 
@@ -32,7 +34,33 @@ class RolloutSurvival:
         in its weights update); how many, or None with restart_rollout off (steps.csv leaves the column empty)."""
         if not self.policy.restart_rollout:
             return None
-        return len(self.services.revive(step))
+        return len(self.services.revive(step)) + self._revive_env(step)
+
+    def _revive_env(self, step: int, why: str = "") -> int:
+        """env-0 started again when its job has ended or it does not answer GET /health within 2 s (or `why` says
+        it was lost); 1 when it was, else 0."""
+        services = self.services
+        if services.env is None or services.scheduler is None:
+            return 0
+        why = why or self._env_down(step)
+        if not why:
+            return 0
+        log.warning("step %d: env-0 is down (%s); starting it again (resilience.restart_rollout); the step's episodes "
+                    "start from their reset", step, why)
+        services.restart_env()
+        return 1
+
+    def _env_down(self, step: int) -> str:
+        services = self.services
+        state = {j["name"]: j["state"] for j in services.scheduler.jobs()}.get("env-0", "gone")
+        if state != "running":
+            return f"its job is {state}"
+        try:
+            services.loop.run(services.env.call("/health", method="GET", timeout_s=2.0, traced=False))
+        except (RpcConnectionError, RpcTimeout, HTTPStatusError) as exc:
+            services.loop.run(services.scheduler.stop_job("env-0", services.cfg.timeouts.cleanup_s, step))
+            return f"it does not answer /health ({type(exc).__name__})"
+        return ""
 
     def survive(self, step: int, row: dict[str, Any], during: str, call: Callable[[], Any],
                 resync: Callable[[], Any] | None = None) -> Any:
@@ -43,6 +71,12 @@ class RolloutSurvival:
         try:
             return call()
         except RpcConnectionError as exc:
+            if exc.peer == "env-0" and self.policy.restart_rollout:  # the episodes' environments died with it
+                restarted = self._revive_env(step, f"lost during {during}: {exc}")
+                if not restarted:
+                    raise
+                row["rollout_restarts"] = (row.get("rollout_restarts") or 0) + restarted
+                return call()
             then = "generating the step's prompts again" if resync else "updating again"
             if not self._revived(step, row, exc, during, then):
                 raise

@@ -49,6 +49,13 @@ class Env:
         """The model's text of this turn; what the environment answers."""
         raise NotImplementedError
 
+    def demonstration(self, row: dict[str, Any]) -> list[tuple[str, bool]] | None:
+        """An optional worked episode for the SFT warm start, after reset(row): the texts that follow the prompt
+        in order, each with whether it is the model's (trained on) or the environment's (masked out, as in the
+        rollout), e.g. [(call, True), (tool's answer, False), (final answer, True)]; None: none (the warm start
+        then trains on the row's answer alone)."""
+        return None
+
 
 def register_env(name: str) -> Callable[[type[Env]], type[Env]]:
     def deco(cls: type[Env]) -> type[Env]:

@@ -57,6 +57,7 @@ class ToolCallsEnv(Env):
     def __init__(self, tools: str = "", on_infra_error: str = "fail", **options: Any) -> None:
         super().__init__(tools=tools, on_infra_error=on_infra_error, **options)
         self.tools, self.on_infra_error = load_tools(tools), on_infra_error
+        self.stop = [STOP]  # the environment server tells the episodes: a turn ends after a call
         self.row: dict[str, Any] = {}
         self.current_tool: str | None = None  # the tool running now (the environment server's /health shows it)
 

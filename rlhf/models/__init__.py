@@ -55,6 +55,8 @@ def _llama(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, max_po
 # name -> function(vocab_size) -> transformers config. Parameter counts are for the char vocab.
 MODEL_PRESETS: dict[str, Callable[[int], Any]] = {
     "tiny-llama": _llama(hidden=128, layers=4, heads=4, kv_heads=4, ffn=384),  # ~0.8 M params
+    # the same with 256 positions: episodes with a tool call and its answer (examples/envs/calculator.py:Calculator)
+    "tiny-llama-256": _llama(hidden=128, layers=4, heads=4, kv_heads=4, ffn=384, max_pos=256),
     "tiny-llama-gqa": _llama(hidden=128, layers=2, heads=4, kv_heads=2, ffn=256),  # GQA path for tests
     # Qwen2's layout (q/k/v biases) with grouped-query attention: the sharding tests' second architecture
     "tiny-qwen2-gqa": _llama(hidden=128, layers=2, heads=4, kv_heads=2, ffn=256, family="qwen2"),

@@ -11,8 +11,14 @@ in this process, not in the controller's.
     POST /step   {"steps": [{"id": str, "action": str}]}        ->  {"results": [{"observation", "reward", "done",
                                                                       "info"}]}   (an episode that is done is closed)
     POST /close  {"ids": [str]}                                 ->  {"closed": n}
-    GET  /health {"ok": true, "env": spec, "episodes": n, "stop": [...], "busy": {"episode", "tool", "for_s"} | null}
-                 (stop: the strings that end a model turn; busy: the episode stepping now, its tool, how long)
+    GET  /health {"ok": true, "env": spec, "episodes": n, "stop": [...], "stepping": n,
+                  "busy": {"episode", "tool", "for_s"} | null}
+                 (stop: the strings that end a model turn; stepping: the episodes stepping now; busy: the one that has
+                 stepped longest, its tool, how long)
+
+A /step's episodes step env.parallel_calls at a time, each on a thread of its own (a tool that waits on a service or a
+sandbox process overlaps the others'); the results come back in the request's order, and the first error (in that
+order) fails the request once every step has ended.
 
 Fault points: env.reset and env.step (before each episode's reset or step), tool.call (tool_calls: before a tool
 runs), sandbox.exec (the python tool: before the model's code runs, rlhf.envs.sandbox).
@@ -21,8 +27,11 @@ runs), sandbox.exec (the python tool: before the model's code runs, rlhf.envs.sa
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextvars
 import logging
 import signal
+import threading
 import time
 from typing import Any
 
@@ -37,13 +46,17 @@ log = logging.getLogger("rlhf.env_server")
 
 
 class EnvServer:
-    def __init__(self, spec: str, options: dict[str, Any], token: str, policy: Any, drop_on_infra: bool = False) -> None:
+    def __init__(self, spec: str, options: dict[str, Any], token: str, policy: Any, drop_on_infra: bool = False,
+                 parallel: int = 1) -> None:
         """drop_on_infra (env.on_infra_error drop_group): an episode whose step raises InfraError ends with the error
-        in its result (`infra_error`), for the controller to drop its group; otherwise /step fails with it."""
+        in its result (`infra_error`), for the controller to drop its group; otherwise /step fails with it.
+        parallel (env.parallel_calls): episodes a /step steps at once."""
         self.spec, self.make, self.drop_on_infra = spec, build_env(spec, options), drop_on_infra
         self.stop = list(getattr(self.make(), "stop", None) or [])
         self.envs: dict[str, Any] = {}  # the open episodes, by id
-        self.busy: tuple[str, Any, float] | None = None  # (episode, its environment, since) while one steps
+        self.busy: dict[str, tuple[Any, float]] = {}  # the episodes stepping now: (their environment, since)
+        self.parallel = max(1, int(parallel))
+        self._lock = threading.Lock()
         self.service = Service("env", 0, token, policy)
         self.service.open_paths = ("/health",)
         self.service.untraced_paths.add("/health")
@@ -56,11 +69,14 @@ class EnvServer:
         """Open on the event loop while a step runs: which episode is stepping, in which tool, for how long (the
         controller's stall watchdog reads it)."""
         busy = None
-        if self.busy is not None:
-            episode, env, since = self.busy
+        with self._lock:
+            stepping = dict(self.busy)
+        if stepping:
+            episode, (env, since) = min(stepping.items(), key=lambda item: item[1][1])
             busy = {"episode": episode, "tool": getattr(env, "current_tool", None),
                     "for_s": time.monotonic() - since}
-        return {"ok": True, "env": self.spec, "episodes": len(self.envs), "stop": self.stop, "busy": busy}
+        return {"ok": True, "env": self.spec, "episodes": len(self.envs), "stop": self.stop,
+                "stepping": len(stepping), "busy": busy}
 
     def reset(self, args: dict, tensors: dict) -> dict:
         episodes = args.get("episodes")
@@ -81,28 +97,37 @@ class EnvServer:
         unknown = [str(s["id"]) for s in steps if str(s["id"]) not in self.envs]
         if unknown:
             raise BadRequest(f"/step: no open episode {unknown[0]!r} ({len(self.envs)} open; reset it first)")
-        results = []
-        for s in steps:
-            env = self.envs[str(s["id"])]
-            self.busy = (str(s["id"]), env, time.monotonic())
-            try:
-                fault_point("env.step")
-                r = env.step(str(s.get("action", "")))
-            except InfraError as exc:
-                if not self.drop_on_infra:
-                    raise
-                log.warning("episode %s: %s; its group is dropped (env.on_infra_error drop_group)", s["id"], exc)
-                del self.envs[str(s["id"])]
-                results.append({"observation": "", "reward": None, "done": True, "info": {"infra_errors": 1},
-                                "infra_error": str(exc)})
-                continue
-            finally:
-                self.busy = None
-            if r.done:
-                del self.envs[str(s["id"])]
-            results.append({"observation": str(r.observation or ""), "reward": r.reward, "done": bool(r.done),
-                            "info": r.info})
-        return {"results": results}
+        if self.parallel == 1 or len(steps) == 1:
+            return {"results": [self._step_one(s) for s in steps]}
+        # each step on a thread of its own, with this request's context (its span, the step's number for the faults)
+        with concurrent.futures.ThreadPoolExecutor(min(self.parallel, len(steps)), "env-step") as pool:
+            futures = [pool.submit(contextvars.copy_context().run, self._step_one, s) for s in steps]
+            concurrent.futures.wait(futures)
+        return {"results": [f.result() for f in futures]}  # the first error in the request's order, if any
+
+    def _step_one(self, s: dict) -> dict:
+        episode = str(s["id"])
+        env = self.envs[episode]
+        with self._lock:
+            self.busy[episode] = (env, time.monotonic())
+        try:
+            fault_point("env.step")
+            r = env.step(str(s.get("action", "")))
+        except InfraError as exc:
+            if not self.drop_on_infra:
+                raise
+            log.warning("episode %s: %s; its group is dropped (env.on_infra_error drop_group)", episode, exc)
+            with self._lock:
+                self.envs.pop(episode, None)
+            return {"observation": "", "reward": None, "done": True, "info": {"infra_errors": 1},
+                    "infra_error": str(exc)}
+        finally:
+            with self._lock:
+                self.busy.pop(episode, None)
+        if r.done:
+            with self._lock:
+                self.envs.pop(episode, None)
+        return {"observation": str(r.observation or ""), "reward": r.reward, "done": bool(r.done), "info": r.info}
 
     def close(self, args: dict, tensors: dict) -> dict:
         ids = [str(i) for i in args.get("ids") or []]
@@ -126,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     token, cfg = boot(parser, args, "env", 0)  # the scheduler records its exit status
     sandbox.LIMITS = sandbox.Limits(cfg.env.sandbox_timeout_s, cfg.env.sandbox_cpu_s, cfg.env.sandbox_memory_mb)
-    server = EnvServer(cfg.env.path, env_options(cfg), token, cfg.resilience, cfg.env.on_infra_error == "drop_group")
+    server = EnvServer(cfg.env.path, env_options(cfg), token, cfg.resilience, cfg.env.on_infra_error == "drop_group",
+                       cfg.env.parallel_calls)
     log.info("environment server: %s%s", cfg.env.path, f" (tools {cfg.env.tools})" if cfg.env.tools else "")
     ready = announce(args.ready_file, args.host, "environment server", log)
 

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from rlhf.data import PromptSampler, build_sft_batch
-from rlhf.evaluation import evaluate
+from rlhf.envs import Env
+from rlhf.evaluation import evaluate, evaluate_episodes
 from rlhf.faults import fault_point
 from rlhf.models import torch_dtype
 from rlhf.progress import Progress
@@ -54,6 +55,10 @@ def run_sft(
     stop_id = evaluator.stop_ids[0]  # the same stop set the rollout uses; SFT teaches its first id
     sampler = PromptSampler(task.split("train"), seed=cfg.seed)
     max_new = cfg.sampling.max_new_tokens
+    demonstrate, make_env = _demonstrations(cfg)  # an environment's worked episodes, in place of the bare answers
+    if demonstrate is not None:
+        log.info("warm start on %s's demonstrations (its texts trained on, its answers masked); val accuracy from "
+                 "greedy episodes with the environment", cfg.env.path)
     start = time.perf_counter()
     val_accuracy, step, stopped = float("nan"), 0, "max_steps"
     history = []
@@ -64,13 +69,19 @@ def run_sft(
         examples = sampler.next(sft.batch_size)
         if examples_per_rank is not None:
             examples = examples[examples_per_rank]
-        metrics = engine.sft_step(build_sft_batch(tokenizer, examples, cfg.task.chat_template, stop_id))
+        demos = demonstrate(examples) if demonstrate is not None else None
+        metrics = engine.sft_step(build_sft_batch(tokenizer, examples, cfg.task.chat_template, stop_id, demos))
         row: dict[str, Any] = {"step": step, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
                                "tokens": metrics["tokens"], "seconds": time.perf_counter() - t_step}
         if step % sft.eval_every == 0 or step == sft.max_steps:
             model.eval()
-            val_accuracy = evaluate(evaluator.generate, tokenizer, task.split("val"), reward, max_new,
-                                    cfg.task.chat_template)["accuracy"]
+            if demonstrate is not None:
+                val_accuracy = evaluate_episodes(evaluator, tokenizer, task.split("val"), reward, max_new, make_env,
+                                                 cfg.env.max_turns, cfg.env.max_tool_output_tokens,
+                                                 cfg.task.chat_template)["accuracy"]
+            else:
+                val_accuracy = evaluate(evaluator.generate, tokenizer, task.split("val"), reward, max_new,
+                                        cfg.task.chat_template)["accuracy"]
             history.append((step, val_accuracy))
             row["val_accuracy"] = val_accuracy
             progress.close()
@@ -103,3 +114,27 @@ def run_sft(
             log.warning("warm start reached sft.max_steps=%d with val accuracy %.3f below the band [%.2f, %.2f]",
                         step, val_accuracy, sft.band_low, sft.band_high)
     return result
+
+
+def _demonstrations(cfg: Any) -> tuple[Any, Any]:
+    """With env.path: a function from examples to the environment's demonstrations (Env.demonstration), and the
+    environment's factory (the val episodes); (None, None) when it gives none (the warm start then trains on the
+    answers, as without an environment)."""
+    if not cfg.env.path:
+        return None, None
+    from rlhf.envs import build_env
+
+    make = build_env(cfg.env.path, {"tools": cfg.env.tools} if cfg.env.tools else {})
+    if getattr(type(make()), "demonstration", Env.demonstration) is Env.demonstration:
+        return None, None
+
+    def demonstrate(examples: list[Any]) -> list[Any]:
+        out = []
+        for e in examples:
+            env, row = make(), {"prompt": e.prompt, "answer": e.answer, **e.fields}
+            env.reset(row)
+            out.append(env.demonstration(row))
+        return out
+
+    return demonstrate, make
+
