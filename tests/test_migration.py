@@ -88,6 +88,20 @@ def test_samples_aborted_mid_rollout_continue_from_their_tokens(sglang_server, l
     assert memory["num_tokens"] == [len(p) + long for p in memory["prompt_ids"]]
 
 
+def generate_in_background(url, body):
+    """A /generate call on a thread (not started): the thread and the box its reply lands in ("reply")."""
+    box = {}
+    auth = {"Authorization": f"Bearer {SGLANG_KEY}"}
+    thread = threading.Thread(target=lambda: box.setdefault("reply", requests.post(
+        url + "/generate", json=body, headers=auth, timeout=120).json()), daemon=True)
+    return thread, box
+
+
+def server_state(url):
+    auth = {"Authorization": f"Bearer {SGLANG_KEY}"}
+    return requests.get(url + "/server_info", headers=auth).json()["internal_states"][0]
+
+
 def new_version_while_paused(url, mode, thread, check=None):
     """Start `thread` (a /generate under way), wait until its call decodes, pause the server in `mode`, run
     `check`, set the weights version to "next", continue; the thread's reply then comes. Returns the version before
@@ -139,16 +153,13 @@ def test_retract_stops_a_call_at_a_decode_step_and_it_goes_on_under_the_new_vers
     and waits, tokens kept; the version changes; after /continue_generation it goes on from its tokens and replies
     once, at full length, each token's version recorded and the retraction counted (sglang's num_retractions)."""
     url, _model_dir = sglang_server
-    auth = {"Authorization": f"Bearer {SGLANG_KEY}"}
     long = 400
     body = {"input_ids": [[1, 5, 6], [1, 7]], "return_logprob": True, "logprob_start_len": 0,
             "sampling_params": {"max_new_tokens": long, "ignore_eos": True, "n": 2}}
-    box = {}
-    thread = threading.Thread(target=lambda: box.setdefault("reply", requests.post(
-        url + "/generate", json=body, headers=auth, timeout=120).json()), daemon=True)
+    thread, box = generate_in_background(url, body)
 
     def stopped_not_answered():
-        state = requests.get(url + "/server_info", headers=auth).json()["internal_states"][0]
+        state = server_state(url)
         assert state["running_calls"] == 0 and state["paused"] and "reply" not in box
 
     before = new_version_while_paused(url, "retract", thread, stopped_not_answered)
@@ -184,18 +195,16 @@ def test_in_place_holds_a_call_with_its_cache_while_the_weights_change_under_it(
     tensors = load_file(f"{model_dir}/model.safetensors")
     save_file({k: -v if "lm_head" in k or "embed_tokens" in k else v for k, v in tensors.items()},
               str(flipped / "model.safetensors"))
-    box = {}
-    thread = threading.Thread(target=lambda: box.setdefault("reply", requests.post(
-        url + "/generate", json=body, headers=auth, timeout=120).json()), daemon=True)
+    thread, box = generate_in_background(url, body)
 
     def held():
-        state = requests.get(url + "/server_info", headers=auth).json()["internal_states"][0]
+        state = server_state(url)
         assert state["running_calls"] == 1 and state["held"] and "reply" not in box
         steps = state["running_decode_steps"]
         load = requests.post(url + "/update_weights_from_disk", headers=auth, timeout=60,
                              json={"model_path": str(flipped), "weight_version": "next"})
         assert load.status_code == 200 and load.json()["success"], load.text
-        state = requests.get(url + "/server_info", headers=auth).json()["internal_states"][0]
+        state = server_state(url)
         assert state["running_decode_steps"] == steps and "reply" not in box  # still held where it stopped
 
     try:

@@ -2,7 +2,8 @@
 Calculator environment that also shows the warm start how to call them.
 
     python examples/grpo_trainer.py --env.path examples/envs/calculator.py:Calculator --task.operations '*' \
-        --task.max_operand 999 --model.name tiny-llama-256 --sampling.max_new_tokens 80 --env.max_turns 2 --sft.max_steps 400
+        --task.max_operand 999 --model.name tiny-llama-256 --sampling.max_new_tokens 80 --env.max_turns 2 \
+        --rollout.prompts_per_step 16 --steps 60 --sft.batch_size 64 --sft.eval_every 5 --task.val_size 64
 
 The model writes <tool_call>{"name":"multiply","arguments":{"a":123,"b":456}}</tool_call> and reads
 <tool_response>56088</tool_response> after it, then answers 56088 (docs/environments.md). With
