@@ -148,6 +148,7 @@ def test_the_python_tool_runs_code_in_a_sandbox(monkeypatch):
     assert answer.observation == "<tool_response>1024\n</tool_response>" and answer.info["tool_errors"] == 0
 
 
+@pytest.mark.slow  # the suite's budget: the default suite keeps the hardened run of the same fault, below
 def test_a_killed_environment_server_fails_the_step_and_is_named(tmp_path):
     """Faithful: env-0 SIGKILLed at step 2's first /step: the step fails naming env-0 (no episode goes on with an
     error text as the tool's answer), nothing is left running, and `rlhf diagnose` names env-0's death."""
