@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from rlhf.data import completion_text, encode_prompts
-from rlhf.rollout.engine.layout import StepControl
+from rlhf.rollout.engine.sampling import SamplingParams
+from rlhf.rollout.sglang_api import Prompt, RequestControl
 from rlhf.tasks import Example, RewardFn
 from rlhf.tasks.scoring import row_fields
 
@@ -28,23 +29,11 @@ def accuracy(completions: list[str], examples: list[Example], reward: RewardFn) 
     return sum(rewards) / len(rewards)
 
 
-class _StopStrings(StepControl):
-    """Rows end once their text holds one of `stops` (a tool call's end): the episode's turn ends there."""
-
-    wants_tokens = True
-
-    def __init__(self, tokenizer: Any, stops: list[str], rows: int) -> None:
-        self.tokenizer, self.stops, self.ids = tokenizer, stops, [[] for _ in range(rows)]
-
-    def step(self, t: int, rows: list[int] | None, tokens: list[int] | None) -> dict[int, dict[str, Any]]:
-        finished = {}
-        for r, token in zip(rows or [], tokens or []):
-            self.ids[r].append(token)
-            text = self.tokenizer.decode(self.ids[r][-16:], skip_special_tokens=True)  # a stop string's tail
-            matched = next((s for s in self.stops if text.endswith(s)), None)
-            if matched is not None:
-                finished[r] = {"type": "stop", "matched": matched}
-        return finished
+def _stop_control(tokenizer: Any, stops: list[str], rows: int) -> RequestControl:
+    """sglang's stop strings (the rollout server's RequestControl) for `rows` rows of one greedy engine call: a row
+    ends on the step whose token completes one of `stops` (a tool call's end), the turn's end."""
+    sampling = SamplingParams.from_dict({"max_new_tokens": 1})
+    return RequestControl([Prompt([0], str(r), sampling, tuple(stops)) for r in range(rows)], tokenizer)
 
 
 def evaluate_episodes(engine: Any, tokenizer: Any, examples: list[Example], reward: RewardFn, max_new_tokens: int,
@@ -63,7 +52,7 @@ def evaluate_episodes(engine: Any, tokenizer: Any, examples: list[Example], rewa
     stops = list(getattr(envs[0], "stop", None) or []) if envs else []
     answers, running = [""] * len(examples), list(range(len(examples)))
     for turn in range(max_turns):
-        control = _StopStrings(tokenizer, stops, len(running)) if stops else None
+        control = _stop_control(tokenizer, stops, len(running)) if stops else None
         results = engine.generate([context[k] for k in running], {"max_new_tokens": max_new_tokens,
                                                                   "temperature": 0.0}, control=control)
         still = []

@@ -354,12 +354,12 @@ def test_the_calculator_demonstrates_its_call_and_the_warm_start_masks_the_tools
 def test_the_warm_starts_val_episodes_end_a_turn_at_the_environments_stop_string():
     """rlhf.evaluation's episodes (the SFT warm start's val check with an environment) end a row's turn on the
     step whose token completes a stop string, and only that row."""
-    from rlhf.evaluation import _StopStrings
+    from rlhf.evaluation import _stop_control
     from rlhf.models.tokenizer import CharTokenizer
 
     tok = CharTokenizer()
     call, other = tok.encode('<tool_call>{"a":1}</tool_call>', False), tok.encode("12345 and more text here", False)
-    control = _StopStrings(tok, ["</tool_call>"], 2)
+    control = _stop_control(tok, ["</tool_call>"], 2)
     ended = {}
     for t in range(len(call)):
         for r, how in control.step(t, [0, 1], [call[t], other[t % len(other)]]).items():

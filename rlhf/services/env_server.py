@@ -56,6 +56,8 @@ class EnvServer:
         self.envs: dict[str, Any] = {}  # the open episodes, by id
         self.busy: dict[str, tuple[Any, float]] = {}  # the episodes stepping now: (their environment, since)
         self.parallel = max(1, int(parallel))
+        # one pool for the run's turns (threads started once, not every /step)
+        self.pool = concurrent.futures.ThreadPoolExecutor(self.parallel, "env-step") if self.parallel > 1 else None
         self._lock = threading.Lock()
         self.service = Service("env", 0, token, policy)
         self.service.open_paths = ("/health",)
@@ -97,12 +99,11 @@ class EnvServer:
         unknown = [str(s["id"]) for s in steps if str(s["id"]) not in self.envs]
         if unknown:
             raise BadRequest(f"/step: no open episode {unknown[0]!r} ({len(self.envs)} open; reset it first)")
-        if self.parallel == 1 or len(steps) == 1:
+        if self.pool is None or len(steps) == 1:
             return {"results": [self._step_one(s) for s in steps]}
-        # each step on a thread of its own, with this request's context (its span, the step's number for the faults)
-        with concurrent.futures.ThreadPoolExecutor(min(self.parallel, len(steps)), "env-step") as pool:
-            futures = [pool.submit(contextvars.copy_context().run, self._step_one, s) for s in steps]
-            concurrent.futures.wait(futures)
+        # each step on a thread of the pool, with this request's context (its span, the step's number for the faults)
+        futures = [self.pool.submit(contextvars.copy_context().run, self._step_one, s) for s in steps]
+        concurrent.futures.wait(futures)
         return {"results": [f.result() for f in futures]}  # the first error in the request's order, if any
 
     def _step_one(self, s: dict) -> dict:
