@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Score `rlhf diagnose` against the fault markers: the scenario matrix and seeded random single faults.
 
-    python benchmarks/diagnosis.py                            # scenarios 1-10 faithful + hardened, 30 random faults
+    python benchmarks/diagnosis.py                            # scenarios 1-10, 16-19 faithful + hardened, 30 random faults
     python benchmarks/diagnosis.py --random 0 --resilience faithful --scenarios 2 7
     python benchmarks/diagnosis.py --rescore OUT              # score the run directories already in OUT
 
@@ -47,7 +47,7 @@ from rlhf.faults.spec import FaultSpecError, check_world  # noqa: E402
 
 # slow a run down, never fail it: contention, and memory pressure (capped at half the free memory)
 BACKGROUND_SLOWDOWNS = {"cpu_contention", "io_contention", "memory_pressure"}
-_PROC = re.compile(r"\b(train|rollout|scheduler|metaserver|controller)-\d+\b")
+_PROC = re.compile(r"\b(train|rollout|reward|env|scheduler|metaserver|controller)-\d+\b")
 
 # A 2-rank run with the scenario files' scaled-down timeouts and a short SFT warm start
 BASE_CONFIG = {"steps": 5, "rollout": {"servers": 2}, "sft": {"max_steps": 60, "eval_every": 30},
@@ -102,11 +102,14 @@ def expected(run_dir: str, faults: list[dict]) -> dict | None:
     for m in injections(run_dir):
         spec = kinds.get(m.get("fault", ""), {})
         kind = spec.get("kind") or m.get("kind", "")
-        if kind in BACKGROUND_SLOWDOWNS:
+        if kind in BACKGROUND_SLOWDOWNS and m["role"] != "env":  # env-0's load starves its sandboxes past their limit
             continue
         cats = KIND_CATEGORIES.get(kind, {"exception"})
         if kind == "exception":
             cats = EXCEPTION_CATEGORIES.get((spec.get("params") or {}).get("error", "RuntimeError"), {"exception"})
+        if m["point"] in ("tool.call", "sandbox.exec") or kind in BACKGROUND_SLOWDOWNS:  # a tool's infrastructure
+            cats = {"tool_infra", "hang" if kind == "hang" else "cpu_starvation" if kind in BACKGROUND_SLOWDOWNS
+                    else "tool_infra"}
         if kind == "network_loss" and (spec.get("params") or {}).get("mode") == "truncate_tensor":
             cats = {"data_mismatch"}
         return {"process": f"{m['role']}-{m['rank']}", "stage": stage_of_point(m["point"], m.get("context")),
@@ -217,7 +220,8 @@ def draw(rng: random.Random, n: int) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--scenarios", nargs="*", default=[str(i) for i in range(1, 11)])
+    ap.add_argument("--scenarios", nargs="*", default=[*map(str, range(1, 11)), *map(str, range(16, 20))],
+                    help="examples/faults/scenarioN.yaml (default: 1-10 and the environments' 16-19)")
     ap.add_argument("--resilience", nargs="+", default=["faithful", "hardened"], choices=["faithful", "hardened"])
     ap.add_argument("--random", type=int, default=30, help="seeded random single faults (faithful)")
     ap.add_argument("--sharded", nargs="*", default=list(SHARDED),

@@ -1,8 +1,10 @@
 """Environments (env.path): the tool_calls environment, loading the user's class, the multi-turn rollout whose
 observation tokens are masked out of the loss, and a GRPO run whose every sample is an episode."""
 
+import asyncio
 import csv
 import json
+import os
 import re
 import subprocess
 import sys
@@ -24,10 +26,10 @@ def test_tool_calls_runs_each_call_and_answers_it_and_counts_what_went_wrong():
                     '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>')
     assert (both.observation, both.done, both.info) == (
         "<tool_response>56088</tool_response><tool_response>3</tool_response>", False,
-        {"tool_calls": 2, "tool_errors": 0, "infra_errors": 0})
+        {"tool_calls": 2, "tool_errors": 0, "infra_errors": 0, "infra_retries": 0})
     bad = env.step('<tool_call>{"name": "divide", "arguments": {}}</tool_call><tool_call>{oops</tool_call>'
                    '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
-    assert bad.info == {"tool_calls": 3, "tool_errors": 3, "infra_errors": 0}
+    assert bad.info == {"tool_calls": 3, "tool_errors": 3, "infra_errors": 0, "infra_retries": 0}
     assert "no tool 'divide' (tools: add, multiply)" in bad.observation and "not JSON" in bad.observation
     assert "missing 1 required positional argument: 'b'" in bad.observation
     end = env.step("the answer is 56088")
@@ -215,7 +217,7 @@ def test_an_infrastructure_failure_is_not_the_models_tool_output_unless_asked(tm
     env = build_env("tool_calls", {"tools": str(tools), "on_infra_error": policy})()
     mistake = env.step('<tool_call>{"name": "parse", "arguments": {"text": "x"}}</tool_call>')
     assert mistake.observation.startswith("<tool_response>error: ValueError: invalid literal") and \
-        mistake.info == {"tool_calls": 1, "tool_errors": 1, "infra_errors": 0}
+        mistake.info == {"tool_calls": 1, "tool_errors": 1, "infra_errors": 0, "infra_retries": 0}
     for call, what in (('{"name": "search", "arguments": {"query": "q"}}', "ConnectionError: search service"),
                        ('{"name": "sandbox", "arguments": {"code": "1"}}', "InfraError: the sandbox (pid 4242)")):
         if policy == "fail":
@@ -224,6 +226,61 @@ def test_an_infrastructure_failure_is_not_the_models_tool_output_unless_asked(tm
         else:
             out = env.step(f"<tool_call>{call}</tool_call>")
             assert what in out.observation and out.info["infra_errors"] == 1
+
+
+FLAKY_SERVICE = '''
+failures = {"left": 0}
+
+def lookup(key):
+    if failures["left"]:
+        failures["left"] -= 1
+        raise ConnectionError("lookup service reset the connection")
+    return key.upper()
+'''
+
+
+def test_retry_calls_a_tool_again_after_its_infrastructure_failed_and_fails_the_step_when_none_succeeds(
+        tmp_path, monkeypatch, caplog):
+    """env.on_infra_error retry: two ConnectionErrors, then the service answers: the model reads the answer, not an
+    error, and infra_retries counts the two (a WARNING each); a service that never answers fails the step after
+    infra_retries + 1 tries, naming the tool; the model's own mistake is never retried."""
+    from rlhf.envs import InfraError
+    from rlhf.envs.tool_calls import ToolCallsEnv
+
+    monkeypatch.setattr(ToolCallsEnv, "RETRY_WAIT_S", (0.01, 0.02))
+    tools = tmp_path / "service.py"
+    tools.write_text(FLAKY_SERVICE)
+    env = build_env("tool_calls", {"tools": str(tools), "on_infra_error": "retry", "infra_retries": 2})()
+    failures = env.tools["lookup"].__globals__["failures"]  # the tools' module, as the environment loaded it
+    call = '<tool_call>{"name": "lookup", "arguments": {"key": "ab"}}</tool_call>'
+    failures["left"] = 2
+    out = env.step(call)
+    assert out.observation == "<tool_response>AB</tool_response>"
+    assert out.info == {"tool_calls": 1, "tool_errors": 0, "infra_errors": 0, "infra_retries": 2}
+    assert [r.getMessage() for r in caplog.records if "try 1 of 3" in r.getMessage()]
+    failures["left"] = 3
+    with pytest.raises(InfraError, match="tool 'lookup' failed after 3 tries: ConnectionError"):
+        env.step(call)
+    mistake = env.step('<tool_call>{"name": "lookup", "arguments": {"nope": 1}}</tool_call>')
+    assert mistake.info["tool_errors"] == 1 and mistake.info["infra_retries"] == 0
+
+
+def test_a_sandbox_starved_of_cpu_past_its_limit_is_the_infrastructures_failure(monkeypatch):
+    """Past its wall-clock limit, a run that mostly waited for a CPU (burners on every core: the machine's load,
+    verl #3478's sandbox timeouts under load) is an InfraError; a code that computes or sleeps past it is the
+    code's, answered to the model."""
+    from rlhf.envs import InfraError, sandbox
+    from rlhf.procs import spawn, stop_group
+
+    monkeypatch.setattr(sandbox, "LIMITS", sandbox.Limits(timeout_s=1.0, cpu_s=5, memory_mb=256))
+    assert sandbox.python("while True: pass") == "error: the code ran past 1 s and was stopped"
+    burners = [spawn([sys.executable, "-c", "while True: pass"]) for _ in range(3 * len(os.sched_getaffinity(0)))]
+    try:
+        with pytest.raises(InfraError, match=r"ran past its 1 s limit starved of CPU: it ran 0\.\d+ s and waited"):
+            sandbox.python("while True: pass")
+    finally:
+        for b in burners:
+            stop_group(b, grace_s=0.5)
 
 
 @pytest.mark.slow
@@ -242,6 +299,8 @@ def test_a_long_tail_tool_call_is_named_in_seconds_not_at_the_timeout(tmp_path):
     log = (run_dir / "logs" / "controller-0.log").read_text().splitlines()
     first = next(line for line in log if " ERROR " in line and "run failed" in line)
     assert "step 2, stage rollout: SyncStall: stall watchdog" in first and "env-0 has been in tool 'multiply'" in first
+    ended = re.search(r"the step's other 63 episodes went on \((\d+) of them ended\)", first)
+    assert ended and int(ended.group(1)) > 0, first  # the others did not wait for the hung call's episode
     began = next(line for line in log if "step 1/3" in line)  # step 2 began about here
     assert stamp(first) - stamp(began) < 15, first
     assert_none_left(run_dir)
@@ -298,8 +357,74 @@ def test_scenario18_a_tool_service_down_is_the_models_output_only_when_faithful(
         assert out.returncode != 0 and len(rows) == 1
         first = next(line for line in (run_dir / "logs" / "controller-0.log").read_text().splitlines()
                      if " ERROR " in line and "run failed" in line)
-        assert "step 2, stage rollout" in first and "tool 'multiply' failed: ConnectionError" in first, first
+        assert "step 2, stage rollout" in first and "tool 'multiply' failed after 4 tries: ConnectionError" in first, \
+            first  # hardened retries (resilience.retry_infra_errors), then fails
+    from rlhf.diagnosis import diagnose
+
+    d = diagnose(str(run_dir))
+    assert d.root is not None and (d.root.process, d.root.step, d.root.category) == ("env-0", 2, "tool_infra"), \
+        d.render()  # faithful: from steps.csv's infra_errors; hardened: the failure
     assert_none_left(run_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("resilience", ["faithful", "hardened"])
+def test_scenario19_sandbox_runs_starved_by_load_are_the_infrastructures(tmp_path, resilience):
+    """24 burners load env-0's CPUs for 3 s at step 2 while every episode runs code in the sandbox: the runs that
+    pass their limit starved of CPU are infrastructure failures, handed to the model in faithful (infra_errors, the
+    only trace; diagnose reads it) and retried in hardened until the load has passed (every answer the code's)."""
+    from rlhf.diagnosis import diagnose
+
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, f"{ROOT}/examples/grpo_trainer.py", "--faults",
+                          f"{ROOT}/examples/faults/scenario19.yaml", "--resilience", resilience, "--run-dir",
+                          str(run_dir)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    with open(run_dir / "steps.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    infra, retries, mistakes = ([int(r[k]) for r in rows] for k in ("infra_errors", "infra_retries", "tool_errors"))
+    if resilience == "faithful":
+        assert infra[0] == 0 and infra[1] > 0 and retries == [0, 0, 0], (infra, retries)
+    else:
+        assert retries[1] > 0 and infra == [0, 0, 0] and mistakes == [0, 0, 0], (infra, retries, mistakes)
+    d = diagnose(str(run_dir))
+    assert d.root is not None and (d.root.process, d.root.step, d.root.category) == ("env-0", 2, "tool_infra"), \
+        d.render()
+    assert_none_left(run_dir)
+
+
+def test_the_environment_server_answers_the_episodes_that_end_first_and_the_slow_one_later(tmp_path):
+    """/step with hold_s: the reply carries the episodes that ended (the first, and those up to hold_s after it) and
+    leaves the slow one pending, its result for /results once it ends: one slow episode holds nobody's reply."""
+    from rlhf.config import HARDENED
+    from rlhf.errors import BadRequest
+    from rlhf.services.env_server import EnvServer
+
+    tools = tmp_path / "tools.py"
+    tools.write_text("import threading\nrelease = threading.Event()\n\n"
+                     "def slow(n: int) -> int:\n    release.wait(timeout=30)\n    return n\n\n"
+                     "def fast(n: int) -> int:\n    return n\n")
+    server = EnvServer("tool_calls", {"tools": str(tools)}, "t", HARDENED, parallel=4)
+    call = '<tool_call>{{"name": "{}", "arguments": {{"n": {}}}}}</tool_call>'
+    ids = ["a", "b", "c"]
+    server.reset({"episodes": [{"id": i, "row": {"prompt": "1*2="}} for i in ids]}, {})
+
+    async def go() -> tuple[dict, dict]:
+        first = await server.step({"steps": [{"id": "a", "action": call.format("fast", 1)},
+                                             {"id": "b", "action": call.format("slow", 2)},
+                                             {"id": "c", "action": call.format("fast", 3)}], "hold_s": 0.05}, {})
+        with pytest.raises(BadRequest, match="'b' is still stepping"):
+            await server.step({"steps": [{"id": "b", "action": ""}]}, {})
+        server.envs["b"].tools["slow"].__globals__["release"].set()
+        return first, await server.results({"ids": first["pending"], "hold_s": 0.05}, {})
+
+    first, later = asyncio.run(go())
+    assert sorted(first["results"]) == ["a", "c"] and first["pending"] == ["b"]
+    assert first["results"]["a"]["observation"] == "<tool_response>1</tool_response>"
+    assert later == {"results": {"b": later["results"]["b"]}, "pending": []}
+    assert later["results"]["b"]["observation"] == "<tool_response>2</tool_response>" and server.stepping == {}
+    server.pool.shutdown(wait=False)
+    server.service.executor.shutdown(wait=False)
 
 
 def test_the_environment_server_steps_a_turns_episodes_at_once(tmp_path):
@@ -317,7 +442,9 @@ def test_the_environment_server_steps_a_turns_episodes_at_once(tmp_path):
         server = EnvServer("tool_calls", {"tools": str(tools)}, "t", HARDENED, parallel=parallel)
         ids = [f"e{n}" for n in range(4)]
         server.reset({"episodes": [{"id": i, "row": {"prompt": "1*2="}} for i in ids]}, {})
-        results = server.step({"steps": [{"id": i, "action": call.format(n)} for n, i in enumerate(ids)]}, {})["results"]
+        reply = asyncio.run(server.step({"steps": [{"id": i, "action": call.format(n)} for n, i in enumerate(ids)]},
+                                        {}))
+        results = [reply["results"][i] for i in ids]
         if answers is not None:
             assert [r["observation"] for r in results] == answers and not any(r["done"] for r in results)
             assert sorted(server.envs) == ids and server.busy == {}

@@ -10,6 +10,10 @@ The model writes <tool_call>{"name":"multiply","arguments":{"a":123,"b":456}}</t
 `--env.path tool_calls --env.tools examples/envs/calculator.py` the same tools come without the demonstration.
 """
 
+import json
+
+from rlhf.envs.tool_calls import ToolCallsEnv
+
 
 def multiply(a: int, b: int) -> int:
     """a times b."""
@@ -21,35 +25,21 @@ def add(a: int, b: int) -> int:
     return int(a) + int(b)
 
 
-class Calculator:
+class Calculator(ToolCallsEnv):
     """tool_calls with this file's tools (multiply, add), and a demonstration for the SFT warm start: the call of
     multiply on the row's operands (compact JSON), the tool's answer (masked out of the loss: the model reads it,
     it does not learn to predict it) and the final answer."""
 
-    def __init__(self, on_infra_error: str = "fail", **options):
-        from rlhf.envs.tool_calls import ToolCallsEnv
-
-        self.inner = ToolCallsEnv(__file__, on_infra_error=on_infra_error)
-        self.stop = ["</tool_call>"]
-
-    @property
-    def current_tool(self):
-        return self.inner.current_tool
-
-    def reset(self, row):
-        return self.inner.reset(row)
-
-    def step(self, action):
-        return self.inner.step(action)
+    def __init__(self, **options):
+        options.pop("tools", None)  # this file's own
+        super().__init__(__file__, **options)
 
     def demonstration(self, row):
-        import json
-
         left, op, right = _operands(row["prompt"])
         name = {"*": "multiply", "+": "add"}[op]
         call = "<tool_call>" + json.dumps({"name": name, "arguments": {"a": left, "b": right}},
                                           separators=(",", ":")) + "</tool_call>"
-        return [(call, True), (self.inner.step(call).observation, False), (row["answer"], True)]
+        return [(call, True), (self.step(call).observation, False), (row["answer"], True)]
 
 
 def _operands(prompt):
@@ -61,31 +51,23 @@ def _operands(prompt):
     raise ValueError(f"not a product or a sum: {prompt!r}")
 
 
-class AlwaysCalls:
+class AlwaysCalls(ToolCallsEnv):
     """A tool_calls environment that makes the model's first turn a call of `multiply` on the row's operands
-    (whatever the model wrote), then hands the rest to tool_calls: for scenarios and demos with a model that has
-    not learned the call format yet (examples/faults/scenario17.yaml)."""
+    (whatever the model wrote), then goes on as tool_calls: for scenarios and demos with a model that has not
+    learned the call format yet (examples/faults/scenario17.yaml)."""
 
     def __init__(self, tools: str = "examples/envs/calculator.py", **options):
-        from rlhf.envs.tool_calls import ToolCallsEnv
-
-        self.inner = ToolCallsEnv(tools, **options)
+        super().__init__(tools, **options)
         self.turn = 0
-
-    @property
-    def current_tool(self):
-        return self.inner.current_tool
 
     def reset(self, row):
         self.turn = 0
         left, _, right = row["prompt"].rstrip("=").partition("*")
-        self.call = {"name": "multiply", "arguments": {"a": int(left or 0), "b": int(right or 0)}}
-        return self.inner.reset(row)
+        self.first_call = {"name": "multiply", "arguments": {"a": int(left or 0), "b": int(right or 0)}}
+        return super().reset(row)
 
     def step(self, action):
-        import json
-
         self.turn += 1
         if self.turn == 1:
-            action = f"<tool_call>{json.dumps(self.call)}</tool_call>"
-        return self.inner.step(action)
+            action = f"<tool_call>{json.dumps(self.first_call)}</tool_call>"
+        return super().step(action)

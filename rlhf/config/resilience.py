@@ -64,7 +64,9 @@ class Policy:
     detect_weights_drift: bool = True
     """When a step's rollout_train_logprob_diff (the rollout's and the trainer's logprobs of the same tokens under the same weights version) passes weights.drift_threshold, the controller compares every rollout server's weights checksum with the trainer's and names the servers whose weights differ, a WARNING each time and the steps.csv column `weights_drift` (sync, and async at K = 0: with K >= 1 the difference includes the policy's change); the next weights update replaces them; off: only the column shows it."""
     infra_errors_fail: bool = True
-    """With env.on_infra_error auto: a tool whose infrastructure failed (InfraError, an OSError: its service unreachable, a sandbox killed from outside) fails the step naming the tool, and the model never reads it; off: the model reads the error as the tool's answer (verl's behaviour) and steps.csv `infra_errors` counts it."""
+    """With env.on_infra_error auto: a tool whose infrastructure failed (InfraError, an OSError: its service unreachable, a sandbox killed from outside or starved of CPU past its time limit) fails the step naming the tool, and the model never reads it; off: the model reads the error as the tool's answer (verl's behaviour) and steps.csv `infra_errors` counts it."""
+    retry_infra_errors: bool = True
+    """With infra_errors_fail and env.on_infra_error auto: the tool is called again first, env.infra_retries times with a growing wait between (a WARNING each, steps.csv `infra_retries`), and fails the step only when none succeeds (a load that passes, a service that comes back: survived); off: its first failure fails the step."""
 
     def __post_init__(self) -> None:
         if self.preset not in PRESET_NAMES:

@@ -126,13 +126,22 @@ class EnvConfig:
     """An observation (a tool's answer) is cut to this many tokens before it is appended."""
     on_infra_error: str = "auto"
     """A tool whose infrastructure failed (InfraError, an OSError: its service unreachable, a sandbox killed from
-    outside). fail: the step fails naming the tool (the model never reads it); drop_group: that episode's group
+    outside or starved of CPU past its time limit). fail: the step fails naming the tool (the model never reads it);
+    retry: the call is made again, up to env.infra_retries more times with a growing wait between (a WARNING each;
+    steps.csv infra_retries), and fails the step as fail does when none succeeds; drop_group: that episode's group
     leaves the step's batch (a WARNING; steps.csv dropped_groups; every group lost fails the step); model: the model
     reads the error as the tool's answer (verl's behaviour; steps.csv infra_errors counts it); auto:
-    resilience.infra_errors_fail decides (fail in hardened, model in faithful)."""
+    resilience.infra_errors_fail and retry_infra_errors decide (retry in hardened, model in faithful)."""
+    infra_retries: int = 3
+    """env.on_infra_error retry: how many times a failed call is made again (waits of 0.2 s doubling to 5 s, with
+    jitter); a tool that is retried must be safe to run twice."""
     parallel_calls: int = 8
     """The environment server steps this many episodes of a turn at once (threads: a tool that waits on a service or
     a sandbox process overlaps the others'; the turn takes its slowest step, not their sum); 1: one after another."""
+    batch_wait_s: float = 0.05
+    """Episodes advance independently: a free rollout server waits up to this long (from the oldest ready episode)
+    for episodes whose environment steps are still running, to generate their turns in one call. 0: at once; a large
+    value: the step's episodes go turn by turn together (lockstep: every turn waits for its slowest step)."""
     sandbox_timeout_s: float = 5.0
     """The python tool (env.tools rlhf.envs.sandbox): wall-clock seconds a run may take (its process group is killed
     past it)."""
@@ -145,7 +154,10 @@ class EnvConfig:
         _positive("env.max_turns", self.max_turns)
         _positive("env.max_tool_output_tokens", self.max_tool_output_tokens)
         _positive("env.parallel_calls", self.parallel_calls)
-        _choice("env.on_infra_error", self.on_infra_error, ("auto", "fail", "drop_group", "model"))
+        _choice("env.on_infra_error", self.on_infra_error, ("auto", "fail", "retry", "drop_group", "model"))
+        _positive("env.infra_retries", self.infra_retries)
+        if self.batch_wait_s < 0:
+            raise ConfigError(f"env.batch_wait_s: must be >= 0 seconds, got {self.batch_wait_s!r}")
         _positive("env.sandbox_timeout_s", self.sandbox_timeout_s)
         _positive("env.sandbox_cpu_s", self.sandbox_cpu_s)
         _positive("env.sandbox_memory_mb", self.sandbox_memory_mb)

@@ -3,15 +3,24 @@
     episodes = Episodes(cfg.env, fanout, services)     # fanout: the rollout servers' /generate; services.env: env-0
     memory = episodes.generate(step, examples)           # the same batch columns as one completion a prompt, and:
         loss_mask    per response token: 1 the model's, 0 an observation's (out of the loss and the KL)
-        turns, tool_calls, tool_errors, env_s, env_reward   per episode
+        turns, tool_calls, tool_errors, infra_errors, infra_retries, env_s, env_reward   per episode
 
-A step's episodes advance together, turn by turn: one /generate call a turn for every episode still running
-(each episode's prompt, its tokens so far and the answers, n = 1; the servers' prefill computes a common prefix once),
-then one /step call to the environment server (job env-0, rlhf.services.env_server) with every episode's turn text;
-the environments live there, one per episode, from /reset to done (or /close). An episode ends when its environment says done, answers nothing,
-or after env.max_turns turns; its last turn's text is the completion the reward functions score, and the
-environment's rewards (if it gives any) add to theirs. The observation tokens are appended as they are
+A step's episodes advance independently of each other. Each rollout server takes the episodes that are ready for
+their next turn (all of them at first; its share when several servers are free) in one /generate call (each
+episode's prompt, its tokens so far and the answers, n = 1; the servers' prefill computes a common prefix once);
+each episode's turn then goes to the environment server (job env-0, rlhf.services.env_server) in a /step call of its
+own, and the episode is ready again when its answer is back. A free server waits up to env.batch_wait_s for episodes whose
+steps are still running, so a turn's episodes stay in one batch unless one of them is slow: a long-tail tool call
+holds its own episode, not the others' turns nor the servers (the step still ends with its slowest episode). The
+environments live at env-0, one per episode, from /reset to done (or /close). An episode ends when its environment
+says done, answers nothing, or after env.max_turns turns; its last turn's text is the completion the reward functions
+score, and the environment's rewards (if it gives any) add to theirs. The observation tokens are appended as they are
 (env.max_tool_output_tokens at most), with logprob 0 and mask 0.
+
+A rollout server that fails a turn's call (resilience.migrate_requests) leaves the step: its episodes' turns go to
+the others (steps.csv rollout_migrated); without the policy, or with no server left, the step fails on it. The stall
+watchdog (runtime.watchdog_stall_s) names an episode whose environment step has run that long: the episode, the tool
+(from env-0's /health) and what the step's other episodes did meanwhile.
 """
 
 from __future__ import annotations
@@ -24,14 +33,15 @@ from typing import Any
 from rlhf.analysis import WATCHDOG_REPORT_ONLY
 from rlhf.batch import DistributedBatchMemory
 from rlhf.config import EnvConfig, Policy
+from rlhf.control.rollout_fanout import migratable, token_versions
 from rlhf.control.watchdog import POLL_S
 from rlhf.data import completion_text, encode_prompts
 from rlhf.errors import SyncStall
-from rlhf.rollout.sglang_api import output_logprobs
 
 log = logging.getLogger("rlhf.controller")
 
-EPISODE_COLUMNS = ("turns_mean", "tool_calls", "tool_errors", "infra_errors", "dropped_groups", "env_s")  # steps.csv
+EPISODE_COLUMNS = ("turns_mean", "tool_calls", "tool_errors", "infra_errors", "infra_retries", "dropped_groups",
+                   "env_s")  # steps.csv
 
 
 def episode_columns(batch: Any) -> dict[str, float]:
@@ -42,7 +52,7 @@ def episode_columns(batch: Any) -> dict[str, float]:
     n = max(len(batch["turns"]), 1)
     return {"turns_mean": sum(batch["turns"]) / n, "tool_calls": sum(batch["tool_calls"]),
             "tool_errors": sum(batch["tool_errors"]), "infra_errors": sum(batch["infra_errors"]),
-            "env_s": sum(batch["env_s"])}
+            "infra_retries": sum(batch["infra_retries"]), "env_s": sum(batch["env_s"])}
 
 
 class Episodes:
@@ -54,41 +64,183 @@ class Episodes:
         self.dropped = 0  # groups the last batch lost to infrastructure failures (env.on_infra_error drop_group)
 
     def _env(self, path: str, body: dict[str, Any], step: int) -> dict[str, Any]:
-        """One call to the environment server (stage rollout: the episodes are the step's rollout); a /step
-        under the stall watchdog."""
+        """One call to the environment server (stage rollout: the episodes are the step's rollout)."""
         client = self.services.env
         assert client is not None, "env.path is set but the environment server (env-0) is not up"
-        if path != "/step" or not self.stall_s:
-            return self.fanout.loop.run(client.call(path, body, stage="rollout", step=step))[0]
-        return self.fanout.loop.run(self._watched_step(client, body, step))
+        return self.fanout.loop.run(client.call(path, body, stage="rollout", step=step))[0]
 
-    async def _watched_step(self, client: Any, body: dict[str, Any], step: int) -> dict[str, Any]:
-        """The stall watchdog of an environment step: one episode inside it (a tool, the environment) for
-        runtime.watchdog_stall_s while the step's other episodes wait for their turn is named in seconds, not at
-        timeouts.rollout_s: SyncStall with the policy's stall_stops_run, else one ERROR line and the step waits."""
-        call = asyncio.ensure_future(client.call("/step", body, stage="rollout", step=step))
-        reported = False
+    def _stalled(self, step: int, episode: str, for_s: float, tool: str | None, others: str) -> None:
+        """The stall watchdog's finding: SyncStall with the policy's stall_stops_run, else one ERROR line."""
+        where = f"tool {tool!r}" if tool else "its environment's step"
+        found = f"env-0 has been in {where} of episode {episode} for {for_s:.1f} s at step {step}, while {others}"
+        if self.policy is not None and self.policy.stall_stops_run:
+            raise SyncStall(f"stall watchdog (step {step}, stage rollout, env-0 /step): {found}")
+        log.error("stall watchdog (step %d, stage rollout, env-0 /step): %s; %s", step, found, WATCHDOG_REPORT_ONLY)
+
+    async def _drive(self, step: int, run: _Run, ids_of: list[str], params: dict[str, Any], g: int) -> None:
+        """Every episode to its end: the rollout servers' workers generate the ready episodes' turns, each turn's
+        environment step its own /step call, the watchdog beside them; the first failure cancels the rest."""
+        loop = asyncio.get_running_loop()
+        changed = asyncio.Condition()
+        servers = list(self.fanout.services.rollout)
+        alive = set(range(len(servers)))
+        wait_s = self.cfg.batch_wait_s
+        for k in run.ready:
+            run.ready[k] = loop.time()
+
+        async def worker(tasks: asyncio.TaskGroup, r: int) -> None:
+            while True:
+                async with changed:
+                    run.idle += 1
+                    # wait for a ready episode, then (up to env.batch_wait_s from the oldest) for those still stepping
+                    await changed.wait_for(lambda: run.left == 0 or run.ready)
+                    while run.left and run.stepping and loop.time() < min(run.ready.values()) + wait_s:
+                        try:
+                            await asyncio.wait_for(changed.wait(), min(run.ready.values()) + wait_s - loop.time())
+                        except TimeoutError:
+                            break
+                        if not run.ready:
+                            await changed.wait_for(lambda: run.left == 0 or run.ready)
+                    if run.left == 0:
+                        run.idle -= 1
+                        return
+                    share = -(-len(run.ready) // max(run.idle, 1))  # the free servers split what is ready
+                    take = sorted(run.ready)[:share]
+                    for k in take:
+                        del run.ready[k]
+                    run.idle -= 1
+                try:  # each episode's turn gets what its turn has left of max_new_tokens (an aborted one goes on)
+                    outs = await self.fanout.generate_on(
+                        servers[r], step, [run.context[k] + run.ids[k] for k in take],
+                        [{**params, "n": 1, "max_new_tokens": run.budget[k] or params["max_new_tokens"]} for k in take],
+                        True)
+                except Exception as exc:
+                    alive.discard(r)
+                    if not (self.policy is not None and self.policy.migrate_requests and alive and migratable(exc)):
+                        raise
+                    log.warning("step %d: rollout-%d failed a turn of %d episodes (%s: %s); it leaves the step, "
+                                "their turns go to %s", step, r, len(take), type(exc).__name__, str(exc)[:200],
+                                ", ".join(f"rollout-{a}" for a in sorted(alive)))
+                    self.fanout.migrated += len(take)
+                    async with changed:
+                        run.ready.update((k, loop.time()) for k in take)
+                        changed.notify_all()
+                    return
+                stepping = []
+                for k, out in zip(take, outs):
+                    if self._took_turn(run, k, out, params["max_new_tokens"]):
+                        run.stepping[k] = loop.time()
+                        stepping.append(k)
+                if len(stepping) < len(take):  # turns aborted by a pause (rollout.interrupt abort): on from their tokens
+                    async with changed:
+                        run.ready.update((k, loop.time()) for k in take if k not in stepping)
+                        changed.notify_all()
+                if stepping:
+                    tasks.create_task(self._steps(run, stepping, ids_of, step, g, changed))
+
+        async def watchdog() -> None:
+            named: set[str] = set()
+            while run.left:
+                async with changed:
+                    try:
+                        await asyncio.wait_for(changed.wait_for(lambda: run.left == 0), POLL_S)
+                    except TimeoutError:
+                        pass
+                now = loop.time()
+                if not any(now - since >= self.stall_s for since in run.stepping.values()):
+                    continue
+                try:  # which episode env-0 has been stepping longest (not those queued for its threads), in which tool
+                    busy = (await self.services.env.call("/health", method="GET", timeout_s=2.0, traced=False))[0]["busy"]
+                except Exception:  # noqa: BLE001 — the step's own error says more
+                    continue
+                if not busy or busy["for_s"] < self.stall_s or busy["episode"] in named:
+                    continue
+                named.add(busy["episode"])
+                self._stalled(step, busy["episode"], busy["for_s"], busy.get("tool"),
+                              f"the step's other {run.n - 1} episodes went on ({run.n - run.left} of them ended)")
+
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                for r in range(len(servers)):
+                    tasks.create_task(worker(tasks, r))
+                if self.stall_s:
+                    tasks.create_task(watchdog())
+        except BaseExceptionGroup as group:  # the first failure, as it was raised
+            first = group.exceptions[0]
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+            raise first from None
+        if run.left:  # every server left the step
+            raise RuntimeError(f"step {step}: every rollout server failed; {run.left} episodes did not end")
+
+    def _took_turn(self, run: _Run, k: int, out: dict[str, Any], max_new_tokens: int) -> bool:
+        """Episode k's turn (or its part) appended, each token with the weights version that generated it; whether
+        the turn is over (False: aborted with tokens to go, by a pause with rollout.interrupt abort, and the policy's
+        migrate_requests: it goes on from its tokens)."""
+        new = out["output_ids"]
+        run.ids[k] += new
+        run.lps[k] += out["logprobs"]
+        run.mask[k] += [1] * len(new)
+        run.versions[k] += token_versions(out)
+        left = (run.budget[k] or max_new_tokens) - len(new)
+        aborted = (out["meta_info"].get("finish_reason") or {}).get("type") == "abort"
+        if aborted and left > 0 and self.policy is not None and self.policy.migrate_requests:
+            run.budget[k] = left
+            run.turn_ids[k] += new
+            return False
+        run.answer[k] = completion_text(self.fanout.tokenizer, {**out, "output_ids": run.turn_ids[k] + new})
+        run.budget[k], run.turn_ids[k] = 0, []
+        run.turns[k] += 1
+        return True
+
+    async def _steps(self, run: _Run, ks: list[int], ids_of: list[str], step: int, g: int,
+                     changed: asyncio.Condition) -> None:
+        """The turns of episodes ks at env-0: one /step for them all; each is ready for its next turn (or has ended)
+        when its result is back. env-0 answers with those that end first (env.batch_wait_s after the first) and
+        leaves the rest pending, collected by /results the same way: a slow one holds only itself."""
+        client, hold = self.services.env, self.cfg.batch_wait_s
+        of = {ids_of[k]: k for k in ks}
+        t0 = time.perf_counter()
+        reply = (await client.call("/step", {"steps": [{"id": ids_of[k], "action": run.answer[k]} for k in ks],
+                                             "hold_s": hold}, stage="rollout", step=step))[0]
         while True:
-            done, _ = await asyncio.wait([call], timeout=POLL_S)
-            if done:
-                return call.result()[0]
-            if reported:
-                continue
-            try:
-                busy = (await client.call("/health", method="GET", timeout_s=2.0, traced=False))[0].get("busy")
-            except Exception:  # noqa: BLE001 — the step's own error says more
-                continue
-            if not busy or busy["for_s"] < self.stall_s:
-                continue
-            where = f"tool {busy['tool']!r}" if busy.get("tool") else "its environment's step"
-            found = (f"env-0 has been in {where} of episode {busy['episode']} for {busy['for_s']:.1f} s at step "
-                     f"{step}, while the step's other {len(body['steps']) - 1} episodes wait for their turn")
-            if self.policy is not None and self.policy.stall_stops_run:
-                call.cancel()
-                raise SyncStall(f"stall watchdog (step {step}, stage rollout, env-0 /step): {found}")
-            log.error("stall watchdog (step %d, stage rollout, env-0 /step): %s; %s", step, found,
-                      WATCHDOG_REPORT_ONLY)
-            reported = True
+            for episode, result in reply["results"].items():
+                run.env_s[of[episode]] += time.perf_counter() - t0
+                await self._stepped(run, of[episode], result, g, changed)
+            if not reply["pending"]:
+                return
+            reply = (await client.call("/results", {"ids": reply["pending"], "hold_s": hold}, stage="rollout",
+                                       step=step))[0]
+
+    async def _stepped(self, run: _Run, k: int, result: dict[str, Any], g: int, changed: asyncio.Condition) -> None:
+        """Episode k's turn answered: counted, its observation appended; ready for its next turn or ended."""
+        info = result.get("info") or {}
+        run.calls[k] += int(info.get("tool_calls", 0))
+        run.errors[k] += int(info.get("tool_errors", 0))
+        run.infra[k] += int(info.get("infra_errors", 0))
+        run.retries[k] += int(info.get("infra_retries", 0))
+        if result.get("reward") is not None:
+            run.reward[k] += float(result["reward"])
+            run.rewarded = True
+        if result.get("done"):
+            run.closed.add(k)  # env-0 closed it
+        if result.get("infra_error"):  # env.on_infra_error drop_group: the episode's group leaves the batch
+            run.dropped.setdefault(k // g, result["infra_error"])
+        goes_on = not result.get("done") and result.get("observation") and run.turns[k] < self.cfg.max_turns
+        if goes_on:
+            seen = self.fanout.tokenizer.encode(result["observation"],
+                                                add_special_tokens=False)[:self.cfg.max_tool_output_tokens]
+            run.ids[k] += seen
+            run.lps[k] += [0.0] * len(seen)
+            run.mask[k] += [0] * len(seen)
+            run.versions[k] += [""] * len(seen)
+        async with changed:
+            del run.stepping[k]
+            if goes_on:
+                run.ready[k] = asyncio.get_running_loop().time()
+            else:
+                run.left -= 1
+            changed.notify_all()
 
     def generate(self, step: int, examples: list[Any]) -> DistributedBatchMemory:
         """A GRPO batch: rollout.group_size episodes of every example, sampled."""
@@ -115,75 +267,25 @@ class Episodes:
         firsts = self._env("/reset", {"episodes": [
             {"id": ids_of[k], "row": {"prompt": examples[i].prompt, "answer": examples[i].answer,
                                       **examples[i].fields}} for k, i in enumerate(k_example)]}, step)["observations"]
-        env_s = [(time.perf_counter() - t0) / max(n, 1)] * n
-        context = [prompt_ids[i] + (tok.encode(first, add_special_tokens=False) if first else [])
-                   for i, first in zip(k_example, firsts)]
-        ids: list[list[int]] = [[] for _ in range(n)]
-        lps: list[list[float]] = [[] for _ in range(n)]
-        mask: list[list[int]] = [[] for _ in range(n)]
-        versions: list[list[str]] = [[] for _ in range(n)]
-        answer, turns = [""] * n, [0] * n
-        calls, errors, infra, reward = [0] * n, [0] * n, [0] * n, [0.0] * n
-        rewarded = False
+        run = _Run(n, (time.perf_counter() - t0) / max(n, 1))
+        run.context = [prompt_ids[i] + (tok.encode(first, add_special_tokens=False) if first else [])
+                       for i, first in zip(k_example, firsts)]
         params = {**sampling, **({"stop": self.stop, "no_stop_trim": True} if self.stop else {})}
-        running, closed, dropped = list(range(n)), set(), {}
-        for turn in range(self.cfg.max_turns):
-            done, failed = fanout._spread(step, [context[k] + ids[k] for k in running], params, 1, True)
-            if failed:
-                raise failed[0][2]  # an episode cannot go on without its turn (resilience comes with env servers)
-            still = []
-            for pos, k in enumerate(running):
-                out = done[pos][0]
-                ids[k] += out["output_ids"]
-                lps[k] += output_logprobs(out)
-                mask[k] += [1] * len(out["output_ids"])
-                versions[k] += [out["meta_info"]["weight_version"]] * len(out["output_ids"])
-                answer[k] = completion_text(tok, out)
-                turns[k] += 1
-            t0 = time.perf_counter()
-            results = self._env("/step", {"steps": [{"id": ids_of[k], "action": answer[k]} for k in running]},
-                                step)["results"]
-            for k in running:
-                env_s[k] += (time.perf_counter() - t0) / len(running)
-            last = turn == self.cfg.max_turns - 1
-            for k, result in zip(running, results):
-                info = result.get("info") or {}
-                calls[k] += int(info.get("tool_calls", 0))
-                errors[k] += int(info.get("tool_errors", 0))
-                infra[k] += int(info.get("infra_errors", 0))
-                if result.get("reward") is not None:
-                    reward[k] += float(result["reward"])
-                    rewarded = True
-                if result.get("done"):
-                    closed.add(k)  # env-0 closed it
-                if result.get("infra_error"):  # env.on_infra_error drop_group: the episode's group leaves the batch
-                    dropped.setdefault(k // g, result["infra_error"])
-                if result.get("done") or not result.get("observation") or last:
-                    continue
-                seen = tok.encode(result["observation"], add_special_tokens=False)[:self.cfg.max_tool_output_tokens]
-                ids[k] += seen
-                lps[k] += [0.0] * len(seen)
-                mask[k] += [0] * len(seen)
-                versions[k] += [""] * len(seen)
-                still.append(k)
-            running = still
-            if not running:
-                break
-        open_ids = [ids_of[k] for k in range(n) if k not in closed]  # ended here (the turn limit, no answer)
+        self.fanout.loop.run(self._drive(step, run, ids_of, params, g))
+        open_ids = [ids_of[k] for k in range(n) if k not in run.closed]  # ended here (the turn limit, no answer)
         if open_ids:
             self._env("/close", {"ids": open_ids}, step)
-        rep = k_example
+        rep, dropped = k_example, run.dropped
         memory = DistributedBatchMemory({
-            "sample_index": list(range(len(rep))),
-            "prompt_ids": [context[k] for k in range(len(rep))],
-            "output_ids": ids, "logprobs": lps, "loss_mask": mask,
-            "num_tokens": [len(context[k]) + len(ids[k]) for k in range(len(rep))],
+            "sample_index": list(range(n)),
+            "prompt_ids": run.context, "output_ids": run.ids, "logprobs": run.lps, "loss_mask": run.mask,
+            "num_tokens": [len(run.context[k]) + len(run.ids[k]) for k in range(n)],
             "prompts": [examples[i].prompt for i in rep], "answers": [examples[i].answer for i in rep],
-            "fields": [examples[i].fields for i in rep], "completions": answer,
-            "weight_version": [next((v for v in vs if v), "") for vs in versions],
-            "token_versions": versions, "turns": turns, "tool_calls": calls, "tool_errors": errors, "infra_errors": infra,
-            "env_s": env_s,
-            **({"env_reward": reward} if rewarded else {}),
+            "fields": [examples[i].fields for i in rep], "completions": run.answer,
+            "weight_version": [next((v for v in vs if v), "") for vs in run.versions],
+            "token_versions": run.versions, "turns": run.turns, "tool_calls": run.calls, "tool_errors": run.errors,
+            "infra_errors": run.infra, "infra_retries": run.retries, "env_s": run.env_s,
+            **({"env_reward": run.reward} if run.rewarded else {}),
         }, g, strict=False)
         self.dropped = len(dropped)
         if not dropped:
@@ -202,3 +304,28 @@ class Episodes:
         kept = memory.groups([i for i in range(len(examples)) if i not in dropped])
         kept["sample_index"] = list(range(len(kept)))  # the batch's rows, numbered again
         return kept
+
+
+class _Run:
+    """A step's episodes as they go: each one's tokens, logprobs, mask, versions and counts, and who is where."""
+
+    def __init__(self, n: int, reset_s: float) -> None:
+        self.n = n
+        self.context: list[list[int]] = []
+        self.ids: list[list[int]] = [[] for _ in range(n)]
+        self.lps: list[list[float]] = [[] for _ in range(n)]
+        self.mask: list[list[int]] = [[] for _ in range(n)]
+        self.versions: list[list[str]] = [[] for _ in range(n)]
+        self.answer, self.turns = [""] * n, [0] * n
+        self.calls, self.errors, self.infra, self.reward = [0] * n, [0] * n, [0] * n, [0.0] * n
+        self.retries = [0] * n
+        self.budget = [0] * n  # tokens left in a turn an abort cut (0: a new turn, sampling.max_new_tokens)
+        self.turn_ids: list[list[int]] = [[] for _ in range(n)]  # an aborted turn's tokens so far
+        self.env_s = [reset_s] * n
+        self.rewarded = False
+        self.closed: set[int] = set()  # env-0 closed them (done)
+        self.dropped: dict[int, str] = {}  # group -> the infrastructure failure that ended one of its episodes
+        self.ready: dict[int, float] = {k: 0.0 for k in range(n)}  # waiting for a turn: since (loop time)
+        self.stepping: dict[int, float] = {}  # at env-0 now: since
+        self.left = n  # episodes not ended
+        self.idle = 0  # rollout servers waiting for episodes

@@ -52,6 +52,22 @@ class RolloutFanout:
         self.waiting_on: dict[str, float] = {}  # rollout-R -> since when its /generate call has not answered
         self.migrated = 0  # samples of the last call generated (or continued) on another server than planned
 
+    async def generate_on(self, client: Client, step: int, input_ids: list[list[int]],
+                          sampling: dict[str, Any] | list[dict[str, Any]], logprobs: bool) -> list[dict]:
+        """One /generate call on one server: its results (n of each input in turn), each with `logprobs` when asked."""
+        body = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": logprobs}
+        if logprobs and self.rollout.backend == "native":
+            body["return_logprob_packed"] = True  # our servers' extension: float32 logprobs, a third of the JSON
+        self.waiting_on[client.peer] = time.monotonic()  # the starvation watchdog reads who has not answered
+        try:
+            out = (await client.call("/generate", body, stage="rollout", step=step))[0]
+        finally:
+            self.waiting_on.pop(client.peer, None)
+        if logprobs:
+            for res in out:
+                res["logprobs"] = output_logprobs(res)
+        return out
+
     def _spread(self, step: int, prompt_ids: list[list[int]], params: dict[str, Any] | list[dict[str, Any]],
                 per: int, logprobs: bool) -> tuple[dict[int, list[dict]], list[tuple[int, list[int], BaseException]]]:
         """Prompt i's `per` results (n = per) by prompt index, spread over the servers in chunks; params: one
@@ -66,17 +82,7 @@ class RolloutFanout:
             if not idx:
                 return
             sampling = [{**params[i], "n": per} for i in idx] if isinstance(params, list) else {**params, "n": per}
-            body = {"input_ids": [prompt_ids[i] for i in idx], "sampling_params": sampling, "return_logprob": logprobs}
-            if logprobs and self.rollout.backend == "native":
-                body["return_logprob_packed"] = True  # our servers' extension: float32 logprobs, a third of the JSON
-            self.waiting_on[client.peer] = time.monotonic()  # the starvation watchdog reads who has not answered
-            try:
-                out = (await client.call("/generate", body, stage="rollout", step=step))[0]
-            finally:
-                self.waiting_on.pop(client.peer, None)
-            if logprobs:
-                for res in out:
-                    res["logprobs"] = output_logprobs(res)
+            out = await self.generate_on(client, step, [prompt_ids[i] for i in idx], sampling, logprobs)
             done.update((i, out[k * per:(k + 1) * per]) for k, i in enumerate(idx))
 
         outcomes = self.loop.gather(*[one(c, idx) for c, idx in zip(servers, chunks)], return_exceptions=True)

@@ -127,6 +127,29 @@ def _drift_evidence(run_dir: str, logs: list[Evidence]) -> list[Evidence]:
     return []
 
 
+def _tool_infra_evidence(run_dir: str, logs: list[Evidence]) -> list[Evidence]:
+    """Tool infrastructure failures handed to the model (env.on_infra_error model, faithful: verl's behaviour): the
+    first step whose steps.csv infra_errors > 0, when no log line reported one (the run went on, silently)."""
+    if any(e.category == "tool_infra" for e in logs):
+        return []
+    cfg, rows = _config_and_steps(run_dir)
+    for line, row in enumerate(rows, 2):
+        try:
+            n, step = int(float(row.get("infra_errors") or 0)), int(row["step"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        if n <= 0:
+            continue
+        t = _step_end(run_dir, step)
+        tools = (cfg.get("env") or {}).get("tools") or (cfg.get("env") or {}).get("path") or "?"
+        msg = (f"step {step}: {n} tool infrastructure failures of env-0 ({tools}) were handed to the model as the "
+               "tools' answers (env.on_infra_error model, steps.csv infra_errors), and nothing reported them "
+               "(stage rollout)")
+        return [Evidence(t, t, "controller-0", "env-0", "tool_infra", "rollout", step, msg, f"steps.csv:{line}",
+                         "warning", False)]
+    return []
+
+
 def _step_end(run_dir: str, step: int) -> float:
     """When the controller logged the end of `step` (its "step N/M" line), else when steps.csv was last written."""
     pattern = re.compile(rf" step {step}/\d+ ")

@@ -9,7 +9,13 @@ import statistics
 from typing import Any
 
 from rlhf import exits
-from rlhf.diagnosis.logs import _drift_evidence, _log_evidence, _starved_evidence, _unfinished_writes
+from rlhf.diagnosis.logs import (
+    _drift_evidence,
+    _log_evidence,
+    _starved_evidence,
+    _tool_infra_evidence,
+    _unfinished_writes,
+)
 from rlhf.diagnosis.processes import _busy_evidence, _holder_evidence, _life_evidence, _pids, _read_metrics
 from rlhf.diagnosis.report import Diagnosis, Evidence, Hypothesis
 from rlhf.diagnosis.rules import _NOTICE_LAG_S, _PROC, HARD, PARENT, STARVED_CPU_WAIT, STARVED_IO_PRESSURE
@@ -41,6 +47,7 @@ def diagnose(run_dir: str) -> Diagnosis:
     evidence += _holder_evidence(evidence, metrics, servers) + _transit_evidence(spans)
     evidence += _unfinished_writes(run_dir, evidence) + _drift_evidence(run_dir, logs) + _starved_evidence(run_dir,
                                                                                                            servers)
+    evidence += _tool_infra_evidence(run_dir, logs)
     finished = os.path.exists(os.path.join(run_dir, "summary.json"))
     if surfaced is None:
         deaths = [e for e in evidence if e.kind in ("exit", "vanished")]

@@ -7,12 +7,14 @@ import re
 
 # CPU or IO starvation refines a timeout or hang: the subject's heartbeat shows it starved meanwhile
 CATEGORIES = ("process_death", "oom_device", "oom_host", "disk", "hang", "timeout", "network", "weights_drift",
-              "data_mismatch", "exception", "cpu_starvation", "io_starvation", "slow_rollout")
+              "data_mismatch", "exception", "cpu_starvation", "io_starvation", "slow_rollout", "tool_infra")
 STARVED_CPU_WAIT = 60.0  # % of wall time a process's threads waited runnable for a CPU (run-queue wait)
 STARVED_IO_PRESSURE = 10.0  # % of time some task waited for IO (PSI), with a thread of the subject in disk wait
 HARD = {"process_death", "oom_device", "oom_host", "disk", "hang"}
 
 _RULES = [  # first match wins; applied to the message and its traceback's last line
+    # a tool's infrastructure (its service, the sandbox) failed in the environment server: not env-0 itself
+    ("tool_infra", r"InfraError|\(the infrastructure, not the model's call|tool infrastructure failures"),
     ("process_death", r"killed by SIG|\bdied: |vanished|no exit record"),
     ("oom_device", r"CUDA out of memory|OutOfMemoryError|device[- ]\d+: out of memory|DeviceMemoryNotReleased"),
     ("oom_host", r"\bMemoryError|Cannot allocate memory|bad_alloc"),

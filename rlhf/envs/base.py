@@ -18,8 +18,8 @@ class EnvError(RuntimeError):
 class InfraError(RuntimeError):
     """The infrastructure failed, not the model: a tool's service unreachable, a sandbox killed or unable to start.
     Raise it from a tool or an environment; tool_calls also counts OSError (ConnectionError, TimeoutError ...) as
-    one. With env.on_infra_error fail it fails the step naming the tool; with model the model reads it as the
-    tool's answer (verl's behaviour)."""
+    one. With env.on_infra_error retry tool_calls calls the tool again first; with fail it fails the step naming the
+    tool; with model the model reads it as the tool's answer (verl's behaviour)."""
 
 
 @dataclass
@@ -35,7 +35,11 @@ class StepResult:
 
 
 class Env:
-    """One episode's environment. A new instance per episode; reset once, then step once a model turn."""
+    """One episode's environment. A new instance per episode; reset once, then step once a model turn.
+
+    Optional attributes the environment server reads: `stop` (strings that end a model turn), `current_tool` (the
+    tool running now) and `tool_since` (time.monotonic() when its latest try began): the stall watchdog names the
+    tool, and times a retried call from its latest try."""
 
     def __init__(self, **options: Any) -> None:
         self.options = options

@@ -7,8 +7,11 @@
 Each call runs `python -I -c CODE` in a fresh working directory (removed after) as a process group of its own, with
 rlimits (CPU seconds, address space, file size, no core files), a wall-clock limit (the group is killed past it),
 an environment with nothing of the server's (no token), and — where this process may make one (root, Linux) — a
-network namespace of its own with no interface but loopback (no network). A sandbox that cannot start (OSError) or
-is killed from outside is the infrastructure's failure (InfraError), not the code's. What the limits are is LIMITS, set by
+network namespace of its own with no interface but loopback (no network). A sandbox that cannot start (OSError), is
+killed from outside, or passes its wall-clock limit starved of CPU (it waited for a CPU, per the kernel's schedstat,
+more than it ran and for at least half the limit: the machine's load, as verl's sandboxes time out under load) is
+the infrastructure's failure (InfraError), not the code's; a code that computes or sleeps past the limit is the
+code's. What the limits are is LIMITS, set by
 the environment server from env.sandbox_* keys. Its answer is what the code printed (stdout, then stderr), cut to
 LIMITS.output_chars; a code that fails says how (its exit status, or the limit it passed). Fault point sandbox.exec
 (before each run).
@@ -55,6 +58,20 @@ def _isolate() -> None:  # in the child, before exec
         ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWNET)  # a namespace with loopback only (down)
 
 
+STARVED = 0.5  # a run that waited this share of its time limit for a CPU (more than it ran) timed out of load
+
+
+def cpu_and_wait(pid: int) -> tuple[float, float]:
+    """Seconds process pid has run on a CPU and waited on a run queue for one (the kernel's schedstat, Linux); (0, 0)
+    where there is none."""
+    try:
+        with open(f"/proc/{pid}/schedstat", encoding="ascii") as fh:
+            ran_ns, waited_ns = fh.read().split()[:2]
+    except (OSError, ValueError):
+        return 0.0, 0.0
+    return int(ran_ns) / 1e9, int(waited_ns) / 1e9
+
+
 def network_isolated() -> bool:
     """Whether a sandboxed run gets a network namespace of its own (root on Linux)."""
     return os.geteuid() == 0 and sys.platform.startswith("linux")
@@ -72,8 +89,13 @@ def python(code: str) -> str:
         try:
             out, err = proc.communicate(timeout=LIMITS.timeout_s)
         except subprocess.TimeoutExpired:
+            ran_s, waited_s = cpu_and_wait(proc.pid)
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
+            if waited_s > ran_s and waited_s >= STARVED * LIMITS.timeout_s:  # the machine's load, not the code
+                raise InfraError(f"the sandbox (pid {proc.pid}) ran past its {LIMITS.timeout_s:g} s limit starved of "
+                                 f"CPU: it ran {ran_s:.2f} s and waited {waited_s:.2f} s for a CPU (the machine's "
+                                 "load, not the code)") from None
             return f"error: the code ran past {LIMITS.timeout_s:g} s and was stopped"
         text = (out + err)[:LIMITS.output_chars]
         if proc.returncode == -signal.SIGXCPU:

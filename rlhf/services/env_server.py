@@ -8,17 +8,21 @@ in this process, not in the controller's.
     (token in the RLHF_TOKEN environment variable, never on the command line)
 
     POST /reset  {"episodes": [{"id": str, "row": {...}}]}      ->  {"observations": [str]}
-    POST /step   {"steps": [{"id": str, "action": str}]}        ->  {"results": [{"observation", "reward", "done",
-                                                                      "info"}]}   (an episode that is done is closed)
+    POST /step   {"steps": [{"id": str, "action": str}], "hold_s": s (optional)}
+                                                     ->  {"results": {id: {"observation", "reward", "done", "info"}},
+                                                          "pending": [id]}    (an episode that is done is closed)
+    POST /results {"ids": [str], "hold_s": s}         ->  the same, for episodes a /step left pending
     POST /close  {"ids": [str]}                                 ->  {"closed": n}
     GET  /health {"ok": true, "env": spec, "episodes": n, "stop": [...], "stepping": n,
                   "busy": {"episode", "tool", "for_s"} | null}
                  (stop: the strings that end a model turn; stepping: the episodes stepping now; busy: the one that has
-                 stepped longest, its tool, how long)
+                 stepped longest, its tool, how long: since its tool's latest try, for a tool called again)
 
-A /step's episodes step env.parallel_calls at a time, each on a thread of its own (a tool that waits on a service or a
-sandbox process overlaps the others'); the results come back in the request's order, and the first error (in that
-order) fails the request once every step has ended.
+Episodes step env.parallel_calls at a time, each on a thread of its own (a tool that waits on a service or a sandbox
+process overlaps the others'), those of one /step request and of requests made at the same time alike. Without
+hold_s a /step answers when all its episodes have stepped; with it (the controller's episodes: control/episodes.py),
+when the first has and up to hold_s later, the others `pending`, collected the same way by /results: a slow episode
+holds only itself. The first error (in the request's order) among the ended ones fails the request.
 
 Fault points: env.reset and env.step (before each episode's reset or step), tool.call (tool_calls: before a tool
 runs), sandbox.exec (the python tool: before the model's code runs, rlhf.envs.sandbox).
@@ -55,15 +59,17 @@ class EnvServer:
         self.stop = list(getattr(self.make(), "stop", None) or [])
         self.envs: dict[str, Any] = {}  # the open episodes, by id
         self.busy: dict[str, tuple[Any, float]] = {}  # the episodes stepping now: (their environment, since)
+        self.stepping: dict[str, asyncio.Future] = {}  # episode -> its step's result, until a reply carries it
         self.parallel = max(1, int(parallel))
-        # one pool for the run's turns (threads started once, not every /step)
-        self.pool = concurrent.futures.ThreadPoolExecutor(self.parallel, "env-step") if self.parallel > 1 else None
+        # one pool for the run's steps (threads started once, not every /step): every /step request's episodes
+        self.pool = concurrent.futures.ThreadPoolExecutor(self.parallel, "env-step")
         self._lock = threading.Lock()
         self.service = Service("env", 0, token, policy)
         self.service.open_paths = ("/health",)
         self.service.untraced_paths.add("/health")
         self.service.route("/reset", self.reset)
         self.service.route("/step", self.step)
+        self.service.route("/results", self.results)
         self.service.route("/close", self.close)
         self.service.route("/health", self.health, method="GET", inline=True)
 
@@ -73,10 +79,11 @@ class EnvServer:
         busy = None
         with self._lock:
             stepping = dict(self.busy)
-        if stepping:
-            episode, (env, since) = min(stepping.items(), key=lambda item: item[1][1])
-            busy = {"episode": episode, "tool": getattr(env, "current_tool", None),
-                    "for_s": time.monotonic() - since}
+        if stepping:  # a tool called again after an infrastructure failure counts from its latest try
+            since_of = {e: max(since, getattr(env, "tool_since", 0.0) or 0.0) for e, (env, since) in stepping.items()}
+            episode = min(since_of, key=since_of.__getitem__)
+            busy = {"episode": episode, "tool": getattr(stepping[episode][0], "current_tool", None),
+                    "for_s": time.monotonic() - since_of[episode]}
         return {"ok": True, "env": self.spec, "episodes": len(self.envs), "stop": self.stop,
                 "stepping": len(stepping), "busy": busy}
 
@@ -92,19 +99,47 @@ class EnvServer:
             self.envs[str(e["id"])] = env
         return {"observations": observations}
 
-    def step(self, args: dict, tensors: dict) -> dict:
+    async def step(self, args: dict, tensors: dict) -> dict:
+        """On the event loop: the request's episodes go to the pool (env.parallel_calls threads). Without hold_s the
+        reply waits for all of them; with it, for the first to end and then up to hold_s more, and the episodes still
+        stepping are `pending`, their results for /results (so one slow episode holds nobody's reply)."""
         steps = args.get("steps")
         if not isinstance(steps, list) or not all(isinstance(s, dict) and "id" in s for s in steps):
-            raise BadRequest('/step takes {"steps": [{"id": str, "action": str}]}')
+            raise BadRequest('/step takes {"steps": [{"id": str, "action": str}], "hold_s": seconds (optional)}')
         unknown = [str(s["id"]) for s in steps if str(s["id"]) not in self.envs]
         if unknown:
             raise BadRequest(f"/step: no open episode {unknown[0]!r} ({len(self.envs)} open; reset it first)")
-        if self.pool is None or len(steps) == 1:
-            return {"results": [self._step_one(s) for s in steps]}
-        # each step on a thread of the pool, with this request's context (its span, the step's number for the faults)
-        futures = [self.pool.submit(contextvars.copy_context().run, self._step_one, s) for s in steps]
-        concurrent.futures.wait(futures)
-        return {"results": [f.result() for f in futures]}  # the first error in the request's order, if any
+        busy = [str(s["id"]) for s in steps if str(s["id"]) in self.stepping]
+        if busy:
+            raise BadRequest(f"/step: episode {busy[0]!r} is still stepping (its result is for /results)")
+        loop = asyncio.get_running_loop()
+        for s in steps:  # on a thread of the pool, with this request's context (its span, the step for the faults)
+            self.stepping[str(s["id"])] = loop.run_in_executor(self.pool, contextvars.copy_context().run,
+                                                               self._step_one, s)
+        return await self._collect([str(s["id"]) for s in steps], args.get("hold_s"))
+
+    async def results(self, args: dict, tensors: dict) -> dict:
+        """The results of episodes a /step left pending: the first to end, and those that end up to hold_s after."""
+        ids = args.get("ids")
+        if not isinstance(ids, list) or not ids:
+            raise BadRequest('/results takes {"ids": [str], "hold_s": seconds}')
+        unknown = [str(i) for i in ids if str(i) not in self.stepping]
+        if unknown:
+            raise BadRequest(f"/results: episode {unknown[0]!r} is not stepping ({len(self.stepping)} are)")
+        return await self._collect([str(i) for i in ids], args.get("hold_s", 0.0))
+
+    async def _collect(self, ids: list[str], hold_s: float | None) -> dict:
+        futures = [self.stepping[i] for i in ids]
+        if hold_s is None:
+            await asyncio.wait(futures)
+        else:
+            await asyncio.wait(futures, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(futures, timeout=float(hold_s))
+        ended = [i for i, f in zip(ids, futures) if f.done()]
+        for i in ended:
+            self.stepping.pop(i, None)
+        out = {"results": {i: f.result() for i, f in zip(ids, futures) if f.done()}}  # the first error, if any
+        return {**out, "pending": [i for i in ids if i not in out["results"]]}
 
     def _step_one(self, s: dict) -> dict:
         episode = str(s["id"])
@@ -133,18 +168,22 @@ class EnvServer:
     def close(self, args: dict, tensors: dict) -> dict:
         ids = [str(i) for i in args.get("ids") or []]
         closed = sum(self.envs.pop(i, None) is not None for i in ids)
+        for i in ids:
+            self.stepping.pop(i, None)
         return {"closed": closed}
 
 
 def env_options(cfg: Any) -> dict[str, Any]:
     """The environment's constructor options (those its class takes): env.tools and what to do with an
-    infrastructure failure (env.on_infra_error; auto: the policy's infra_errors_fail; drop_group: raise it, the
-    server drops the episode)."""
+    infrastructure failure (env.on_infra_error; auto: the policy's infra_errors_fail and retry_infra_errors;
+    drop_group: raise it, the server drops the episode)."""
     on_infra = cfg.env.on_infra_error
     if on_infra == "auto":
-        on_infra = "fail" if cfg.resilience.infra_errors_fail else "model"
+        policy = cfg.resilience
+        on_infra = ("retry" if policy.retry_infra_errors else "fail") if policy.infra_errors_fail else "model"
     return {**({"tools": cfg.env.tools} if cfg.env.tools else {}),
-            "on_infra_error": "fail" if on_infra == "drop_group" else on_infra}
+            "on_infra_error": "fail" if on_infra == "drop_group" else on_infra,
+            **({"infra_retries": cfg.env.infra_retries} if on_infra == "retry" else {})}
 
 
 def main(argv: list[str] | None = None) -> int:
