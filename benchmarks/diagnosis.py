@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Score `rlhf diagnose` against the fault markers: the scenario matrix and seeded random single faults.
 
-    python benchmarks/diagnosis.py                            # scenarios 1-10, 16-19 faithful + hardened, 30 random faults
+    python benchmarks/diagnosis.py                            # scenarios 1-10, 16-20 faithful + hardened, 30 random faults
     python benchmarks/diagnosis.py --random 0 --resilience faithful --scenarios 2 7
     python benchmarks/diagnosis.py --rescore OUT              # score the run directories already in OUT
 
@@ -84,7 +84,9 @@ KIND_CATEGORIES = {
     "disk_full": {"disk"}, "device_memory_pressure": {"oom_device"}, "device_memory_leak": {"oom_device"},
     "memory_pressure": {"oom_host"}, "cpu_contention": {"cpu_starvation", "timeout"},
     "io_contention": {"io_starvation", "timeout"}, "clock_skew": {"hang", "timeout", "exception"},
+    "network_partition": {"network"}, "bandwidth_cap": {"network", "timeout"},
 }
+HOST_SCENARIOS = {"20"}  # two hosts of their own (network namespaces, root): run with `rlhf hosts run`
 EXCEPTION_CATEGORIES = {"OutOfMemoryError": {"oom_device"}, "MemoryError": {"oom_host"},
                         "TimeoutError": {"timeout", "exception"}, "OSError": {"disk", "exception"},
                         "ConnectionError": {"network", "exception"}}
@@ -178,7 +180,8 @@ def score(run_dir: str, faults: list[dict], label: str) -> dict:
     return row
 
 
-def run(run_dir: str, fault_file: str, resilience: str, restart: bool = False) -> list[int]:
+def run(run_dir: str, fault_file: str, resilience: str, restart: bool = False, on_hosts: bool = False) -> list[int]:
+    """on_hosts: one launch on each of two hosts of their own (rlhf hosts run: network namespaces, root)."""
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: a kept one would resume, and mix old logs in
     codes = []
     for _ in range(2 if restart else 1):
@@ -186,9 +189,12 @@ def run(run_dir: str, fault_file: str, resilience: str, restart: bool = False) -
             break
         if codes:
             time.sleep(15)  # a crashed run's leftovers stop when the scheduler's lease lapses
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-               f"--master_port={free_port()}", os.path.join(ROOT, "examples", "grpo_trainer.py"), "--run-dir",
-               run_dir, "--faults", fault_file] + (["--resilience", resilience] if resilience != "as written" else [])
+        script = [os.path.join(ROOT, "examples", "grpo_trainer.py"), "--run-dir", run_dir, "--faults", fault_file] + \
+            (["--resilience", resilience] if resilience != "as written" else [])
+        head = [sys.executable, "-m", "rlhf.cli", "hosts", "run", "--port", str(free_port()), "--"] if on_hosts else \
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+             f"--master_port={free_port()}"]
+        cmd = head + script
         try:
             codes.append(subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
                                         timeout=300).returncode)
@@ -220,8 +226,9 @@ def draw(rng: random.Random, n: int) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--scenarios", nargs="*", default=[*map(str, range(1, 11)), *map(str, range(16, 20))],
-                    help="examples/faults/scenarioN.yaml (default: 1-10 and the environments' 16-19)")
+    ap.add_argument("--scenarios", nargs="*", default=[*map(str, range(1, 11)), *map(str, range(16, 21))],
+                    help="examples/faults/scenarioN.yaml (default: 1-10, the environments' 16-19 and the hosts' 20, "
+                         "which needs network namespaces: root)")
     ap.add_argument("--resilience", nargs="+", default=["faithful", "hardened"], choices=["faithful", "hardened"])
     ap.add_argument("--random", type=int, default=30, help="seeded random single faults (faithful)")
     ap.add_argument("--sharded", nargs="*", default=list(SHARDED),
@@ -233,7 +240,13 @@ def main() -> None:
     out = args.rescore or args.out or tempfile.mkdtemp(prefix="rlhf-diagnosis-")
     os.makedirs(out, exist_ok=True)
     plan = []  # (label, run_dir, fault file, resilience, restart)
+    from rlhf.hosts import unavailable
+
+    no_hosts = unavailable()
     for n in args.scenarios:
+        if n in HOST_SCENARIOS and no_hosts:
+            print(f"[diagnosis] scenario {n} skipped: it needs two hosts ({no_hosts})", file=sys.stderr)
+            continue
         for res in args.resilience:
             plan.append((f"scenario {n} {res}", os.path.join(out, f"scenario{n}-{res}"),
                          os.path.join(ROOT, "examples", "faults", f"scenario{n}.yaml"), res, n == "9" and res == "faithful"))
@@ -252,7 +265,8 @@ def main() -> None:
     for label, run_dir, fault_file, res, restart in plan:
         if not args.rescore:
             print(f"[diagnosis] {label} → {run_dir}", file=sys.stderr, flush=True)
-            run(run_dir, fault_file, res, restart)
+            run(run_dir, fault_file, res, restart, on_hosts=os.path.basename(fault_file) in
+                {f"scenario{n}.yaml" for n in HOST_SCENARIOS})
         if not os.path.isdir(run_dir):
             continue
         with open(fault_file, encoding="utf-8") as fh:

@@ -8,6 +8,7 @@
     rlhf report RUN_DIR    figures of how a fault propagated (RUN_DIR/report/*.png)
     rlhf diagnose RUN_DIR  the root cause of a failed run from its evidence alone (RUN_DIR/diagnosis.json)
     rlhf export RUN_DIR OUT [--step N]  a Hugging Face model directory from a checkpoint (replicated or sharded)
+    rlhf hosts run -- SCRIPT [ARGS]     a multi-host run on this machine (network namespaces, root); hosts clean
 """
 
 from __future__ import annotations
@@ -110,7 +111,13 @@ def export_main(argv: list[str] | None = None, prog: str = "rlhf export") -> int
     return run(argv, prog)
 
 
-COMMANDS = {"export": export_main, "diagnose": diagnose_main, "report": report_main, "grpo": grpo_main, "sft": sft_main, "config": config_main, "trace": trace_main, "faults": faults_main}
+def hosts_main(argv: list[str] | None = None, prog: str = "rlhf hosts") -> int:
+    from rlhf.hosts import hosts_main as run
+
+    return run(argv, prog)
+
+
+COMMANDS = {"hosts": hosts_main, "export": export_main, "diagnose": diagnose_main, "report": report_main, "grpo": grpo_main, "sft": sft_main, "config": config_main, "trace": trace_main, "faults": faults_main}
 
 
 def main(argv: list[str] | None = None) -> int:

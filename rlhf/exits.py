@@ -60,10 +60,13 @@ def _append(run_dir: str, record: dict[str, Any]) -> None:
 
 
 def record_start(run_dir: str, process: str, pid: int | None = None) -> None:
-    """pid None: this process's own start; it also arms its stacks dump (rlhf.stacks, hang forensics)."""
+    """pid None: this process's own start; it also arms its stacks dump (rlhf.stacks, hang forensics). The host it
+    runs on (RLHF_HOST, and RLHF_HOST_NAME on a host of rlhf.hosts) goes with it: a job runs on its scheduler's."""
     if pid is None:
         stacks.arm(run_dir, process)
-    _append(run_dir, {"event": "start", "process": process, "pid": pid or os.getpid(), "time": time.time()})
+    host = {k: v for k, v in (("host", os.environ.get("RLHF_HOST", "")), ("host_name", os.environ.get("RLHF_HOST_NAME",
+                                                                                                      ""))) if v}
+    _append(run_dir, {"event": "start", "process": process, "pid": pid or os.getpid(), "time": time.time(), **host})
 
 
 def record_exit(run_dir: str, process: str, pid: int, exit_code: int | None, by: str, expected: bool,
@@ -91,7 +94,7 @@ def read(run_dir: str) -> list[dict[str, Any]]:
 
 def all_lives(run_dir: str) -> list[dict[str, Any]]:
     """Every life of every process, oldest first (a resumed run starts its processes again):
-    {process, pid, start, end, exit_code, signal, by, expected, reason}.
+    {process, pid, start, end, exit_code, signal, by, expected, reason} (+ host, host_name where recorded).
 
     end is None when nothing recorded its end: it vanished (SIGKILL, OOM killer) or is still running.
     A process's own record and its parent's may both exist; the parent's exit status wins (it has the signal).
@@ -108,6 +111,7 @@ def all_lives(run_dir: str) -> list[dict[str, Any]]:
             out.append(life)
         if r.get("event") == "start":
             life["start"] = r.get("time")
+            life.update({k: r[k] for k in ("host", "host_name") if r.get(k)})  # where it ran (RLHF_HOST)
             continue
         by_parent = r.get("by") != name
         if life["end"] is None or (by_parent and not life["signal"]):

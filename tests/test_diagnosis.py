@@ -308,3 +308,21 @@ def test_the_headline_names_the_killed_process_and_the_one_restarted_in_its_plac
         ("rollout-1", DEAD_PID, "killed by SIGKILL", DEAD_PID + 7)
     assert f"rollout-1 (pid {DEAD_PID}, killed by SIGKILL; restarted as pid {DEAD_PID + 7})" in d.headline()
     assert any(e.pid == DEAD_PID for e in d.root.evidence)
+
+
+def test_a_name_that_does_not_resolve_is_the_callers_failure_not_the_peers(tmp_path):
+    """train-1's upload fails because metaserver-0's name does not resolve on train-1 (a dns_failure): the root cause
+    is train-1 (its resolver), not metaserver-0, which was healthy and answered everyone else."""
+    run = make_run(tmp_path, {
+        "controller-0": [(10.00, "ERROR", "rlhf.controller", "run failed: step 2, stage weights_update: HTTPStatusError: "
+                                                             "HTTP 500 from train-1 (http://x/upload_weights): 500")],
+        "train-1": [(9.99, "ERROR", "rlhf.http", "train-1: POST /upload_weights failed at step 2: RpcConnectionError: "
+                                                 "cannot reach metaserver-0 (http://x/weights/2/rank1): gaierror: [Errno "
+                                                 "-2] Name or service not known (metaserver-0.invalid; dns_failure)")],
+        "rollout-0": [(10.01, "ERROR", "rlhf.http", "rollout-0: POST /update_weights_from_meta failed at step 2: "
+                                                    "HTTPStatusError: HTTP 504 from metaserver-0 (http://x/weights/2/"
+                                                    "manifest): incomplete")],
+    }, lives=[("train-1", DEAD_PID, 0.0, 10.5, 1, "train-1", False)])
+    d = diagnose(str(run))
+    assert (d.root.process, d.root.stage, d.root.category) == ("train-1", "weights_update", "network"), d.render()
+    assert "Name or service not known" in d.root.summary

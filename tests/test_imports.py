@@ -16,7 +16,7 @@ PACKAGE = pathlib.Path(ROOT) / "rlhf"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundations", ("rlhf", "rlhf.registry", "rlhf.clock", "rlhf.procs", "rlhf.devices", "rlhf.run_dir",
                      "rlhf.progress", "rlhf.stacks", "rlhf.exits", "rlhf.errors", "rlhf.weights", "rlhf.pieces", "rlhf.batch",
-                     "rlhf.analysis")),
+                     "rlhf.analysis", "rlhf.hosts")),
     ("math, models, tasks", ("rlhf.algorithms", "rlhf.models", "rlhf.tasks")),
     ("config", ("rlhf.config",)),
     ("tracing", ("rlhf.tracing",)),

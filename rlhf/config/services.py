@@ -64,8 +64,14 @@ class RuntimeConfig:
     watchdog_stall_s: float = 5.0
     """Stall watchdog: a train rank inside one collective this long while another rank is blocked elsewhere (no CPU use, no disk wait), or a rank blocked in a call 2x this long after the others answered, is named in seconds (resilience.stall_stops_run: and the run stopped); 0 disables."""
 
+    partition_grace_s: float = 60.0
+    """With resilience.wait_out_partitions: a rank the stall watchdog finds missing that is alive (its heartbeat file
+    in the run directory fresh) but does not answer over the network is behind a partition; the call waits this long
+    for the network to come back (a WARNING naming the rank and its host) before the watchdog's finding stands."""
+
     def __post_init__(self) -> None:
         _positive("runtime.watchdog_stall_s", self.watchdog_stall_s, allow_zero=True)
+        _positive("runtime.partition_grace_s", self.partition_grace_s, allow_zero=True)
         _positive("runtime.heap_mmap_threshold_mb", self.heap_mmap_threshold_mb, allow_zero=True)
 
 

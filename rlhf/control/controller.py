@@ -114,7 +114,8 @@ class Controller(RunLifecycle):
             if self.cfg.checkpoint.resume else None
         if found is None:
             self.where.update(step=-1, stage="sft warm start")
-            (result, _), *_ = self.workers.call("sft_warm_start", stage="sft")
+            with tracing.span("sft", stage="sft"):  # a stage of its own in the trace (and for rlhf diagnose)
+                (result, _), *_ = self.workers.call("sft_warm_start", stage="sft")
             self.sft_result = result
             self.workers.call("begin_grpo", {"save_reference": True})
             if result["sft_stopped"] != "skipped":

@@ -60,7 +60,9 @@ class RunLifecycle(FailureReports, CheckpointSaves):
         # the train layout (dp x tp over the ranks), built once: the batch's shares and the weights' paths read it
         self.workers.layout = make_layout(cfg.parallel.layout, cfg.parallel.tp_size, len(self.workers))
         self.workers.watchdog = StallWatchdog(self.workers.clients, cfg.runtime.watchdog_stall_s,
-                                              self.policy.stall_stops_run, run_dir, on_report=self._stall_reported)
+                                              self.policy.stall_stops_run, run_dir, on_report=self._stall_reported,
+                                              partition_grace_s=cfg.runtime.partition_grace_s
+                                              if self.policy.wait_out_partitions else 0.0)
         self.saves_failed = 0  # checkpoint saves that failed while the run went on (this step's: steps.csv saves_failed)
         self.failed_in_a_row = 0  # skip_failed_saves: consecutive failed saves, against checkpoint.max_failed_saves
         self.stalled = False  # the watchdog found a rank keeping the others waiting: cleanup does not wait for it

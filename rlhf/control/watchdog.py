@@ -9,8 +9,10 @@ the rank that keeps the others waiting, in seconds instead of an RPC timeout (ti
     └─ a rank that has not answered the call 2 x watchdog_stall_s after another rank did, and has been
        blocked (or silent) that long                                                  → a stall
 
-What a stall does is the policy's `stall_stops_run`: on (hardened), the call fails at once with SyncStall
-naming the missing rank; off (faithful, the seeds' system), the report and the live diagnosis are printed
+A missing rank that is alive (its heartbeat file in the run directory fresh) but does not answer over the network is
+behind a partition: with the policy's `wait_out_partitions` the call waits runtime.partition_grace_s for the network
+(a WARNING) before the finding stands. What a stall does is the policy's `stall_stops_run`: on (hardened), the call
+fails at once with SyncStall naming the missing rank; off (faithful, the seeds' system), the report and the live diagnosis are printed
 and the call goes on waiting for its timeout. A rank that is still computing, or waiting on its disk, is a
 straggler, not a stall: the watchdog leaves it to the call's timeout.
 """
@@ -122,10 +124,26 @@ class StallWatchdog:
     """Supervises one fan-out call to the train ranks (see the module docstring)."""
 
     def __init__(self, clients: list[Client], stall_s: float, stops_run: bool, run_dir: str = "",
-                 on_report: Callable[[str], None] | None = None) -> None:
-        """run_dir: where every live process dumps its stacks when a stall is found (rlhf.stacks); '' skips it."""
+                 on_report: Callable[[str], None] | None = None, partition_grace_s: float = 0.0) -> None:
+        """run_dir: where every live process dumps its stacks when a stall is found (rlhf.stacks); '' skips it.
+        partition_grace_s: how long a missing rank that is alive but unreachable (a partition) is waited for."""
         self.clients, self.stall_s, self.stops_run, self.on_report = clients, stall_s, stops_run, on_report
-        self.run_dir = run_dir
+        self.run_dir, self.partition_grace_s = run_dir, partition_grace_s
+
+    def unreachable(self, found: Finding, views: list[RankView]) -> str:
+        """'' unless the missing rank is alive and unreachable: its heartbeat does not answer over the network while
+        the heartbeat file it writes in the run directory (metrics/train-N.csv, every second) is fresh; then where it
+        is (its host) and how fresh the file is."""
+        if found.missing < 0 or not self.run_dir or not views[found.missing].silent:
+            return ""
+        try:
+            age = time.time() - os.path.getmtime(os.path.join(self.run_dir, "metrics", f"train-{found.missing}.csv"))
+        except OSError:
+            return ""
+        if age > 3.0:
+            return ""
+        return (f"train-{found.missing} ({self.clients[found.missing].base_url}) is alive (its heartbeat file is "
+                f"{age:.1f} s old) but does not answer over the network: its host is unreachable (a partition)")
 
     async def _beat(self, client: Client) -> dict[str, Any] | None:
         try:
@@ -156,6 +174,7 @@ class StallWatchdog:
         views = [RankView(r) for r in range(len(calls))]
         answered: dict[int, float] = {}
         reported = False
+        partitioned_since: float | None = None  # when the missing rank was first found alive but unreachable
         while True:
             done, _ = await asyncio.wait([gathered], timeout=POLL_S)
             if done:
@@ -172,8 +191,19 @@ class StallWatchdog:
                 view.update(beat, now)
             found = find_stall(views, self.stall_s, now, answered, method)
             if found is None:
+                partitioned_since = None
                 continue
             where = f"step {step}, stage {stage}" if step >= 0 else f"stage {stage}"
+            cut_off = self.unreachable(found, views) if self.partition_grace_s else ""
+            if cut_off:  # wait for the network, up to the grace (resilience.wait_out_partitions)
+                if partitioned_since is None:
+                    partitioned_since = now
+                    log.warning("stall watchdog (%s, %s): %s; waiting up to %.0f s for it (runtime.partition_grace_s)",
+                                where, method, cut_off, self.partition_grace_s)
+                if now - partitioned_since < self.partition_grace_s:
+                    continue
+                found = Finding.of(f"{found}; {cut_off}, for {now - partitioned_since:.0f} s "
+                                   "(runtime.partition_grace_s)", found.missing)
             found = Finding.of(found + await self._stacks(found), found.missing)
             if self.stops_run:
                 gathered.cancel()

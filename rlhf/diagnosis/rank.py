@@ -102,6 +102,7 @@ def diagnose(run_dir: str) -> Diagnosis:
         if h.category in HARD and root.category not in HARD and h.time - root.time <= _NOTICE_LAG_S:
             root = h
             break
+    _unreachable_host(root, logs, lives)
     others = [h for h in ranked if h is not root]
     diag.root = root
     diag.runner_up = others[0] if others else None
@@ -200,6 +201,32 @@ def _cpu_hog(ranked: list[Hypothesis], metrics: dict[str, list[dict[str, Any]]],
     hog.evidence.insert(0, Evidence(row["_time"], hog.time, name, name, "cpu_starvation", hog.stage, hog.step,
                                     hog.summary, hog.source, "metrics", True, hog.pid))
     return ranked
+
+
+_SILENT = re.compile(r"does not answer|did not answer|cannot reach|no reply from|[Ss]erver ?[Dd]isconnected|timed out")
+
+
+def _unreachable_host(root: Hypothesis, logs: list[Evidence], lives: list[dict[str, Any]]) -> None:
+    """A process that hung or did not answer, alive all along, on another host than the controller's, which the
+    controller could not reach: the host lost its network (a partition), not the process. The root becomes that
+    host, category network, naming every process on it."""
+    if root.category not in ("hang", "timeout", "network") or root.exit:
+        return
+    host_of = {life["process"]: (life.get("host", ""), life.get("host_name", "")) for life in lives}
+    here, name = host_of.get(root.process, ("", ""))
+    controller = host_of.get("train-0", ("", ""))[0]
+    if not here or not controller or here == controller:
+        return
+    on_it = sorted(p for p, (h, _n) in host_of.items() if h == here)
+    silent = [e for e in logs if e.reporter == "controller-0" and _SILENT.search(e.message)
+              and any(re.search(rf"\b{p}\b(?!-)", e.message) for p in on_it)]
+    if not silent:
+        return
+    label = f"host {name} ({here})" if name else f"host {here}"
+    root.category = "network"
+    root.summary = (f"{label} became unreachable: {root.process} kept running there but did not answer the "
+                    f"controller on {controller} (a partition, not a dead process; on the host: {', '.join(on_it)}). "
+                    f"{root.summary}")[:600]
 
 
 def _told_to_stop(e: Evidence) -> bool:

@@ -26,7 +26,7 @@ _RULES = [  # first match wins; applied to the message and its traceback's last 
     ("timeout", r"RpcTimeout|timed out|no reply from|within [\d.]+ ?s\b|TimeoutError|HTTP 504|\"incomplete\""),
     ("network", r"cannot reach|Connect call failed|Connection reset|[Ss]erver ?[Dd]isconnected|Connection refused|"
                 r"Connection closed by peer|ClientConnector|gaierror|Name or service not known|name resolution|"
-                r"RpcConnectionError|Broken pipe|ECONNRESET|ConnectionError"),
+                r"RpcConnectionError|Broken pipe|ECONNRESET|ConnectionError|[Uu]nreachable|does not answer over the network"),
 ]
 LOG_LINE = re.compile(  # one line of logs/<role>-<rank>.log
     r"^(?P<ts>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}) (?P<proc>[a-z]+-\d+) (?P<level>[A-Z]+) "
@@ -39,13 +39,13 @@ _NOT_EVIDENCE = re.compile(r"^first failure of this run|^diagnosis failed|^fault
 _EXC_LINE = re.compile(r"^(?:[\w.]+\.)?(?P<cls>[A-Z]\w*(?:Error|Exception|Mismatch|Timeout|Stall|Payload|Released|"
                        r"Shape|Exit|Interrupt))\b:? ?(?P<msg>.*)$")
 _STAGES = ("weights_update", "events", "rollout", "reward", "reference", "train", "latest_recover_save",
-           "periodic_recover_save", "evaluate", "startup", "resume", "cleanup")
+           "periodic_recover_save", "evaluate", "sft", "startup", "resume", "cleanup")
 _ROUTE_STAGE = [("/generate", "rollout"), ("/update_weights", "weights_update"), ("/upload_weights", "weights_update"),
                 ("/broadcast_weights", "weights_update"), ("_weights_update_group", "weights_update"),
                 ("/weights", "weights_update"), ("/compute_logprobs", "reference"), ("/train_step", "train"),
                 ("/save", "latest_recover_save"), ("/load", "resume"), ("/events", "events"),
                 ("_memory_occupation", "events"), ("/jobs", "cleanup"), ("/evaluate", "evaluate"),
-                ("/score", "reward")]
+                ("/score", "reward"), ("/sft_", "sft")]
 _STEP = re.compile(r"\b(?:at (?:its )?)?step (\d+)")
 _WITHIN = re.compile(r"within ([\d.]+) ?s\b")
 PARENT = {"rollout": "scheduler-0", "reward": "scheduler-0", "env": "scheduler-0", "scheduler": "train-0"}  # a job dies with the scheduler, the scheduler with rank 0
@@ -82,6 +82,9 @@ def _stage_in(text: str) -> str:
     return ""
 
 
+_UNRESOLVED = re.compile(r"gaierror|Name or service not known|name resolution|nodename nor servname|No address associated")
+
+
 def _subject(reporter: str, msg: str) -> tuple[str, bool]:
     """The process a message is about, and whether it is the reporter's own (local) failure."""
     body = re.sub(rf"^{re.escape(reporter)}: ", "", msg)  # a handler's "train-1: POST /x failed" names itself
@@ -91,6 +94,9 @@ def _subject(reporter: str, msg: str) -> tuple[str, bool]:
         missing = [r for r in range(int(m.group(2) or m.group(4))) if str(r) not in have]
         if missing:
             return f"train-{missing[0]}", False
+    if _UNRESOLVED.search(body):  # the name failed to resolve where the call was made: the caller's resolver
+        m = re.search(r"\bin ([a-z]+-\d+) \(pid|^([a-z]+-\d+): ", body)  # a remote error says where it was raised
+        return (m.group(1) or m.group(2), False) if m and (m.group(1) or m.group(2)) != reporter else (reporter, True)
     m = re.search(r"while ([a-z]+-\d+) is in |([a-z]+-\d+) is missing from |(env-\d+) has been in ", body)
     if m:  # the stall watchdog names the one that is elsewhere (or the environment that holds the others)
         return m.group(1) or m.group(2) or m.group(3), False

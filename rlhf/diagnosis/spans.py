@@ -7,7 +7,7 @@ import re
 from typing import Any
 
 from rlhf.diagnosis.report import Evidence
-from rlhf.diagnosis.rules import _STAGES
+from rlhf.diagnosis.rules import _STAGES, _UNRESOLVED
 from rlhf.tracing.read import SpanRecord, load_spans
 
 
@@ -80,7 +80,7 @@ def _refine_stage(e: Evidence, servers: list[SpanRecord]) -> None:
 
 def _peer_of_network_error(e: Evidence, spans: list[SpanRecord]) -> None:
     """A connection error that names no peer ("Server disconnected"): the failed client span says which it was."""
-    if e.category != "network" or not e.local:
+    if e.category != "network" or not e.local or _UNRESOLVED.search(e.message):  # a name that did not resolve: ours
         return
     for s in spans:
         peer = s.attributes.get("rlhf.peer")

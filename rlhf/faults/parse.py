@@ -4,7 +4,7 @@
       - name: slow-upload-from-rank-1          # free text; shows in traces and markers
         kind: network_delay                    # `rlhf faults list` shows every kind
         point: weights_update.upload           # a point name or a glob (rpc.*)
-        target: {role: train, rank: 1}         # role, rank or ranks, peer
+        target: {role: train, rank: 1}         # role, rank or ranks, peer, host (a host of rlhf.hosts)
         when: {step: 3}                        # step | steps | after_s | probability (+ seed) | max_hits
         duration_s: 60                         # how long a background effect lasts (default: to the run's end)
         params: {delay_ms: 1000, jitter_ms: 500}
@@ -29,7 +29,7 @@ from rlhf.faults.points import POINT_ROLES, POINTS
 from rlhf.faults.spec import ROLES, FaultSpec, FaultSpecError, Target, When, _hint, peer_problem, world_problems
 
 TOP_KEYS = ("name", "kind", "point", "target", "when", "duration_s", "params")
-TARGET_KEYS = ("role", "rank", "ranks", "peer")
+TARGET_KEYS = ("role", "rank", "ranks", "peer", "host")
 WHEN_KEYS = ("step", "steps", "after_s", "probability", "seed", "max_hits")
 
 
@@ -226,6 +226,8 @@ def _parse_target(chk: _Checker, tnode: Any, where: str, matched: tuple[str, ...
                 target.ranks = (_scalar(chk, vnode, w, (int,), "an integer rank"),)
             elif key == "ranks":
                 target.ranks = _int_list(chk, vnode, w, "rank")
+            elif key == "host":
+                target.host = str(_scalar(chk, vnode, w, (str,), "a host's name like B (rlhf.hosts)"))
             elif key == "peer":
                 target.peer = _scalar(chk, vnode, w, (str,), "a peer like metaserver, scheduler, rollout-0")
                 problem = peer_problem(target.peer, matched, target.role)

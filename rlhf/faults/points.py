@@ -85,7 +85,7 @@ ROUTES: dict[str, tuple[str, ...]] = {
                    "/health"),
     "scheduler": ("/jobs", "/jobs/{name}", "/lease", "/health"),
     "reward": ("/score", "/health"),
-    "env": ("/reset", "/step", "/close", "/health"),
+    "env": ("/reset", "/step", "/results", "/close", "/health"),
 }
 
 # Which requests may be repeated with the same effect (idempotent): the client retries only these (the policy's

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,15 +30,17 @@ class Target:
     role: str = ""
     ranks: tuple[int, ...] = ()
     peer: str = ""
+    host: str = ""  # a host made by rlhf.hosts (RLHF_HOST_NAME in the process's environment)
 
     def matches(self, role: str, rank: int) -> bool:
-        return (not self.role or self.role == role) and (not self.ranks or rank in self.ranks)
+        return ((not self.role or self.role == role) and (not self.ranks or rank in self.ranks)
+                and (not self.host or os.environ.get("RLHF_HOST_NAME") == self.host))
 
     def describe(self) -> str:
         who = self.role or "any role"
         if self.ranks:
             who += f" rank {','.join(map(str, self.ranks))}"
-        return who + (f" → {self.peer}" if self.peer else "")
+        return who + (f" on host {self.host}" if self.host else "") + (f" → {self.peer}" if self.peer else "")
 
 
 @dataclass
@@ -65,7 +68,8 @@ class FaultSpec:
         """Plain data for config.yaml (re-validated by every process that arms it)."""
         out: dict[str, Any] = {"name": self.name, "kind": self.kind, "point": self.point,
                                "target": {k: v for k, v in (("role", self.target.role), ("ranks", list(self.target.ranks)),
-                                                            ("peer", self.target.peer)) if v},
+                                                            ("peer", self.target.peer), ("host", self.target.host))
+                                          if v},
                                "when": {k: v for k, v in (("steps", list(self.when.steps)), ("after_s", self.when.after_s),
                                                           ("max_hits", self.when.max_hits)) if v},
                                "params": dict(self.params)}
