@@ -32,6 +32,8 @@ import subprocess
 import sys
 from typing import Any
 
+import psutil
+
 SUBNET = "10.77.0"  # 10.77.0.0/24: nothing else on this machine uses it
 HOST_LINK = "eth0"  # a host's link, inside its namespace
 _NAME = re.compile(r"^rlhf(\d+)-(\w+)$")  # a namespace of ours: rlhf<pid>-<host>
@@ -64,16 +66,6 @@ def unavailable() -> str:
     return ""
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _pids_in(ns: str) -> list[int]:
     out = _ip("netns", "pids", ns, check=False)
     return [int(p) for p in out.stdout.split()] if out.returncode == 0 else []
@@ -86,12 +78,12 @@ def remove_leftovers(all_of_them: bool = False) -> list[str]:
     for line in _ip("netns", "list", check=False).stdout.splitlines():
         ns = line.split()[0] if line.split() else ""
         m = _NAME.match(ns)
-        if m and (all_of_them or not _alive(int(m.group(1)))):
+        if m and (all_of_them or not psutil.pid_exists(int(m.group(1)))):
             _delete_ns(ns)
             removed.append(ns)
     for line in _ip("-o", "link", "show", "type", "bridge", check=False).stdout.splitlines():
         m = re.match(r"^\d+: (rlhf(\d+)br)[:@]", line)
-        if m and (all_of_them or not _alive(int(m.group(2)))):
+        if m and (all_of_them or not psutil.pid_exists(int(m.group(2)))):
             _ip("link", "del", m.group(1), check=False)
             removed.append(m.group(1))
     return removed

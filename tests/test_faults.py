@@ -47,7 +47,7 @@ def _disarm():
 
 BAD_SPECS = {
     "unknown kind": ("faults:\n  - kind: netwrk_delay\n    point: rollout.generate\n",
-                     ["test.yaml:2", "faults[0].kind", "did you mean 'network_delay'", "kinds: clock_skew"]),
+                     ["test.yaml:2", "faults[0].kind", "did you mean 'network_delay'", "kinds: bandwidth_cap, clock_skew"]),
     "unknown point": ("faults:\n  - kind: hang\n    point: rollout.generat\n",
                       ["test.yaml:3", "faults[0].point", "did you mean 'rollout.generate'", "points: weights_update"]),
     "wrong type": ("faults:\n  - kind: network_delay\n    point: rpc.client.send\n    params: {delay_ms: fast}\n",
