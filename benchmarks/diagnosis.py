@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Score `rlhf diagnose` against the fault markers: the scenario matrix and seeded random single faults.
 
-    python benchmarks/diagnosis.py                            # scenarios 1-10, 16-20 faithful + hardened, 30 random faults
+    python benchmarks/diagnosis.py                            # scenarios 1-10, 16-21 faithful + hardened, 30 random faults
     python benchmarks/diagnosis.py --random 0 --resilience faithful --scenarios 2 7
     python benchmarks/diagnosis.py --rescore OUT              # score the run directories already in OUT
 
@@ -86,7 +86,7 @@ KIND_CATEGORIES = {
     "io_contention": {"io_starvation", "timeout"}, "clock_skew": {"hang", "timeout", "exception"},
     "network_partition": {"network"}, "bandwidth_cap": {"network", "timeout"},
 }
-HOST_SCENARIOS = {"20"}  # two hosts of their own (network namespaces, root): run with `rlhf hosts run`
+HOST_SCENARIOS = {"20", "21"}  # two hosts of their own (network namespaces, root): run with `rlhf hosts run`
 EXCEPTION_CATEGORIES = {"OutOfMemoryError": {"oom_device"}, "MemoryError": {"oom_host"},
                         "TimeoutError": {"timeout", "exception"}, "OSError": {"disk", "exception"},
                         "ConnectionError": {"network", "exception"}}
@@ -226,8 +226,8 @@ def draw(rng: random.Random, n: int) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--scenarios", nargs="*", default=[*map(str, range(1, 11)), *map(str, range(16, 21))],
-                    help="examples/faults/scenarioN.yaml (default: 1-10, the environments' 16-19 and the hosts' 20, "
+    ap.add_argument("--scenarios", nargs="*", default=[*map(str, range(1, 11)), *map(str, range(16, 22))],
+                    help="examples/faults/scenarioN.yaml (default: 1-10, the environments' 16-19 and the hosts' 20-21, "
                          "which needs network namespaces: root)")
     ap.add_argument("--resilience", nargs="+", default=["faithful", "hardened"], choices=["faithful", "hardened"])
     ap.add_argument("--random", type=int, default=30, help="seeded random single faults (faithful)")

@@ -117,7 +117,7 @@ def run_one(n: str, mode: str, resilience: str, out_dir: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scenarios", nargs="+", default=[*map(str, range(1, 20))],
-                    help="scenario numbers (default 1-19; 20 needs two hosts: rlhf hosts run, docs/hosts.md)")
+                    help="scenario numbers (default 1-19; 20 and 21 need two hosts: rlhf hosts run, docs/hosts.md)")
     ap.add_argument("--resilience", nargs="+", default=["faithful"], choices=["faithful", "hardened"])
     ap.add_argument("--modes", nargs="+", default=["rl", "sft"], choices=["rl", "sft"],
                     help="rl: examples/grpo_trainer.py; sft: the SFT baseline on the same train workers")

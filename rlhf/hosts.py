@@ -186,8 +186,8 @@ class Hosts:
 def cap_link(link: str, rate_mbit: float, netns: str = "") -> None:
     """A tbf qdisc at rate_mbit on `link` (of network namespace netns; '' this process's)."""
     burst = max(1600, int(rate_mbit * 1e6 / 8 / 250))  # one timer tick's worth at 250 Hz, at least a packet
-    _tc(netns, "qdisc", "replace", "dev", link, "root", "tbf", "rate", f"{rate_mbit:g}mbit", "burst", str(burst),
-        "latency", "400ms")
+    _tc(netns, "qdisc", "replace", "dev", link, "root", "tbf", "rate", f"{rate_mbit * 1000:g}kbit", "burst",
+        str(burst), "latency", "400ms")
 
 
 def uncap_link(link: str, netns: str = "") -> None:

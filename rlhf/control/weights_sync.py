@@ -130,11 +130,14 @@ class WeightSync(BroadcastUpdate):
         elif uploads and not any(t.done() for t in uploads):
             await asyncio.wait(uploads, return_when=asyncio.FIRST_COMPLETED)  # bounded by the upload timeout
         writer = next((r for r, t in enumerate(uploads) if t.done()), 0)
+        still = [f"train-{r}" for r, t in enumerate(uploads) if not t.done()]  # the MetaServer waits for their shards
         for t in uploads:  # a stuck upload ends on its own timeout; its error is evidence in its rank's log
             t.add_done_callback(lambda f: f.cancelled() or f.exception())
         what = f"{type(exc).__name__}: {exc}"[:300]
-        log.warning("step %d: weights version %s through the MetaServer failed (%s); falling back to disk, "
-                    "written by train-%d", step, version, what, writer)
+        log.warning("step %d: weights version %s through the MetaServer failed (%s)%s; falling back to disk, "
+                    "written by train-%d", step, version, what,
+                    f"; {', '.join(still)}'s upload had not ended (its shard not at the MetaServer)" if still else "",
+                    writer)
         path = os.path.join(self.run_dir, "weights", "latest")
         with tracing.span("weights.fallback", stage="weights_update", step=step,
                           **{"rlhf.writer": f"train-{writer}", "rlhf.error": what}):

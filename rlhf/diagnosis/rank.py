@@ -102,6 +102,7 @@ def diagnose(run_dir: str) -> Diagnosis:
         if h.category in HARD and root.category not in HARD and h.time - root.time <= _NOTICE_LAG_S:
             root = h
             break
+    _slow_path(root, logs, pids)
     _unreachable_host(root, logs, lives)
     others = [h for h in ranked if h is not root]
     diag.root = root
@@ -203,7 +204,23 @@ def _cpu_hog(ranked: list[Hypothesis], metrics: dict[str, list[dict[str, Any]]],
     return ranked
 
 
-_SILENT = re.compile(r"does not answer|did not answer|cannot reach|no reply from|[Ss]erver ?[Dd]isconnected|timed out")
+def _slow_path(root: Hypothesis, logs: list[Evidence], pids: dict[str, int]) -> None:
+    """A timeout that one process reported about a service which answered the others meanwhile (an HTTP status from
+    it, in their logs): the reporter's path to it was slow (its own link, as a capped host's), not the service. The
+    root becomes the reporter."""
+    first = root.evidence[0] if root.evidence else None
+    if root.category != "timeout" or first is None or first.reporter == root.process or first.local:
+        return
+    answered = sorted({e.reporter for e in logs if e.reporter not in (first.reporter, root.process)
+                       and re.search(rf"HTTP \d{{3}} from {re.escape(root.process)}\b", e.message)
+                       and abs(e.time - first.time) < 60.0})
+    if not answered:
+        return
+    service = root.process
+    root.process, root.pid = first.reporter, pids.get(first.reporter)
+    root.summary = (f"{first.reporter}'s calls to {service} timed out while {service} answered "
+                    f"{', '.join(answered)} meanwhile: {first.reporter}'s path to it was slow (its own link), not "
+                    f"{service}. {root.summary}")[:600]
 
 
 def _unreachable_host(root: Hypothesis, logs: list[Evidence], lives: list[dict[str, Any]]) -> None:
@@ -218,8 +235,9 @@ def _unreachable_host(root: Hypothesis, logs: list[Evidence], lives: list[dict[s
     if not here or not controller or here == controller:
         return
     on_it = sorted(p for p, (h, _n) in host_of.items() if h == here)
-    silent = [e for e in logs if e.reporter == "controller-0" and _SILENT.search(e.message)
-              and any(re.search(rf"\b{p}\b(?!-)", e.message) for p in on_it)]
+    silent = [e for e in logs if e.reporter == "controller-0" and any(re.search(
+        rf"(?:cannot reach|no reply from) {p}\b(?!-)|\b{p} is in an unknown place|\b{p} \(http[^)]*\) is alive[^;]*"
+        r"does not answer", e.message) for p in on_it)]
     if not silent:
         return
     label = f"host {name} ({here})" if name else f"host {here}"

@@ -94,6 +94,9 @@ def _subject(reporter: str, msg: str) -> tuple[str, bool]:
         missing = [r for r in range(int(m.group(2) or m.group(4))) if str(r) not in have]
         if missing:
             return f"train-{missing[0]}", False
+    m = re.search(r"(train-\d+)(?:, train-\d+)*'s upload had not ended", body)
+    if m:  # the weights fallback: the MetaServer waited for this rank's shard
+        return m.group(1), False
     if _UNRESOLVED.search(body):  # the name failed to resolve where the call was made: the caller's resolver
         m = re.search(r"\bin ([a-z]+-\d+) \(pid|^([a-z]+-\d+): ", body)  # a remote error says where it was raised
         return (m.group(1) or m.group(2), False) if m and (m.group(1) or m.group(2)) != reporter else (reporter, True)
