@@ -24,7 +24,11 @@ def launch(run_dir, port, node, address, rdzv, mode, n_steps):
             f"--rdzv-endpoint={rdzv}:{port}", f"--rdzv-id=two-nodes-{port}", f"--local-addr={address}",
             f"--rdzv-conf=is_host={'true' if node == 0 else 'false'}",
             f"{ROOT}/examples/grpo_trainer.py", "--run-dir", str(run_dir), "--preset", "smoke", "--rollout.servers", "2",
-            "--steps", str(n_steps), "--sft.max_steps", "0", "--weights.mode", mode]
+            "--steps", str(n_steps), "--sft.max_steps", "0", *WEIGHTS[mode]]
+
+
+WEIGHTS = {"distributed": ["--weights.mode", "distributed"],  # the broadcast: a gloo group across the hosts
+           "meta-http": ["--weights.mode", "meta", "--weights.transport", "http"]}  # shards through the MetaServer
 
 
 def listening(hosts, name):
@@ -33,7 +37,7 @@ def listening(hosts, name):
     return {line.split()[3].rsplit(":", 1)[0] for line in out.splitlines() if line.split()}
 
 
-@pytest.mark.parametrize("mode, n_steps", [("distributed", 6)])
+@pytest.mark.parametrize("mode, n_steps", [("distributed", 6), pytest.param("meta-http", 6, marks=pytest.mark.slow)])
 def test_two_nodes_form_one_run_each_with_its_scheduler_and_rollout_server(tmp_path, mode, n_steps):
     """The weights across hosts: train rank 0 (node 0) broadcasts them to a gloo group of both nodes' rollout servers,
     across the two hosts (the MetaServer's path is the one every single-node test takes). In namespaces the c10d
