@@ -14,7 +14,8 @@ bridge (root, Linux) — for the multi-host tests, and for reproducing a multi-h
 
 Inside a host the link is `eth0` (HOST_LINK) and loopback is up; the processes see RLHF_HOST (the host's address, which
 rlhf's services bind), RLHF_HOST_NAME (a fault's `target: {host: B}`) and RLHF_HOST_LINK in their environment,
-GLOO_SOCKET_IFNAME too (gloo's collectives on that link). Every name carries this process's pid: entering removes what an earlier use whose process is gone left behind
+GLOO_SOCKET_IFNAME too (gloo's collectives on that link); each command a host runs gets an empty /dev/shm of its own,
+as on a real host (a process's children share it). Every name carries this process's pid: entering removes what an earlier use whose process is gone left behind
 (after a kill), and leaving stops every process still inside a host and deletes the namespaces and the bridge (their
 links and qdiscs go with them), also after an exception. Where it cannot work, `unavailable()` says why (not root, no
 `ip`, no network namespaces). Delay and loss are not here (this kernel has no netem): the in-process network_delay and
@@ -158,8 +159,11 @@ class Hosts:
                 "RLHF_HOST_LINK": HOST_LINK, "GLOO_SOCKET_IFNAME": HOST_LINK}
 
     def command(self, name: str, cmd: list[str]) -> list[str]:
-        """cmd as run inside host `name`'s network stack."""
-        return ["ip", "netns", "exec", self.ns(name), *cmd]
+        """cmd as run inside host `name`'s network stack, with a /dev/shm of its own: `ip netns exec` gives it a mount
+        namespace, where an empty tmpfs goes over /dev/shm (real hosts share no shared memory; what cmd starts shares
+        cmd's; the tmpfs goes with the last of them)."""
+        return ["ip", "netns", "exec", self.ns(name), "sh", "-c", 'mount -t tmpfs -o mode=1777 rlhf-shm /dev/shm && '
+                'exec "$@"', f"rlhf-host-{name}", *cmd]
 
     def popen(self, name: str, cmd: list[str], env: dict[str, str] | None = None, **kwargs: Any) -> subprocess.Popen:
         """Start cmd on host `name` (environ() added to env); it is stopped on leaving if still running."""

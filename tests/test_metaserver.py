@@ -307,3 +307,48 @@ def test_a_rollout_models_slices_are_compared_with_the_pieces_each_rank_holds():
     assert [k for k in sent if got[k] != sent[k]] == ["0.weight[4:8,0:6]"]
     assert slice_digests(rollout, {"x[0:1]": {"name": "missing.weight", "offset": [0], "shape": [1]}},
                          "sha256") == {"x[0:1]": "absent"}
+
+
+def test_a_rank_or_server_on_another_host_moves_its_shard_over_http_and_the_version_opens_without_a_round_trip(
+        monkeypatch):
+    """weights.transport shm across hosts: train rank 1 does not see the MetaServer's shared-memory folder (another
+    host's /dev/shm) and PUTs its bytes; rank 0 beside the MetaServer writes its file. A rollout server that sees
+    neither file (on a third host) fetches both over HTTP and ends with the trainer's model. The version was opened
+    by the controller's direct call (MetaServer.open_version), with no POST /versions."""
+    from types import SimpleNamespace
+
+    from rlhf.config import Config
+    from rlhf.pieces import import_pieces
+    from rlhf.services import metaserver
+    from rlhf.services.train_worker.state import WeightsAndCheckpoints
+
+    torch.manual_seed(0)
+    trained, rollout = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3)), \
+        torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    meta = MetaServer(TOKEN, transport="shm")
+    url = meta.start()
+    ranks = [SimpleNamespace(model=trained, rank=r, world_size=2, wire_dtype=torch.float32, run_dir="", device="cpu",
+                             cfg=Config(), token=TOKEN) for r in range(2)]
+    try:
+        asyncio.run(meta.open_version("7", 2))
+        for rank, shm_dir in zip(ranks, [meta.shm_dir, os.path.join(meta.shm_dir + "-elsewhere")]):
+            WeightsAndCheckpoints.upload_weights(rank, {"version": "7", "metaserver_url": url, "timeout_s": 10,
+                                                        "transport": "shm", "shm_dir": shm_dir}, {})
+        assert os.listdir(meta.shm_dir) == ["v7-rank0.safetensors"]  # rank 1's shard is held as bytes
+        monkeypatch.setattr(metaserver.os.path, "exists", lambda path: False)  # a host that sees no shard file
+
+        async def pull():
+            client = Client(url, TOKEN)
+            try:
+                manifest, _ = await client.call("/weights/7/manifest?wait_s=5", method="GET")
+                return manifest, await metaserver.pull_pieces(client, "7", 5, 10)
+            finally:
+                await client.close()
+
+        manifest, pieces = asyncio.run(pull())
+        assert "path" in manifest["shards"]["rank0"] and "path" not in manifest["shards"]["rank1"]
+        import_pieces(rollout, pieces)
+        for a, b in zip(trained.parameters(), rollout.parameters()):
+            assert torch.equal(a, b)
+    finally:
+        meta.stop()

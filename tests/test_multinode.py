@@ -28,7 +28,9 @@ def launch(run_dir, port, node, address, rdzv, mode, n_steps):
 
 
 WEIGHTS = {"distributed": ["--weights.mode", "distributed"],  # the broadcast: a gloo group across the hosts
-           "meta-http": ["--weights.mode", "meta", "--weights.transport", "http"]}  # shards through the MetaServer
+           # shards through the MetaServer, by shared memory where the MetaServer's /dev/shm is seen (host A), else
+           # over HTTP (host B: its own /dev/shm): the default transport across hosts
+           "meta": ["--weights.mode", "meta"]}
 
 
 def listening(hosts, name):
@@ -37,7 +39,7 @@ def listening(hosts, name):
     return {line.split()[3].rsplit(":", 1)[0] for line in out.splitlines() if line.split()}
 
 
-@pytest.mark.parametrize("mode, n_steps", [("distributed", 6), pytest.param("meta-http", 6, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mode, n_steps", [("distributed", 6), pytest.param("meta", 6, marks=pytest.mark.slow)])
 def test_two_nodes_form_one_run_each_with_its_scheduler_and_rollout_server(tmp_path, mode, n_steps):
     """The weights across hosts: train rank 0 (node 0) broadcasts them to a gloo group of both nodes' rollout servers,
     across the two hosts (the MetaServer's path is the one every single-node test takes). In namespaces the c10d
@@ -133,6 +135,23 @@ def test_hosts_are_torn_down_also_after_their_maker_is_killed(tmp_path):
         Hosts(["A", "B"]).address("C")
     with pytest.raises(ValueError, match="names are 1-4 letters"):
         Hosts(["A", "A"])
+
+
+@pytest.mark.skipif(bool(NO_HOSTS), reason=f"no network-namespace hosts here: {NO_HOSTS}")
+def test_each_host_has_a_dev_shm_of_its_own_shared_by_what_its_command_starts():
+    """As on real hosts: a file a process on A puts in /dev/shm is seen by A's process's children, not by B nor by
+    this machine, and goes with A's last process."""
+    probe = f"rlhf-probe-{os.getpid()}"
+    with Hosts(["A", "B"]) as hosts:
+        a = hosts.popen("A", ["sh", "-c", f"touch /dev/shm/{probe} && sh -c 'ls /dev/shm' && read line"],
+                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert a.stdout.readline().strip() == probe  # a child of A's command sees it
+            assert hosts.run("B", ["ls", "-A", "/dev/shm"], capture_output=True, text=True).stdout == ""
+            assert not os.path.exists(f"/dev/shm/{probe}")
+        finally:
+            a.communicate("\n", timeout=10)
+    assert not os.path.exists(f"/dev/shm/{probe}")
 
 
 KIND_SNIPPET = """

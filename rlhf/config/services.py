@@ -25,7 +25,7 @@ class WeightsConfig:
     verify: bool = True
     """After each weights update, check every rollout server's weight_version and weights checksum against the trainer's."""
     transport: str = "shm"
-    """meta mode: how shard bytes travel. shm: as files in a shared-memory folder (every process on this host; control stays HTTP); http: in the HTTP bodies (any host); cuda_ipc: they stay in each train rank's GPU memory and the rollout servers on the same GPU copy them device to device (CUDA IPC handles in the control messages; one host, model.device cuda)."""
+    """meta mode: how shard bytes travel. shm: as files in the MetaServer's shared-memory folder, by the processes that see it (its host), over HTTP by the others (control stays HTTP); http: in the HTTP bodies (any host); cuda_ipc: they stay in each train rank's GPU memory and the rollout servers on the same GPU copy them device to device (CUDA IPC handles in the control messages; one host, model.device cuda)."""
     checksum: str = "none"
     """Per-tensor digest in each meta-mode shard, written by the uploader and checked by every rollout server (names the corrupt tensor): none, crc32 (about halves the relay's speed), sha256. weights.verify already checks the whole model end to end."""
     bucket_mb: float = 256.0

@@ -59,20 +59,22 @@ class TrainStage:
         batches = []
         for share in shares:  # built where first needed
             batches.append({**to_batch(share, self.pad_id), "advantages": share["advantages"]})
-        for which, key, needed in (("reference", "ref_logprobs", alg.kl_coef > 0),
-                                   ("policy", "old_logprobs", alg.old_logprobs == "recompute")):
-            if not needed:
-                continue
-            replies = self.workers.call("compute_logprobs", {"which": which}, self.per_rank(batches), step,
-                                        "reference")[::self.layout.tp]
-            if key == "old_logprobs":
-                if alg.off_policy != "none":  # the behaviour policy's, for the importance weight
-                    for b in batches:
-                        b["rollout_logprobs"] = b["old_logprobs"]
-                row.update(logprob_diff([(b["old_logprobs"], out["logprobs"], b["response_mask"])
-                                         for b, (_, out) in zip(batches, replies)]))
-            for b, (_, out) in zip(batches, replies):
-                b[key] = out["logprobs"]
+        which = [w for w, needed in (("reference", alg.kl_coef > 0), ("policy", alg.old_logprobs == "recompute"))
+                 if needed]
+        if not which:
+            return batches
+        # both passes in one call when both are needed: the batch crosses once
+        replies = self.workers.call("compute_logprobs", {"which": which}, self.per_rank(batches), step,
+                                    "reference")[::self.layout.tp]
+        if "policy" in which:
+            if alg.off_policy != "none":  # the behaviour policy's, for the importance weight
+                for b in batches:
+                    b["rollout_logprobs"] = b["old_logprobs"]
+            row.update(logprob_diff([(b["old_logprobs"], out["policy"], b["response_mask"])
+                                     for b, (_, out) in zip(batches, replies)]))
+        for b, (_, out) in zip(batches, replies):
+            for w in which:
+                b[{"reference": "ref_logprobs", "policy": "old_logprobs"}[w]] = out[w]
         return batches
 
     def train(self, step: int, batches: list[dict[str, Any]], rows: int | None = None) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from rlhf.config import Config
 from rlhf.control.broadcast import OUTER_MARGIN_S, BroadcastUpdate
 from rlhf.control.fleet import RolloutServices
 from rlhf.control.workers import WorkerGroup
-from rlhf.transport.client import Client, LoopThread
+from rlhf.transport.client import LoopThread
 
 log = logging.getLogger("rlhf.controller")
 
@@ -78,16 +78,12 @@ class WeightSync(BroadcastUpdate):
 
     async def _update_meta(self, version: str, step: int) -> dict[str, float]:
         cfg, url = self.cfg, self.services.metaserver_url
-        meta = Client(url, self.token, peer="metaserver-0", retries=self.cfg.resilience.retry_idempotent)
-        try:
-            await meta.call("/versions", {"version": version, "shards": len(self.workers)}, stage="weights_update",
-                            step=step)
+        try:  # in this process: no round trip
+            await self.services.metaserver.open_version(version, len(self.workers), step)
         except Exception as exc:  # noqa: BLE001 — re-raised unless the policy falls back to disk
             if not cfg.resilience.weights_fallback:
                 raise
             return await self._fallback(version, step, [], exc)
-        finally:
-            await meta.close()
 
         async def timed(coro: Any) -> float:
             t = time.perf_counter()

@@ -225,7 +225,10 @@ class _Jobs:
                                                         "colocate_with": colocate_with}))[0]
 
     def jobs(self) -> list[dict]:
-        return self.loop.run(self.client.call("/jobs", method="GET"))[0]
+        return self.loop.run(self.ajobs())
+
+    async def ajobs(self) -> list[dict]:
+        return (await self.client.call("/jobs", method="GET"))[0]
 
     async def stop_job(self, name: str, timeout_s: float, step: int = -1) -> dict:
         return (await self.client.call(f"/jobs/{name}", method="DELETE", timeout_s=timeout_s, stage="cleanup",

@@ -8,6 +8,7 @@ without one), RpcTimeout, RpcConnectionError (reset, refused, cut mid-body) — 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import threading
 import time
@@ -199,6 +200,16 @@ class LoopThread:
 
     def run(self, coro: Awaitable, timeout: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)  # type: ignore[arg-type]
+
+    def run_as_caller(self, coro: Awaitable, timeout: float | None = None) -> Any:
+        """run(coro) under the caller's context variables (its span, role and step: what asyncio.run(coro) keeps),
+        on this loop and its open connections instead of a new loop's."""
+        ctx = contextvars.copy_context()
+
+        async def inside() -> Any:
+            return await asyncio.get_running_loop().create_task(coro, context=ctx)  # type: ignore[arg-type]
+
+        return self.run(inside(), timeout)
 
     def gather(self, *coros: Awaitable, return_exceptions: bool = False) -> list:
         """Run coroutines concurrently on the loop; the gather itself is made inside the loop."""

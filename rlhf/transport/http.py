@@ -276,7 +276,11 @@ class ServiceThread:
 
     def run(self, coro: Any, timeout_s: float) -> Any:
         """Run a coroutine on the server's loop (where its handlers' state lives) and wait for its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=timeout_s)
+        return self.submit(coro).result(timeout=timeout_s)
+
+    def submit(self, coro: Any) -> concurrent.futures.Future:
+        """Start a coroutine on the server's loop; its future (asyncio.wrap_future awaits it from another loop)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Close the server; requests still running get timeout_s to finish (a rank that is exiting with a

@@ -4,7 +4,6 @@ their load on resume."""
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import json
 import logging
@@ -12,6 +11,7 @@ import os
 import shutil
 import threading
 import time
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -27,11 +27,22 @@ from rlhf.services.metaserver import push_shard
 from rlhf.train.parallel import Gathered, local
 from rlhf.transport import cuda_ipc
 from rlhf.transport import weights_group as wg
-from rlhf.transport.client import Client
+from rlhf.transport.client import Client, LoopThread
 from rlhf.transport.http import DEFAULT_HOST
 from rlhf.weights import PIECES, checksum, encode_shard, export_state, import_state, save_state_dir, write_shard
 
 log = logging.getLogger("rlhf.train_worker")
+
+
+def _metaserver_client(worker: Any, url: str) -> tuple[LoopThread, Client]:
+    """A loop and a client a train rank keeps for its uploads (one connection, no new event loop a step: about a
+    millisecond a weights update)."""
+    kept = getattr(worker, "_metaserver", None)
+    if kept is None or kept[1].base_url != url.rstrip("/"):
+        loop = kept[0] if kept is not None else LoopThread("metaserver-client")
+        kept = worker._metaserver = (loop, Client(url, worker.token, peer="metaserver-0",
+                                                  retries=worker.cfg.resilience.retry_idempotent))
+    return kept
 
 
 def save_reference(directory: str, reference: torch.nn.Module, rank: int, world: int, sharded: bool) -> None:
@@ -88,8 +99,9 @@ class WeightsAndCheckpoints:
         """Send this rank's shard of the weights to the MetaServer as version args['version'].
 
         args['transport'] cuda_ipc: pack the shard into one buffer on this rank's GPU, kept for args['keep']
-        versions, and PUT one CUDA IPC handle per rollout server (args['consumers']); else args['shm_dir'] set (same
-        host): write the shard as a file there and PUT its path; else PUT the bytes.
+        versions, and PUT one CUDA IPC handle per rollout server (args['consumers']); else args['shm_dir'] set and
+        seen here (the MetaServer's host): write the shard as a file there and PUT its path; else PUT the bytes (a
+        rank on another host: its /dev/shm is not the MetaServer's).
         """
         version, shard = str(args["version"]), f"rank{self.rank}"
         with tracing.span("weights.serialize"):
@@ -106,7 +118,7 @@ class WeightsAndCheckpoints:
                     self._ipc_buffers.pop(next(iter(self._ipc_buffers)))
                 ipc = {"header": header, "handles": cuda_ipc.share(flat, int(args.get("consumers", 1)))}
                 size = flat.numel()
-            elif args.get("shm_dir"):
+            elif args.get("shm_dir") and os.path.isdir(args["shm_dir"]):
                 path = os.path.join(args["shm_dir"], f"v{version}-{shard}.safetensors")
                 size = write_shard(part, path, self.cfg.weights.checksum, where)
             else:
@@ -114,17 +126,14 @@ class WeightsAndCheckpoints:
                 size = len(body)
         t0 = time.perf_counter()
 
+        loop, client = _metaserver_client(self, args["metaserver_url"])
+
         async def put() -> None:
-            client = Client(args["metaserver_url"], self.token, peer="metaserver-0",
-                            retries=self.cfg.resilience.retry_idempotent)
-            try:
-                await afault_point("weights_update.upload", peer="metaserver-0")
-                await push_shard(client, version, shard, body, float(args.get("timeout_s", 600)), path=path, ipc=ipc)
-            finally:
-                await client.close()
+            await afault_point("weights_update.upload", peer="metaserver-0")
+            await push_shard(client, version, shard, body, float(args.get("timeout_s", 600)), path=path, ipc=ipc)
 
         try:
-            asyncio.run(put())
+            loop.run_as_caller(put())
         except BaseException:
             if path and os.path.exists(path):
                 os.unlink(path)  # never handed over: the MetaServer does not own it

@@ -181,10 +181,15 @@ class TrainWorker(SftAndPreflight, WeightsAndCheckpoints):
 
     def compute_logprobs(self, args: dict, tensors: dict) -> tuple[dict, dict]:
         self._require_device("compute_logprobs")
+        """One batch's logprobs under the reference or the policy (`which`: "reference", "policy"), or under each of a
+        list of them in one call (the batch sent once): the reply's tensors are then named after them."""
         which = args.get("which", "reference")
-        fault_point("reference.compute")
-        out = self._engine().compute_logprobs(tensors, which)
-        return {"which": which, "rows": int(out.shape[0])}, {"logprobs": out}
+        outs = {}
+        for model in which if isinstance(which, list) else [which]:
+            fault_point("reference.compute")
+            outs[model] = self._engine().compute_logprobs(tensors, model)
+        rows = int(next(iter(outs.values())).shape[0]) if outs else 0
+        return {"which": which, "rows": rows}, (outs if isinstance(which, list) else {"logprobs": outs[which]})
 
     def train_step(self, args: dict, tensors: dict) -> dict:
         self._require_device("train_step")
@@ -270,6 +275,14 @@ class TrainWorker(SftAndPreflight, WeightsAndCheckpoints):
             self.node_scheduler = None
         if self._scheduler_loop is not None:
             self._scheduler_loop.close()
+        kept = getattr(self, "_metaserver", None)  # the uploads' loop and client (state._metaserver_client)
+        if kept is not None:
+            loop, client = kept
+            try:
+                loop.run(client.close(), timeout=2.0)
+            except Exception as exc:  # noqa: BLE001 — a loop stuck in an upload: the process is ending anyway
+                log.debug("closing the MetaServer client: %s: %s", type(exc).__name__, exc)
+            loop.close()
         if self.lease is not None:
             self.lease.release()
 
