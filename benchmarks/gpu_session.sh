@@ -5,8 +5,10 @@
 #   bash benchmarks/gpu_session.sh OUTDIR [PART ...]
 #
 # Parts run in the order named. Default (all): info tests tests-oom megatron rollout rollout-attn gloo-probe sharded-diag
-# grpo-110m grpo-tiny grpo-tiny-heap sharding-run sharding-run-tiny sharding-run1 sharding-layouts; `remaining` names
-# those the last GPU session did not run on the current code, most wanted first. By name only: tests-ipc and grpo-110m-ipc
+# grpo-110m grpo-tiny grpo-tiny-heap sharding-run sharding-run-tiny sharding-run1 sharding-layouts; `remaining`,
+# `remaining2` and `remaining3` name those the last GPU session did not run on the current code, most wanted first, in
+# three calls that each fit one 15-minute device slot (the parts' limits add up to 490-600 s each, `info` taking seconds
+# of its 60; the wheels' install and the machine's start besides). By name only: tests-ipc and grpo-110m-ipc
 # (weights.transport cuda_ipc: its GPU test, the 110 M step with it), async-110m and async-tiny (sync against
 # rollout.mode async K = 1, one after the other), tests-sharded (the sharded GPU test alone),
 # tests-kernel (the decode kernel's GPU test), rollout-bf16 (the bf16 rollout with its profile), rollout-tiles (the Triton
@@ -21,8 +23,12 @@ mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 ALL="info tests tests-oom megatron rollout rollout-attn gloo-probe sharded-diag grpo-110m grpo-tiny grpo-tiny-heap sharding-run sharding-run-tiny sharding-run1 sharding-layouts"
-REMAINING="info async-110m async-tiny megatron sharding-run sharding-layouts grpo-tiny tests-kernel tests"
+REMAINING="info grpo-tiny async-110m async-tiny tests-kernel"  # limits: 490 s
+REMAINING2="info megatron sharding-layouts"                       # 600 s
+REMAINING3="info sharding-run tests"                              # 540 s
 PARTS=${*:-$ALL}
+PARTS=${PARTS//remaining3/$REMAINING3}
+PARTS=${PARTS//remaining2/$REMAINING2}
 PARTS=${PARTS//remaining/$REMAINING}
 go() {  # seconds, command...: the part $name under its limit, its output in $OUT/$name.log
     local limit=$1 t0=$SECONDS
@@ -57,7 +63,7 @@ run() {
         sharding-run-tiny) go 100 python3 benchmarks/sharding.py --part run --device cuda --model tiny-qwen2-gqa --run-world 2 --run-steps 3 ;;
         sharding-run1) go 200 python3 benchmarks/sharding.py --part run --device cuda --model qwen2-1.5b --run-world 1 --run-steps 3 ;;
         sharding-layouts) go 240 python3 benchmarks/sharding.py --part layouts --device cuda --model llama-500m --worlds 2 --layouts dp,fsdp,tp,fsdp+tp ;;
-        *) echo "part $name: unknown; parts: $ALL async-110m async-tiny tests-ipc grpo-110m-ipc tests-sharded tests-kernel rollout-bf16 rollout-tiles (or remaining)" | tee -a "$OUT/summary.log"
+        *) echo "part $name: unknown; parts: $ALL async-110m async-tiny tests-ipc grpo-110m-ipc tests-sharded tests-kernel rollout-bf16 rollout-tiles (or remaining, remaining2, remaining3)" | tee -a "$OUT/summary.log"
            return 2 ;;
     esac
 }
