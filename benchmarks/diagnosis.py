@@ -22,6 +22,7 @@ accepts for this world and that fail a run when they fire.
 from __future__ import annotations
 
 import argparse
+import csv
 import glob
 import json
 import os
@@ -98,10 +99,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+SURVIVED = ("saves_failed", "weights_fallback", "rollout_restarts", "rollout_migrated")  # steps.csv: what a step got past
+
+
+def survived_steps(run_dir: str) -> set[int]:
+    """The steps whose row counts a failure the run got past (a save skipped, weights through disk, a rollout server
+    started again or its work moved)."""
+    path = os.path.join(run_dir, "steps.csv")
+    if not os.path.exists(path):
+        return set()
+    with open(path) as fh:
+        return {int(r["step"]) for r in csv.DictReader(fh) if any(float(r.get(k) or 0) > 0 for k in SURVIVED)}
+
+
 def expected(run_dir: str, faults: list[dict]) -> dict | None:
-    """The answer key: the first injected fault that can fail a run (markers + the fault file's kinds)."""
+    """The answer key: the first injected fault that can fail a run (markers + the fault file's kinds); a fault that
+    the run got past (its step's row counts it: SURVIVED) is not the cause of a later fault's failure."""
     kinds = {f["name"]: f for f in faults}
-    for m in injections(run_dir):
+    fired, survived = injections(run_dir), survived_steps(run_dir)
+    for i, m in enumerate(fired):
+        if m.get("step") in survived and i + 1 < len(fired):
+            continue
         spec = kinds.get(m.get("fault", ""), {})
         kind = spec.get("kind") or m.get("kind", "")
         if kind in BACKGROUND_SLOWDOWNS and m["role"] != "env":  # env-0's load starves its sandboxes past their limit

@@ -326,3 +326,22 @@ def test_a_name_that_does_not_resolve_is_the_callers_failure_not_the_peers(tmp_p
     d = diagnose(str(run))
     assert (d.root.process, d.root.stage, d.root.category) == ("train-1", "weights_update", "network"), d.render()
     assert "Name or service not known" in d.root.summary
+
+
+def test_a_process_killed_two_steps_after_a_skipped_save_dies_in_the_stage_its_peers_noticed(tmp_path):
+    """Scenario 9 hardened: train-0's periodic save stalled at step 2 and was skipped (the run went on); at step 4 the
+    process was killed between two of its requests (its last heartbeat idle). The root cause is the death, at step 4
+    in the stage where train-1 noticed it (train), not the skipped save's stage of two steps before."""
+    logs = {"train-0": [(3.60, "ERROR", "rlhf.http", "train-0: POST /save failed at step 2: CheckpointWriteStalled: "
+                                                     "train-0: checkpoint write made no progress for 4 s")],
+            "controller-0": [(3.61, "WARNING", "rlhf.controller", "step 2: periodic_recover_save to periodic/step_2 "
+                                                                  "failed (RemoteError: CheckpointWriteStalled in "
+                                                                  "train-0); skipped")],
+            "train-1": [(4.30, "ERROR", "rlhf.http", "train-1: POST /train_step failed at step 4: RuntimeError: [gloo] "
+                                                     "Connection reset by peer [127.0.0.1]:9135")]}
+    metrics = {"train-0": [{"time": t, "pid": DEAD_PID, "activity": "idle", "activity_step": 4, "activity_age_s": 0.1}
+                           for t in (3.0, 3.9)]}
+    run = make_run(tmp_path, logs, lives=[("train-0", DEAD_PID, 0.0, None, None, "", None),
+                                          ("train-1", DEAD_PID + 1, 0.0, 4.5, 0, "train-1", False)], metrics=metrics)
+    d = diagnose(str(run))
+    assert (d.root.process, d.root.category, d.root.step, d.root.stage) == ("train-0", "process_death", 4, "train")

@@ -200,26 +200,21 @@ class RolloutServices:
         within 2 s (its job is stopped). A scheduler found dead on the way (killed between two of these calls) is
         started again, and then every server of it is down: its jobs went with it (PDEATHSIG). The schedulers' job
         lists and every server's /health are asked at once: one round trip before the step, 2 s at most."""
-        cfg = self.cfg
+        cfg, n, schedulers = self.cfg, len(self.rollout), [self.scheduler, *self.remote.values()]
         assert self.scheduler is not None
         try:
-            n, remote = len(self.rollout), list(self.remote.values())
-            replies = self.loop.gather(
-                self.scheduler.ajobs(), *[s.ajobs() for s in remote],
-                *[c.call("/health", method="GET", timeout_s=2.0, traced=False) for c in self.rollout],
-                return_exceptions=True)
-            lists, probes = replies[:1 + len(remote)], replies[1 + len(remote):]
-            for found in lists:  # a scheduler's failure first, as when they were asked one after the other
-                if isinstance(found, BaseException):
-                    raise found
-            states = {j["name"]: j["state"] for j in lists[0]}
+            health = [c.call("/health", method="GET", timeout_s=2.0, traced=False) for c in self.rollout]
+            replies = self.loop.gather(*[s.ajobs() for s in schedulers], *health, return_exceptions=True)
+            lists, probes = replies[:len(schedulers)], replies[len(schedulers):]
+            failed = next((x for x in lists if isinstance(x, BaseException)), None)
+            if failed is not None:  # a scheduler's failure first, as when they were asked one after the other
+                raise failed
             if self.scheduler.proc.poll() is not None:  # it ended after answering
                 return self._after_scheduler_death(step)
-            states.update({j["name"]: j["state"] for found in lists[1:] for j in found})
+            states = {j["name"]: j["state"] for found in lists for j in found}
             down = {r: f"its job is {states.get(f'rollout-{r}', 'gone')}" for r in range(n)
                     if states.get(f"rollout-{r}") != "running"}
-            running = [r for r in range(n) if r not in down]
-            for r, probe in ((r, probes[r]) for r in running):
+            for r, probe in ((r, probes[r]) for r in range(n) if r not in down):
                 if isinstance(probe, (RpcConnectionError, RpcTimeout, HTTPStatusError)):
                     down[r] = f"it does not answer /health ({type(probe).__name__})"
                     self.loop.run(self._scheduler_of(r).stop_job(f"rollout-{r}", cfg.timeouts.cleanup_s, step))

@@ -92,7 +92,8 @@ def diagnose(run_dir: str) -> Diagnosis:
     for e in sorted(window, key=lambda e: (e.onset, e.time, e.reporter != e.subject)):  # its own evidence first
         hyps.setdefault(e.subject, []).append(e)
     pids = _pids(lives)
-    ranked = [_starvation(_hypothesis(name, evs, pids, spans), metrics, surfaced) for name, evs in hyps.items()]
+    ranked = [_starvation(_hypothesis(name, evs, pids, spans, window), metrics, surfaced)
+              for name, evs in hyps.items()]
     ranked = _cpu_hog(ranked, metrics, surfaced, pids)
     for h in ranked:
         _life_of(h, lives)
@@ -251,7 +252,9 @@ def _told_to_stop(e: Evidence) -> bool:
     return "received SIG" in e.message
 
 
-def _hypothesis(name: str, evs: list[Evidence], pids: dict[str, int], spans: list[SpanRecord]) -> Hypothesis:
+def _hypothesis(name: str, evs: list[Evidence], pids: dict[str, int], spans: list[SpanRecord],
+                around: list[Evidence] = ()) -> Hypothesis:
+    """`around`: every process's evidence in the window (a dead process's stage from what its peers reported)."""
     first = evs[0]
     decisive = first
     for e in evs:  # a hard local cause noticed a little later is what the earlier reports were about
@@ -263,8 +266,13 @@ def _hypothesis(name: str, evs: list[Evidence], pids: dict[str, int], spans: lis
     death = next((e for e in evs if e.kind in ("exit", "vanished")), None)
     if death is not None and decisive.category in ("network", "timeout") and not decisive.local:
         decisive = death  # peers could not reach a process that died: its death is what they saw
-    stage = next((e.stage for e in [decisive, *evs] if e.stage and e.stage != "cleanup"), "")
     step = next((e.step for e in [decisive, *evs] if e.step >= 0), -1)
+    # the stage of the decisive evidence's step: an earlier step's report (a save that failed and was skipped two
+    # steps before the process was killed) says nothing of where it is now
+    stage = next((e.stage for e in [decisive, *evs] if e.stage and e.stage != "cleanup" and e.step in (step, -1)), "")
+    if not stage and decisive.kind in ("exit", "vanished"):  # it died between spans: where its peers noticed
+        stage = next((e.stage for e in sorted(around, key=lambda e: e.time) if e.subject != name and e.step == step
+                      and e.stage and e.stage != "cleanup" and 0 <= e.time - decisive.onset <= _NOTICE_LAG_S), "")
     if decisive.step_at_least:  # it died idle after its last heartbeat: the peers that noticed at once say which step
         noticed = [e.step for e in evs if e.kind in ("error", "warning") and abs(e.time - decisive.onset) <= _NOTICE_LAG_S]
         step = max([step, *noticed])
