@@ -48,6 +48,7 @@ from rlhf.faults.spec import FaultSpecError, check_world  # noqa: E402
 
 # slow a run down, never fail it: contention, and memory pressure (capped at half the free memory)
 BACKGROUND_SLOWDOWNS = {"cpu_contention", "io_contention", "memory_pressure"}
+ACCUMULATING = {"device_memory_pressure"}  # each firing takes more of the device until an allocation fails
 _PROC = re.compile(r"\b(train|rollout|reward|env|scheduler|metaserver|controller)-\d+\b")
 
 # A 2-rank run with the scenario files' scaled-down timeouts and a short SFT warm start
@@ -114,11 +115,12 @@ def survived_steps(run_dir: str) -> set[int]:
 
 def expected(run_dir: str, faults: list[dict]) -> dict | None:
     """The answer key: the first injected fault that can fail a run (markers + the fault file's kinds); a fault that
-    the run got past (its step's row counts it: SURVIVED) is not the cause of a later fault's failure."""
+    the run got past (its step's row counts it: SURVIVED) is not the cause of a failure a fault of a later step
+    brought."""
     kinds = {f["name"]: f for f in faults}
     fired, survived = injections(run_dir), survived_steps(run_dir)
     for i, m in enumerate(fired):
-        if m.get("step") in survived and i + 1 < len(fired):
+        if m.get("step") in survived and any((later.get("step") or -1) > m["step"] for later in fired[i + 1:]):
             continue
         spec = kinds.get(m.get("fault", ""), {})
         kind = spec.get("kind") or m.get("kind", "")
@@ -132,8 +134,11 @@ def expected(run_dir: str, faults: list[dict]) -> dict | None:
                     else "tool_infra"}
         if kind == "network_loss" and (spec.get("params") or {}).get("mode") == "truncate_tensor":
             cats = {"data_mismatch"}
+        onset = m["time"]
+        if kind in ACCUMULATING:  # the device fills a little at each firing: it runs out at the last one
+            m = [x for x in fired if x.get("fault") == m.get("fault")][-1]
         return {"process": f"{m['role']}-{m['rank']}", "stage": stage_of_point(m["point"], m.get("context")),
-                "categories": sorted(cats), "onset": m["time"], "kind": kind, "point": m["point"]}
+                "categories": sorted(cats), "onset": onset, "kind": kind, "point": m["point"]}
     return None
 
 
