@@ -180,9 +180,9 @@ class TrainWorker(SftAndPreflight, WeightsAndCheckpoints):
         return {"ok": True, "layout": self.layout.describe()}
 
     def compute_logprobs(self, args: dict, tensors: dict) -> tuple[dict, dict]:
-        self._require_device("compute_logprobs")
         """One batch's logprobs under the reference or the policy (`which`: "reference", "policy"), or under each of a
         list of them in one call (the batch sent once): the reply's tensors are then named after them."""
+        self._require_device("compute_logprobs")
         which = args.get("which", "reference")
         outs = {}
         for model in which if isinstance(which, list) else [which]:
