@@ -9,6 +9,8 @@ from the YAML). Writes scenarios.csv and scenarios.md into --out and prints the 
     python benchmarks/scenarios.py                          # scenarios 1-19, rl and sft, faithful
     python benchmarks/scenarios.py --scenarios 3 --resilience faithful hardened
     python benchmarks/scenarios.py --resilience hardened --modes rl --fault-free   # the survival matrix
+    python benchmarks/scenarios.py --scenarios 1_sim --modes rl --resilience faithful hardened
+        # scenario 1 at the seed plan's size (32 train ranks, 16 rollout servers) in a simulated world
 
 Each row counts what the run survived: steps done, requests sent again (retries), samples migrated
 to another rollout server, rollout servers restarted, weights updates done through disk when the
@@ -51,6 +53,7 @@ RESTART = {"9", "12"}  # scenarios whose effect shows only when the same command
 SEED_EXPECTED = {
     "1": "error in weights_update on the rollout side; 2 hops (train -> MetaServer -> rollout); upload of the slow rank "
          "runs to its 600 s timeout",
+    "1_sim": "as scenario 1, at its own size: train worker 5 of 32, 16 rollout workers",
     "2": "rollout fault -> error in train (batch size mismatch), one stage later",
     "3": "OOM in train; last controller error a stop-job timeout ~30 s after it; OOM only in the faulty rank's log "
          "(33 log files to search, MTTD > 10 min)",
@@ -93,6 +96,8 @@ def run_one(n: str, mode: str, resilience: str, out_dir: str) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            "--master_port=PORT", *restarts, os.path.join(ROOT, "examples", script), "--run-dir", run_dir,
            "--faults", os.path.join(ROOT, "examples", "faults", f"scenario{n}.yaml"), "--resilience", resilience]
+    if n.endswith("_sim"):  # a simulated world (docs/scale.md): its size is in the file, one process starts it
+        cmd = [sys.executable, os.path.join(ROOT, "examples", script), *cmd[cmd.index("--run-dir"):]]
     print(f"[scenarios] scenario {n} {mode} {resilience} → {run_dir}", file=sys.stderr, flush=True)
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: a kept one would resume, and mix old logs in
     t0 = time.perf_counter()
@@ -127,7 +132,8 @@ def main() -> None:
     args = ap.parse_args()
     out_dir = os.path.abspath(args.out or tempfile.mkdtemp(prefix="rlhf-scenarios-"))
     os.makedirs(out_dir, exist_ok=True)
-    rows = [run_one(n, m, r, out_dir) for n in args.scenarios for m in args.modes for r in args.resilience]
+    rows = [run_one(n, m, r, out_dir) for n in args.scenarios for m in args.modes for r in args.resilience
+            if m == "rl" or not n.endswith("_sim")]  # a simulated world runs GRPO only
     baseline = {n: fault_free_eval(n, out_dir) for n in args.scenarios} if args.fault_free else {}
     for r in rows:
         r["eval_fault_free"] = baseline.get(r["scenario"], "") if r["mode"] == "rl" else ""

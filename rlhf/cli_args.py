@@ -88,7 +88,8 @@ def parse_config(argv: list[str] | None, parser: argparse.ArgumentParser) -> tup
     if problems:
         parser.error("\n".join(problems))
     if args.faults:
-        world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's --nproc_per_node (one process without it)
+        # torchrun's --nproc_per_node (one process without it), or a simulated world's train ranks
+        world = cfg.sim.train_ranks or int(os.environ.get("WORLD_SIZE", "1"))
         specs, problems, need = [], [], world
         for path in args.faults:  # every problem of every file at once: schema and this run's world, in file order
             try:
@@ -100,8 +101,9 @@ def parse_config(argv: list[str] | None, parser: argparse.ArgumentParser) -> tup
             if int(os.environ.get("RANK", "0")) != 0:
                 raise SystemExit(2)  # rank 0 says why, once
             script = os.path.relpath(sys.argv[0]) if sys.argv[0].endswith(".py") else parser.prog
-            fix = (f"\nrun with {need} train ranks: torchrun --nproc_per_node={need} {' '.join([script] + argv)}"
-                   if need > world else "")
+            fix = (f"\nrun with {need} train ranks: --sim.train_ranks {need}" if cfg.sim.enabled else
+                   f"\nrun with {need} train ranks: torchrun --nproc_per_node={need} {' '.join([script] + argv)}"
+                   ) if need > world else ""
             parser.error(f"this run has {world} train rank{'s' * (world != 1)} and {cfg.rollout.servers} rollout "
                          f"server{'s' * (cfg.rollout.servers != 1)}; its faults cannot run as written:\n"
                          + "\n".join(problems) + fix)

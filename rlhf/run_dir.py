@@ -50,6 +50,10 @@ class _Route(logging.Filter):
         return record.name.startswith(self.prefixes) == self.keep
 
 
+# the loggers of the controller's process (its console and its log file, whatever else the process runs)
+CONTROLLER_LOGGERS = ("rlhf.controller", "rlhf.metaserver", "rlhf.launch", "rlhf.diagnosis", "rlhf.client")
+
+
 def setup_logging(run_dir: str | None, role: str, rank: int = 0, console: bool = True,
                   routes: dict[tuple[str, ...], tuple[str, int]] | None = None,
                   console_prefixes: tuple[str, ...] | None = None) -> logging.Logger:

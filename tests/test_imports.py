@@ -25,10 +25,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                  "rlhf.trackers")),
     ("storage", ("rlhf.checkpoint",)),
     ("transport", ("rlhf.transport",)),
-    ("services", ("rlhf.services",)),
+    ("services", ("rlhf.services", "rlhf.sim")),
     ("control", ("rlhf.control",)),
     ("entry points", ("rlhf.control.launch", "rlhf.services.sglang_launch", "rlhf.checkpoint.export", "rlhf.cli",
-                      "rlhf.cli_args", "rlhf.inputs", "rlhf.report")),
+                      "rlhf.cli_args", "rlhf.inputs", "rlhf.report", "rlhf.sim.world")),
 ]
 
 

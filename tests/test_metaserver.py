@@ -97,6 +97,33 @@ def test_each_rank_sends_its_rows_and_the_puller_puts_every_parameter_together(t
         meta.stop()
 
 
+@pytest.mark.parametrize("transport", ["shm", "http"])
+def test_a_version_of_many_shards_is_merged_into_one_of_whole_tensors(transport):
+    """weights.merge_shards: past merge_above shards the MetaServer puts the version together once; the manifest then
+    lists each parameter once (not each rank's piece of it), every puller reads one shard, the uploaders' files are
+    gone, and a version whose pieces do not tile is every puller's error, naming the parameter."""
+    from rlhf.errors import RemoteError
+    from rlhf.pieces import own_pieces
+
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.LayerNorm(7), torch.nn.Linear(7, 2))
+    whole = {n: p.detach() for n, p in model.named_parameters()}
+    parts = [own_pieces(model, r, 3) for r in range(3)]
+    meta = MetaServer(TOKEN, transport=transport, merge_above=2)
+    url = meta.start()
+    try:
+        manifest, got = asyncio.run(_publish_and_pull(url, meta, "1", parts, transport, checksum="none"))
+        assert list(manifest["shards"]) == ["merged"]
+        assert sorted(e["name"] for e in manifest["tensors"].values()) == sorted(whole)  # O(tensors)
+        for name, t in whole.items():
+            assert torch.equal(got[name], t), name
+        if transport == "shm":
+            assert sorted(os.listdir(meta.shm_dir)) == ["v1-merged.safetensors"]
+        with pytest.raises(RemoteError, match=r"parameter 0\.bias \(pieces from rank0, rank1, rank2\): pieces overlap"):
+            asyncio.run(_publish_and_pull(url, meta, "2", [parts[0], parts[1], parts[1]], transport, checksum="none"))
+    finally:
+        meta.stop()
+
+
 def test_eviction_and_delete_remove_shared_memory_files():
     meta = MetaServer(TOKEN, max_versions=1, transport="shm")
     url = meta.start()

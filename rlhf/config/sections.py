@@ -20,6 +20,7 @@ from rlhf.config.services import (
     LoggerConfig,
     PreflightConfig,
     RuntimeConfig,
+    SimConfig,
     TimeoutsConfig,
     TracingConfig,
     WeightsConfig,
@@ -36,14 +37,14 @@ from rlhf.config.workload import (
 
 __all__ = ["PARALLEL_LAYOUTS", "AlgorithmConfig", "CheckpointConfig", "Config", "EnvConfig", "LoggerConfig", "ModelConfig", "OptimConfig",
            "ParallelConfig", "PreflightConfig", "RewardConfig", "RewardModelConfig", "RolloutConfig", "RuntimeConfig",
-           "SFTConfig", "SamplingConfig", "SglangConfig", "TaskConfig", "TimeoutsConfig", "TracingConfig",
+           "SFTConfig", "SamplingConfig", "SglangConfig", "SimConfig", "TaskConfig", "TimeoutsConfig", "TracingConfig",
            "WeightsConfig"]
 
 
 @dataclass
 class Config:
     """The whole run: one section per component (model, task, reward, reward_model, rollout, sampling, sglang, env, train,
-    parallel, algorithm, sft, weights, runtime, timeouts, checkpoint, preflight, tracing, logger, resilience)."""
+    parallel, algorithm, sft, weights, runtime, timeouts, checkpoint, preflight, tracing, logger, sim, resilience)."""
 
     seed: int = 1
     """Run seed: model init, data order, sampling."""
@@ -72,6 +73,7 @@ class Config:
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
     resilience: Policy = field(default_factory=Policy)
     faults: list = field(default_factory=list)
     """Armed faults (docs/faults.md), normally from --faults FILE; every process arms those that target it."""
@@ -90,6 +92,13 @@ class Config:
         if self.rollout.mode == "async" and self.runtime.colocate:
             raise ConfigError("rollout.mode: 'async' generates while the train ranks train; runtime.colocate makes "
                               "them take turns on one device (choose rollout.mode sync, or leave runtime.colocate off)")
+        if self.sim.enabled:
+            if self.rollout.backend != "native" or self.weights.mode != "meta" or self.runtime.colocate:
+                raise ConfigError("sim.train_ranks: a simulated world runs native rollout servers, weights.mode meta and "
+                                  "no colocation (set rollout.backend native, weights.mode meta, runtime.colocate false)")
+            if self.env.path or self.reward_model.path:
+                raise ConfigError("sim.train_ranks: a simulated world has no environment or reward model server yet "
+                                  "(leave env.path and reward_model.path empty)")
         if self.weights.transport == "cuda_ipc":
             if self.weights.mode != "meta":
                 raise ConfigError(f"weights.transport: 'cuda_ipc' is how the MetaServer's shards travel; weights.mode "

@@ -32,6 +32,10 @@ class WeightsConfig:
     """distributed mode: the most MB of tensors one broadcast carries (a flat buffer per bucket; a larger tensor is a bucket of its own)."""
     drift_threshold: float = -1.0
     """Mean |rollout - train| logprob above which a step's weights count as drifted (resilience.detect_weights_drift; `rlhf diagnose` reads it too); 0: off; -1: 1e-3 with model.dtype float32 (both sides stay near 1e-7 there, a rollout server one optimizer step behind is about 1e-2 on the default run) and off otherwise (bf16's own rollout-train difference is not measured yet: set it)."""
+    uploaders: int = 16
+    """meta mode, a replicated layout (every rank holds the whole model): at most this many train ranks upload (0 .. N-1), each 1/N of the weights, instead of every rank 1/world of them: N uploads, files and PUTs a weights update in a big world instead of one per rank; 0: every rank. Sharded layouts always upload from every rank (each holds its own pieces)."""
+    merge_shards: int = 8
+    """meta mode: a version uploaded in more shards than this (one per train rank) is merged by the MetaServer into one shard of whole tensors before the rollout servers pull it: each server's manifest lists the model's tensors instead of every rank's piece of each, and it reads one file instead of one per rank (a big world's weights update); 0: never. cuda_ipc shards are never merged."""
     verify_checksum: str = "crc32"
     """Digest of the whole model for weights.verify (trainer vs every rollout server, each step): crc32 (3.7 GB/s here) or sha256 (1.6 GB/s)."""
 
@@ -45,6 +49,8 @@ class WeightsConfig:
                               "whole model) or weights.transport shm")
         _choice("weights.verify_checksum", self.verify_checksum, ["sha256", "crc32"])
         _positive("weights.max_versions", self.max_versions)
+        _positive("weights.merge_shards", self.merge_shards, allow_zero=True)
+        _positive("weights.uploaders", self.uploaders, allow_zero=True)
         if self.drift_threshold < 0 and self.drift_threshold != -1:
             raise ConfigError(f"weights.drift_threshold: must be >= 0, or -1 (auto), got {self.drift_threshold!r}")
         _positive("weights.bucket_mb", self.bucket_mb)
@@ -187,3 +193,38 @@ class LoggerConfig:
     def names(self) -> list[str]:
         raw = self.backends if isinstance(self.backends, str) else ",".join(self.backends)
         return list(dict.fromkeys(n.strip() for n in raw.split(",") if n.strip()))
+
+
+@dataclass
+class SimConfig:
+    """A simulated world (EMULATED compute): the real controller, MetaServer, scheduler, watchdog, tracing and faults
+    drive train ranks and rollout servers that are the project's own services with a cost model for compute, many
+    of them in one process (docs/scale.md)."""
+
+    train_ranks: int = 0
+    """Simulated train ranks (0: the real ones, torchrun's); with it rollout.servers are simulated too."""
+    ranks_per_process: int = 64
+    """Simulated train ranks served by one OS process (each rank its own port)."""
+    servers_per_process: int = 64
+    """Simulated rollout servers served by one OS process (each server its own port)."""
+    train_s_per_token: float = 0.0
+    """EMULATED compute of a train rank: seconds per token of its share (forward + backward); 0 measures the control plane alone."""
+    reference_s_per_token: float = 0.0
+    """EMULATED compute of a train rank's reference pass: seconds per token of its share."""
+    rollout_s_per_token: float = 0.0
+    """EMULATED compute of a rollout server: seconds per generated token of a /generate call."""
+    jitter: float = 0.0
+    """Each emulated compute time is multiplied by a lognormal draw of this sigma (0: none): stragglers by chance."""
+    fanout: bool = True
+    """A call on the train ranks goes as one request to each train rank process's agent, which fans it out to its ranks (the control plane of a big world); false: one request per rank from the controller."""
+
+    def __post_init__(self) -> None:
+        _positive("sim.train_ranks", self.train_ranks, allow_zero=True)
+        _positive("sim.ranks_per_process", self.ranks_per_process)
+        _positive("sim.servers_per_process", self.servers_per_process)
+        for name in ("train_s_per_token", "reference_s_per_token", "rollout_s_per_token", "jitter"):
+            _positive(f"sim.{name}", getattr(self, name), allow_zero=True)
+
+    @property
+    def enabled(self) -> bool:
+        return self.train_ranks > 0

@@ -15,16 +15,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 import subprocess
 import sys
 import time
 from typing import Any
 
-import yaml
-
 from rlhf import exits
 from rlhf.config import Config
+from rlhf.control.sglang_jobs import SglangJobs, free_port, pythonpath  # noqa: F401 (free_port: this module's API too)
 from rlhf.control.workers import WorkerGroup
 from rlhf.devices import rollout_device
 from rlhf.errors import HTTPStatusError, RpcConnectionError, RpcTimeout
@@ -32,12 +30,11 @@ from rlhf.procs import cpu_share, wait_for_file
 from rlhf.services.metaserver import MetaServer
 from rlhf.services.scheduler import RemoteScheduler, SchedulerClient
 from rlhf.transport.client import Client, LoopThread
-from rlhf.transport.http import DEFAULT_HOST
 
 log = logging.getLogger("rlhf.controller")
 
 
-class RolloutServices:
+class RolloutServices(SglangJobs):
     def __init__(self, cfg: Config, run_dir: str, token: str, loop: LoopThread, train_ranks: int,
                  nodes: list[int] | None = None, workers: WorkerGroup | None = None) -> None:
         self.cfg, self.run_dir, self.token, self.loop, self.train_ranks = cfg, run_dir, token, loop, train_ranks
@@ -51,6 +48,7 @@ class RolloutServices:
         self.reward: Client | None = None  # the reward server (reward_model.path), else None
         self.env: Client | None = None  # the environment server (env.path), else None
         self.jobs: list[tuple[list[str], dict[str, str], str]] = []  # rollout server r's (command, env, ready file)
+        self.job_of: list[str] = []  # rollout server r's scheduler job: rollout-r, or in a simulated world its host's
 
     @property
     def shm_dir(self) -> str:
@@ -59,7 +57,8 @@ class RolloutServices:
     def start(self) -> None:
         cfg = self.cfg
         self.metaserver = MetaServer(self.token, cfg.weights.max_versions, cfg.weights.max_bytes, cfg.resilience,
-                                     cfg.weights.transport)
+                                     cfg.weights.transport, merge_above=cfg.weights.merge_shards,
+                                     checksum=cfg.weights.checksum)
         self.metaserver_url = self.metaserver.start()
         self.scheduler = self._start_scheduler()
         # async GRPO: the rollout servers generate while the train ranks train, so they share the CPUs
@@ -77,18 +76,28 @@ class RolloutServices:
             return
         self._start_node_schedulers()
         ready_files = []
+        per_job = cfg.sim.servers_per_process if cfg.sim.enabled else 1
         for r in range(cfg.rollout.servers):
             ready = os.path.join(self.run_dir, f"rollout-{r}.url")
-            cmd = [sys.executable, "-m", "rlhf.services.rollout_server", "--run-dir", self.run_dir, "--rank", str(r),
-                   "--config", os.path.join(self.run_dir, "config.yaml"), "--ready-file", ready]
-            if cfg.runtime.colocate:
-                cmd.append("--colocate")
-            cmd += ["--device", str(rollout_device(cfg.model.device, r, self.train_ranks, cfg.runtime.colocate))]
-            env = {"RLHF_TOKEN": self.token, "RLHF_ROLLOUT_THREADS": threads, "PYTHONPATH": _pythonpath()}
+            first = r - r % per_job
+            env = {"RLHF_TOKEN": self.token, "RLHF_ROLLOUT_THREADS": threads, "PYTHONPATH": pythonpath()}
+            if cfg.sim.enabled:  # a simulated world: one job serves servers first .. first + per_job - 1 (rlhf.sim)
+                cmd = [sys.executable, "-m", "rlhf.sim.rollout_servers", "--run-dir", self.run_dir, "--first",
+                       str(first), "--count", str(min(per_job, cfg.rollout.servers - first)), "--config",
+                       os.path.join(self.run_dir, "config.yaml"), "--ready-dir", self.run_dir,
+                       "--ready-file", os.path.join(self.run_dir, f"rollout-{first}.host")]
+            else:
+                cmd = [sys.executable, "-m", "rlhf.services.rollout_server", "--run-dir", self.run_dir, "--rank",
+                       str(r), "--config", os.path.join(self.run_dir, "config.yaml"), "--ready-file", ready]
+                if cfg.runtime.colocate:
+                    cmd.append("--colocate")
+                cmd += ["--device", str(rollout_device(cfg.model.device, r, self.train_ranks, cfg.runtime.colocate))]
             self.jobs.append((cmd, env, ready))
-            self._submit(r)
+            self.job_of.append(f"rollout-{first}")
+            if r == first:
+                self._submit(r)
             ready_files.append(ready)
-        urls = [wait_for_file(f, cfg.timeouts.startup_s) for f in ready_files]
+        urls = [self._ready_url(r, f) for r, f in enumerate(ready_files)]
         self.rollout = [Client(u, self.token, cfg.timeouts.rollout_s, peer=f"rollout-{r}",
                                retries=cfg.resilience.retry_idempotent)
                         for r, u in enumerate(urls)]
@@ -97,6 +106,18 @@ class RolloutServices:
                  self.metaserver_url, self.scheduler.url,
                  "".join(f" (+ {s.name} {s.url})" for s in self.remote.values()), len(urls),
                  f", reward server {self.reward.base_url}" if self.reward else "", self.train_ranks)
+
+    def _ready_url(self, r: int, ready: str) -> str:
+        """Rollout server r's URL once its ready file is written; its job ending first (a server that cannot start)
+        fails at once, naming where its output is."""
+        if self.node_of(r) != 0:  # another node's scheduler owns it: its ready file or the timeout
+            return wait_for_file(ready, self.cfg.timeouts.startup_s)
+        deadline = time.monotonic() + self.cfg.timeouts.startup_s
+        while not (os.path.exists(ready) and os.path.getsize(ready) > 0):
+            self._still_starting(self.job_of[r], f"rollout-{r}", "its ready file", deadline,
+                                 f"{self.run_dir}/logs/{self.job_of[r]}.stdout")
+            time.sleep(0.1)  # a poll interval: the condition is the ready file (or the job's end)
+        return wait_for_file(ready, 1.0)
 
     def _submit_service(self, name: str, module: str, wanted: bool) -> str:
         """Submit job `name` (reward-0: reward_model.path; env-0: env.path) to this node's scheduler, the run's
@@ -108,7 +129,7 @@ class RolloutServices:
         os.path.exists(ready) and os.remove(ready)
         cmd = [sys.executable, "-m", module, "--run-dir", self.run_dir,
                "--config", os.path.join(self.run_dir, "config.yaml"), "--ready-file", ready]
-        env = {"RLHF_TOKEN": self.token, "RLHF_REWARD_THREADS": "1", "PYTHONPATH": _pythonpath()}
+        env = {"RLHF_TOKEN": self.token, "RLHF_REWARD_THREADS": "1", "PYTHONPATH": pythonpath()}
         self.scheduler.submit(name, name.split("-")[0], cmd, env)
         return ready
 
@@ -188,11 +209,14 @@ class RolloutServices:
         return self.scheduler if node == 0 else self.remote[node]
 
     def _submit(self, r: int) -> None:
+        """Rollout server r's job (in a simulated world: its host's, every server of it)."""
         assert self.scheduler is not None
-        cmd, env, ready = self.jobs[r]
-        if os.path.exists(ready):
-            os.remove(ready)
-        self._scheduler_of(r).submit(f"rollout-{r}", "rollout", cmd, env,
+        cmd, env, _ = self.jobs[r]
+        job = self.job_of[r]
+        for s, name in enumerate(self.job_of):
+            if name == job and os.path.exists(self.jobs[s][2]):
+                os.remove(self.jobs[s][2])
+        self._scheduler_of(r).submit(job, "rollout", cmd, env,
                                      colocate_with=f"train-{r}" if self.cfg.runtime.colocate else "")
 
     def _down(self, step: int) -> dict[int, str]:
@@ -212,12 +236,15 @@ class RolloutServices:
             if self.scheduler.proc.poll() is not None:  # it ended after answering
                 return self._after_scheduler_death(step)
             states = {j["name"]: j["state"] for found in lists for j in found}
-            down = {r: f"its job is {states.get(f'rollout-{r}', 'gone')}" for r in range(n)
-                    if states.get(f"rollout-{r}") != "running"}
+            down = {r: f"its job is {states.get(self.job_of[r], 'gone')}" for r in range(n)
+                    if states.get(self.job_of[r]) != "running"}
+            stopped: set[str] = set()
             for r, probe in ((r, probes[r]) for r in range(n) if r not in down):
                 if isinstance(probe, (RpcConnectionError, RpcTimeout, HTTPStatusError)):
                     down[r] = f"it does not answer /health ({type(probe).__name__})"
-                    self.loop.run(self._scheduler_of(r).stop_job(f"rollout-{r}", cfg.timeouts.cleanup_s, step))
+                    if self.job_of[r] not in stopped:
+                        stopped.add(self.job_of[r])
+                        self.loop.run(self._scheduler_of(r).stop_job(self.job_of[r], cfg.timeouts.cleanup_s, step))
                 elif isinstance(probe, BaseException):
                     raise probe
             return down
@@ -234,9 +261,9 @@ class RolloutServices:
         """scheduler-0 is started again; its servers are down, another node's are down when their job is not running."""
         self._restart_scheduler(step)
         states = self._remote_states()
-        return {r: "its scheduler is gone" if self.node_of(r) == 0 else f"its job is {states.get(f'rollout-{r}', 'gone')}"
+        return {r: "its scheduler is gone" if self.node_of(r) == 0 else f"its job is {states.get(self.job_of[r], 'gone')}"
                 for r in range(len(self.rollout))
-                if self.node_of(r) == 0 or states.get(f"rollout-{r}") != "running"}
+                if self.node_of(r) == 0 or states.get(self.job_of[r]) != "running"}
 
     def revive(self, step: int) -> list[str]:
         """The policy's restart_rollout: every rollout server whose job has ended, or that does not answer
@@ -246,10 +273,17 @@ class RolloutServices:
         if self.scheduler is None or not self.jobs or not self._revivable():
             return []
         down = self._down(step)
+        for r in list(down):  # a simulated world's servers share a process: it starts again with all of them
+            for s, job in enumerate(self.job_of):
+                if job == self.job_of[r] and s not in down:
+                    down[s] = f"it shares its process ({job}) with rollout-{r}"
+        submitted: set[str] = set()
         for r, why in down.items():
             log.warning("step %d: rollout-%d is down (%s); starting it again (resilience.restart_rollout); it gets step "
                         "%d's weights before it is used", step, r, why, step)
-            self._submit(r)  # all of them first, then wait: they start side by side
+            if self.job_of[r] not in submitted:  # all of them first, then wait: they start side by side
+                submitted.add(self.job_of[r])
+                self._submit(r)
         restarted = list(down)
         for r in restarted:
             url = wait_for_file(self.jobs[r][2], cfg.timeouts.startup_s)
@@ -294,56 +328,6 @@ class RolloutServices:
         self.loop.run(set_all())
         return all(s is not None for s in states)
 
-    def _start_sglang(self, threads: str) -> list[str]:
-        """One sglang server job per rollout server, flags mapped from our config; waits for each /health."""
-        cfg, scheduler = self.cfg, self.scheduler
-        assert scheduler is not None
-        urls = []
-        for r in range(cfg.rollout.servers):
-            device = str(rollout_device(cfg.model.device, r, self.train_ranks, cfg.runtime.colocate))
-            kind, _, index = device.partition(":")
-            port = free_port()
-            flags = {"model_path": os.path.abspath(cfg.model.path), "host": DEFAULT_HOST, "port": port,
-                     "api_key": self.token, "dtype": cfg.model.dtype, "device": kind, "base_gpu_id": int(index or 0),
-                     "mem_fraction_static": cfg.sglang.mem_fraction, "tp_size": cfg.sglang.tp_size,
-                     "random_seed": (cfg.sampling.seed if cfg.sampling.seed >= 0 else cfg.seed + 17) + 1000 * r,
-                     "skip_server_warmup": True}
-            if cfg.resilience.shed_load and cfg.rollout.max_queued_requests:
-                flags["max_queued_requests"] = cfg.rollout.max_queued_requests
-            path = os.path.join(self.run_dir, f"rollout-{r}.sglang.yaml")
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                yaml.safe_dump(flags, f)
-            cmd = [sys.executable, "-m", cfg.sglang.launcher, "--config", path]
-            env = {"RLHF_RUN_DIR": self.run_dir, "RLHF_RANK": str(r), "RLHF_ROLLOUT_THREADS": threads,
-                   "PYTHONPATH": _pythonpath()}
-            scheduler.submit(f"rollout-{r}", "rollout", cmd, env,
-                                colocate_with=f"train-{r}" if cfg.runtime.colocate else "")
-            urls.append(f"http://{DEFAULT_HOST}:{port}")
-        for r, url in enumerate(urls):
-            self._wait_healthy(f"rollout-{r}", url)
-            os.remove(os.path.join(self.run_dir, f"rollout-{r}.sglang.yaml"))  # read at start only; it holds the key
-        return urls
-
-    def _wait_healthy(self, name: str, url: str) -> None:
-        """Until GET /health answers 200 (an sglang server loads its model first: minutes on a GPU), or the job
-        has ended, or timeouts.startup_s."""
-        assert self.scheduler is not None
-        probe = Client(url, self.token, timeout_s=5, peer=name)
-        deadline = time.monotonic() + self.cfg.timeouts.startup_s
-        try:
-            while True:
-                try:
-                    self.loop.run(probe.call("/health", method="GET", traced=False))
-                    return
-                except (RpcConnectionError, HTTPStatusError, RpcTimeout):
-                    pass
-                self._still_starting(name, self.cfg.sglang.launcher, f"GET {url}/health", deadline,
-                                     f"{self.run_dir}/logs/{name}.stdout")
-                time.sleep(0.2)  # a poll interval, not a wait for a result: the condition is /health's answer
-        finally:
-            self.loop.run(probe.close())
-
     def _still_starting(self, name: str, what: str, waiting_for: str, deadline: float, output: str) -> None:
         """While a job comes up: its job ended (a model it cannot load) or timeouts.startup_s passed is one
         error naming it and where its output is."""
@@ -381,15 +365,3 @@ class RolloutServices:
         return self.rollout + ([self.reward] if self.reward else []) + ([self.env] if self.env else []) + \
             ([self.scheduler.client] if self.scheduler else []) + \
             [s.client for s in self.remote.values()]
-
-
-def free_port() -> int:
-    """A port free on this host's service address now (sglang takes its port as a flag, not 0)."""
-    with socket.socket() as sock:
-        sock.bind((DEFAULT_HOST, 0))
-        return sock.getsockname()[1]
-
-
-def _pythonpath() -> str:
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    return os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])

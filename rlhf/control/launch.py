@@ -27,7 +27,7 @@ from rlhf.control.sft_controller import SFTController
 from rlhf.inputs import check_inputs
 from rlhf.procs import bound_heap, cpu_share, freeze_gc, own_threads, second_sigterm_stops, set_pdeathsig
 from rlhf.report import run_figures
-from rlhf.run_dir import default_run_dir, make_run_dir, setup_logging
+from rlhf.run_dir import CONTROLLER_LOGGERS, default_run_dir, make_run_dir, setup_logging
 from rlhf.services.train_worker import TrainWorker
 from rlhf.tracing import metrics
 from rlhf.tracing.setup import stop_process_telemetry
@@ -36,7 +36,6 @@ from rlhf.transport.http import ServiceThread
 
 log = logging.getLogger("rlhf.launch")
 
-CONTROLLER_LOGGERS = ("rlhf.controller", "rlhf.metaserver", "rlhf.launch", "rlhf.diagnosis", "rlhf.client")
 
 
 def _agent_started() -> float | None:
@@ -81,6 +80,12 @@ def _restart_refused(run_dir: str) -> str:
 def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
     """mode 'grpo': the GRPO controller; 'sft': the SFT baseline controller (no rollout side)."""
     check_inputs(cfg)  # the command lines checked them already; a caller of run() gets the same one error
+    if cfg.sim.enabled:  # a simulated world: the real controller, train ranks and rollout servers EMULATED (rlhf.sim)
+        if mode != "grpo" or "LOCAL_RANK" in os.environ:
+            raise ValueError("sim.train_ranks: a simulated world runs GRPO from one process (no torchrun, not sft)")
+        from rlhf.sim.world import run_simulated
+
+        return run_simulated(cfg)
     if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:
         # torchrun gone (killed, OOM-killed): SIGTERM drains the run as an operator's would (the controller finishes
         # its step and checkpoint), and the orphan guard ends this rank DRAIN_WAIT_S later whatever it is doing

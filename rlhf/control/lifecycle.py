@@ -153,7 +153,7 @@ class RunLifecycle(FailureReports, CheckpointSaves):
         """Stop what this controller started besides the train ranks."""
 
     def clients(self) -> list[Client]:
-        return list(self.workers.clients)
+        return list(self.workers.clients) + [agent for agent, _ in self.workers.agents]
 
     # ------------------------------------------------------------------ the run
 

@@ -78,8 +78,9 @@ class WeightSync(BroadcastUpdate):
 
     async def _update_meta(self, version: str, step: int) -> dict[str, float]:
         cfg, url = self.cfg, self.services.metaserver_url
+        uploaders = self.uploaders()
         try:  # in this process: no round trip
-            await self.services.metaserver.open_version(version, len(self.workers), step)
+            await self.services.metaserver.open_version(version, uploaders, step)
         except Exception as exc:  # noqa: BLE001 — re-raised unless the policy falls back to disk
             if not cfg.resilience.weights_fallback:
                 raise
@@ -93,8 +94,10 @@ class WeightSync(BroadcastUpdate):
         uploads = [asyncio.ensure_future(timed(call)) for call in self.workers.start(
             "upload_weights", {"metaserver_url": url, "version": version, "timeout_s": cfg.weights.upload_timeout_s,
                                "shm_dir": self.services.shm_dir, "transport": cfg.weights.transport,
-                               "consumers": len(self.services.rollout), "keep": cfg.weights.max_versions},
-            timeout_s=cfg.weights.upload_timeout_s, stage="weights_update", step=step)]
+                               "consumers": len(self.services.rollout), "keep": cfg.weights.max_versions,
+                               "uploaders": uploaders},
+            timeout_s=cfg.weights.upload_timeout_s, stage="weights_update", step=step,
+            ranks=list(range(uploaders)) if uploaders < len(self.workers) else None)]
         updates = [asyncio.ensure_future(timed(c.call(
             "/update_weights_from_meta", {"metaserver_url": url, "weight_version": version, "consumer": r,
                                           "wait_s": cfg.weights.update_timeout_s,
@@ -114,6 +117,11 @@ class WeightSync(BroadcastUpdate):
             times = [t.result() for t in uploads + updates]
         n = len(uploads)
         return {"upload_s_max": max(times[:n]), "update_s_max": max(times[n:]) if times[n:] else 0.0}
+
+    def uploaders(self) -> int:
+        """The train ranks that upload a version (weights.uploaders in a replicated layout; else every rank)."""
+        n, wanted = len(self.workers), self.cfg.weights.uploaders
+        return min(n, wanted) if wanted and not self.workers.layout.sharded else n
 
     async def _fallback(self, version: str, step: int, uploads: list[asyncio.Future], exc: BaseException
                         ) -> dict[str, float]:

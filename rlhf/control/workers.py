@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 from typing import Any
 
 from rlhf.control.watchdog import StallWatchdog
 from rlhf.train.parallel import Layout
+from rlhf.transport import fanout
 from rlhf.transport.client import Client, LoopThread
 
 
@@ -20,9 +22,17 @@ class WorkerGroup:
         policy's retry_idempotent (only /compute_logprobs and GETs are repeated)."""
         self.clients = [Client(u, token, timeout_s, peer=f"train-{r}", checksums=checksums, retries=retries)
                         for r, u in enumerate(urls)]
-        self.loop = loop
+        self.loop, self.token, self.timeout_s = loop, token, timeout_s
         self.watchdog: StallWatchdog | None = None  # set by the controller: reads heartbeats while a call runs
         self.layout: Layout | None = None  # set by the controller: the train layout (rlhf.train.parallel)
+        self.agents: list[tuple[Client, list[int]]] = []  # use_agents: one request per host (rlhf.transport.fanout)
+
+    def use_agents(self, agents: list[tuple[str, list[int]]]) -> None:
+        """Calls on several ranks go as one request to each host's agent (its URL, its ranks), which fans it out to
+        its ranks: the controller sends O(hosts) requests a call instead of O(ranks). Each rank's reply or error is
+        what a direct call gives (the agent relays it), so callers and the stall watchdog see ranks as before."""
+        self.agents = [(Client(url, self.token, self.timeout_s, peer=f"agent-{h}"), list(ranks))
+                       for h, (url, ranks) in enumerate(agents)]
 
     def __len__(self) -> int:
         return len(self.clients)
@@ -39,9 +49,57 @@ class WorkerGroup:
         ranks = list(range(len(self.clients))) if ranks is None else list(ranks)
         per_rank_args = args if isinstance(args, list) else [args or {}] * len(ranks)
         per_rank_tensors = tensors or [None] * len(ranks)
+        if self.agents and len(ranks) > 1:
+            return ranks, self._through_agents(method, ranks, per_rank_args, per_rank_tensors, step, stage, timeout_s,
+                                               options)
         return ranks, [asyncio.ensure_future(self.clients[r].call(f"/{method}", a, t, timeout_s=timeout_s, stage=stage,
                                                                   step=step, **options))
                        for r, a, t in zip(ranks, per_rank_args, per_rank_tensors)]
+
+    def _through_agents(self, method: str, ranks: list[int], args: list[Any], tensors: list[dict | None], step: int,
+                        stage: str, timeout_s: float | None, options: dict[str, Any]) -> list[asyncio.Future]:
+        """One /fanout request per host that serves any of `ranks`; a future per rank, resolved from its host's
+        reply (the rank's reply and tensors, or its own error); a host that fails fails each of its ranks."""
+        loop = asyncio.get_running_loop()
+        futures = {r: loop.create_future() for r in ranks}
+        index = {r: i for i, r in enumerate(ranks)}
+        inner = self.timeout_s if timeout_s is None else timeout_s
+
+        call_id = secrets.token_hex(8)
+
+        async def one(client: Client, mine: list[int]) -> None:
+            body = {"call_id": call_id, "method": method, "ranks": mine, "args": [args[index[r]] for r in mine],
+                    "stage": stage, "step": step, "timeout_s": inner, "options": options}
+            path, sent = f"/fanout?to={method}", fanout.for_ranks({r: tensors[index[r]] for r in mine})
+            while mine:  # the agent answers early when a rank fails; the ranks still running are asked for again
+                try:
+                    reply, got = await client.call(path, body, sent, timeout_s=inner + 5.0, stage=stage, step=step)
+                except Exception as exc:  # noqa: BLE001 — the host's failure is each of its ranks' failure
+                    for r in mine:
+                        if not futures[r].done():
+                            futures[r].set_exception(exc)
+                    return
+                got_by_rank = fanout.by_rank(got)
+                for item in reply["replies"]:
+                    r = int(item["rank"])
+                    if futures[r].done():  # cancelled meanwhile
+                        continue
+                    if "error" in item:
+                        futures[r].set_exception(fanout.failure_of(item["error"]))
+                    else:
+                        futures[r].set_result((item["reply"], got_by_rank.get(r, {})))
+                mine = [int(r) for r in reply.get("pending", [])]
+                path, body, sent = f"/fanout_wait?to={method}", {"call_id": call_id, "ranks": mine}, {}
+
+        for client, served in self.agents:
+            mine = [r for r in served if r in futures]
+            if mine:
+                task = asyncio.ensure_future(one(client, mine))
+                for r in mine:  # cancelling a rank's call (the watchdog, a sibling's failure) cancels its host's
+                    futures[r].add_done_callback(lambda f, t=task: f.cancelled() and t.cancel())
+        for f in futures.values():
+            f.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failure nobody awaits is not an error
+        return [futures[r] for r in ranks]
 
     async def acall(self, method: str, args: Any = None, tensors: list[dict] | None = None, step: int = -1,
                     stage: str = "", timeout_s: float | None = None, ranks: list[int] | None = None,

@@ -42,16 +42,22 @@ def _pid_alive(pid: int | None) -> bool:
         return False
 
 
-def _last_span(spans: list[SpanRecord], pid: int | None) -> SpanRecord | None:
-    """The last span a process exported (any of its roles): a dead process was alive when it ended."""
-    mine = [s for s in spans if pid and str(s.resource.get("process.pid")) == str(pid)]
-    return max(mine, key=lambda s: s.end_ns) if mine else None
+def _last_spans(spans: list[SpanRecord]) -> dict[str, SpanRecord]:
+    """The last span each process exported (any of its roles), by pid: a dead process was alive when it ended. One
+    pass over the spans (a big world has thousands of processes)."""
+    last: dict[str, SpanRecord] = {}
+    for s in spans:
+        pid = str(s.resource.get("process.pid"))
+        if pid not in last or s.end_ns > last[pid].end_ns:
+            last[pid] = s
+    return last
 
 
 def _life_evidence(lives: list[dict[str, Any]], metrics: dict[str, list[dict[str, Any]]],
                    spans: list[SpanRecord]) -> list[Evidence]:
     """Deaths from exit statuses, and processes that vanished without one."""
     out = []
+    last_spans = _last_spans(spans)
     for life in lives:
         name, pid = life["process"], life["pid"]
         rows = [r for r in metrics.get(name, []) if str(r.get("pid")) == str(pid)]
@@ -64,7 +70,7 @@ def _life_evidence(lives: list[dict[str, Any]], metrics: dict[str, list[dict[str
             stage, step = _activity_stage(last_row), _activity_step(last_row)
             if last_row is not None:
                 what += f"; last heartbeat {last_row.get('activity', '?')} at step {last_row.get('activity_step', '?')}"
-            span = _last_span(spans, pid)
+            span = last_spans.get(str(pid)) if pid else None
             if span is not None and span.end_ns / 1e9 > t:  # spans go out at each stage's end, heartbeats every second
                 t = span.end_ns / 1e9
                 step = int(span.attributes.get("rlhf.step", step))
@@ -88,7 +94,7 @@ def _life_evidence(lives: list[dict[str, Any]], metrics: dict[str, list[dict[str
         category = "process_death"
         onset = min(life["end"], last_row["_time"] + _NOTICE_LAG_S) if last_row else life["end"]  # last seen alive
         stage = _activity_stage(last_row)
-        span = _last_span(spans, pid)
+        span = last_spans.get(str(pid)) if pid else None
         if last_row is not None and span is not None and span.end_ns / 1e9 > last_row["_time"]:
             stage = ""  # its heartbeat's request had ended: it died in a later one, named by its peers' reports
         out.append(Evidence(life["end"], onset, life["by"], name, category, stage,

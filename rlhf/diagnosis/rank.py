@@ -98,6 +98,8 @@ def diagnose(run_dir: str) -> Diagnosis:
     for h in ranked:
         _life_of(h, lives)
     ranked.sort(key=lambda h: h.time)
+    if not ranked:  # every piece of evidence was a consequence (of a death, of the end): no cause of its own
+        return diag
     root = ranked[0]
     for h in ranked[1:]:  # a hard cause noticed just after a softer report about something else still wins
         if h.category in HARD and root.category not in HARD and h.time - root.time <= _NOTICE_LAG_S:

@@ -44,15 +44,15 @@ def list_text() -> str:
     return "\n".join(out)
 
 
-def _config_servers(path: str) -> int:
-    """The rollout servers a scenario file's config section asks for (1 when it says nothing or cannot be read:
-    the file's own problems are reported by its validation)."""
+def _config_count(path: str, section: str, key: str) -> int:
+    """A count a scenario file's config section sets (rollout.servers, sim.train_ranks; 0 when it says nothing or
+    cannot be read: the file's own problems are reported by its validation)."""
     try:
-        rollout = load_fault_config(path).get("rollout")
+        part = load_fault_config(path).get(section)
     except (FaultSpecError, OSError, yaml.YAMLError):
-        return 1
-    servers = rollout.get("servers", 1) if isinstance(rollout, dict) else 1
-    return servers if isinstance(servers, int) and servers > 0 else 1
+        return 0
+    count = part.get(key, 0) if isinstance(part, dict) else 0
+    return count if isinstance(count, int) and count > 0 else 0
 
 
 def faults_main(argv: list[str] | None = None) -> int:
@@ -69,7 +69,9 @@ def faults_main(argv: list[str] | None = None) -> int:
             return 2
         parser = argparse.ArgumentParser(prog="rlhf faults validate")
         parser.add_argument("files", nargs="+", metavar="FILE")
-        parser.add_argument("--world-size", type=int, default=0, help="train ranks (torchrun --nproc_per_node)")
+        parser.add_argument("--world-size", type=int, default=0,
+                            help="train ranks (torchrun --nproc_per_node; a file whose config sets sim.train_ranks is "
+                                 "checked against that simulated world)")
         parser.add_argument("--rollout-servers", type=int, default=0,
                             help="rollout servers (default: the file's config, else 1)")
         args = parser.parse_args(argv[1:])
@@ -78,9 +80,10 @@ def faults_main(argv: list[str] | None = None) -> int:
             try:
                 path = resolve_fault_file(path)
                 world = None
-                if args.world_size:
-                    servers = args.rollout_servers or _config_servers(path)
-                    world = (args.world_size, int(servers))
+                simulated = _config_count(path, "sim", "train_ranks")  # a simulated world's size is its own
+                if args.world_size or simulated:
+                    servers = args.rollout_servers or _config_count(path, "rollout", "servers") or 1
+                    world = (simulated or args.world_size, int(servers))
                 specs = load_fault_file(path, world)  # schema and world problems together, in file order
             except FaultSpecError as err:
                 print(f"invalid: {err}", file=sys.stderr)

@@ -47,6 +47,7 @@ from rlhf import tracing
 from rlhf.config.resilience import HARDENED, Policy
 from rlhf.faults import afault_point
 from rlhf.pieces import assemble
+from rlhf.services.metaserver_merge import MERGED, MergedVersions  # noqa: F401 (MERGED: this module's API too)
 from rlhf.transport import wire
 from rlhf.transport.cuda_ipc import header_bytes, open_shared, unpack
 from rlhf.transport.http import Service, ServiceThread
@@ -87,6 +88,8 @@ class _Version:
     complete: asyncio.Event = field(default_factory=asyncio.Event)
     opened_at: float = field(default_factory=time.time)
     dropped: bool = False
+    merging: bool = False  # its shards are being merged into one (MetaServer.merge_above)
+    error: BaseException | None = None  # the merge failed: every manifest request's answer
 
     def drop(self) -> None:
         """Free its shards; a manifest request waiting for shards is answered at once (410, or 504 incomplete when the
@@ -97,13 +100,19 @@ class _Version:
             shard.drop()
 
 
-class MetaServer:
+class MetaServer(MergedVersions):
+    shard_type = _Shard  # what a merged version's one shard is (services/metaserver_merge.py)
+
     def __init__(self, token: str, max_versions: int = 2, max_bytes: int = 4 << 30, policy: Policy = HARDENED,
-                 transport: str = "shm") -> None:
+                 transport: str = "shm", merge_above: int = 0, checksum: str = "none") -> None:
+        """merge_above: a version of more shards than this is merged into one shard of whole tensors before any
+        rollout server gets its manifest (weights.merge_shards; 0: never); checksum: the merged shard's digests."""
+        self.merge_above, self.checksum = merge_above, checksum
         self.service = Service("metaserver", 0, token, policy)
         self.max_versions, self.max_bytes = max_versions, max_bytes
         self.versions: dict[str, _Version] = {}
         self.waiting = 0  # manifest requests waiting for shards now
+        self.served = 0  # bytes of the manifests and shards it has answered with (benchmarks/scale.py)
         self.stopping = False
         self.lock = threading.Lock()
         self.shm_dir = ""
@@ -222,8 +231,12 @@ class MetaServer:
         if shard in v.shards and v.shards[shard].path != entry.path:  # a retried PUT names the same file: keep it
             v.shards[shard].drop()
         v.shards[shard] = entry
-        if len(v.shards) >= v.expected_shards:
-            v.complete.set()
+        if len(v.shards) >= v.expected_shards and not v.merging:
+            if self.merge_above and v.expected_shards > self.merge_above and not any(e.ipc for e in v.shards.values()):
+                v.merging = True  # the manifest waits for the merge (complete is set by it)
+                asyncio.get_running_loop().create_task(self._merge(v, request.match_info["version"]))
+            else:
+                v.complete.set()
         return web.json_response({"shard": shard, "tensors": len(header), "bytes": entry.size})
 
     async def _manifest(self, request: web.Request) -> web.Response:
@@ -245,9 +258,13 @@ class MetaServer:
         if v.dropped:
             return web.json_response({"error": f"weights version {request.match_info['version']!r} was dropped "
                                                "(deleted or evicted)"}, status=410)
+        if v.error is not None:
+            raise v.error
         shards = {s: {"bytes": e.size, **({"path": e.path} if e.path else {}), **({"cuda_ipc": e.ipc} if e.ipc else {})}
                   for s, e in v.shards.items()}
-        return web.json_response({"version": request.match_info["version"], "tensors": v.entries, "shards": shards})
+        reply = web.json_response({"version": request.match_info["version"], "tensors": v.entries, "shards": shards})
+        self.served += len(reply.body)  # type: ignore[arg-type]
+        return reply
 
     async def _get(self, request: web.Request) -> web.Response:
         v = self._version(request)
@@ -255,7 +272,9 @@ class MetaServer:
         await afault_point("metaserver.get", peer=shard)
         if shard not in v.shards:
             raise web.HTTPNotFound(text=f"shard {shard!r} not uploaded (have {sorted(v.shards)})")
-        return web.Response(body=v.shards[shard].read(), content_type=wire.TENSORS_TYPE)
+        body = v.shards[shard].read()
+        self.served += len(body)
+        return web.Response(body=body, content_type=wire.TENSORS_TYPE)
 
     async def _drop_all(self) -> None:
         self.stopping = True

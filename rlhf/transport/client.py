@@ -35,6 +35,30 @@ def transient(exc: BaseException) -> bool:
     return isinstance(exc, HTTPStatusError) and exc.status in (502, 503, 504)
 
 
+class Traffic:
+    """What this process's clients sent and received, by route: requests, request bytes, reply bytes (the control
+    plane's own cost at scale: benchmarks/scale.py and a simulated world's steps.csv read it)."""
+
+    def __init__(self) -> None:
+        self.by_path: dict[str, list[int]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, path: str, sent: int, received: int) -> None:
+        key = path if path.startswith("/fanout") else path.split("?", 1)[0]  # a host agent's call: by method
+        with self._lock:
+            row = self.by_path.setdefault(key, [0, 0, 0])
+            row[0] += 1
+            row[1] += sent
+            row[2] += received
+
+    def snapshot(self) -> dict[str, tuple[int, int, int]]:
+        with self._lock:
+            return {k: (v[0], v[1], v[2]) for k, v in self.by_path.items()}
+
+
+TRAFFIC = Traffic()
+
+
 class Client:
     """Calls one service. Timeouts are per call; errors come back typed (RemoteError) when they can."""
 
@@ -147,6 +171,7 @@ class Client:
                 timeout=aiohttp.ClientTimeout(total=timeout),
             ) as resp:
                 payload = await resp.read()
+                TRAFFIC.add(path, len(body) if method != "GET" else 0, len(payload))
                 if resp.status == 200 and raw:
                     return payload, {}
                 if resp.status == 200 and resp.content_type not in (wire.JSON_TYPE, wire.TENSORS_TYPE):

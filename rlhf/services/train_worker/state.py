@@ -107,7 +107,8 @@ class WeightsAndCheckpoints:
         with tracing.span("weights.serialize"):
             # only what this rank holds (its DTensor pieces; its share of replicated rows): no collective, no
             # gather, each piece named by its HF parameter and slice
-            part, where = own_pieces(self.model, self.rank, self.world_size, self.wire_dtype)
+            uploaders = int(args.get("uploaders") or self.world_size)  # weights.uploaders: each 1/N of the rows
+            part, where = own_pieces(self.model, self.rank, uploaders, self.wire_dtype)
             fresh_allocation(self.run_dir, self.device, sum(t.numel() * t.element_size() for t in part.values()),
                              "the weights upload buffer")
             path, body, ipc = "", None, None

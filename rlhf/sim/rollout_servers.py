@@ -1,0 +1,179 @@
+"""Simulated rollout servers: sim.servers_per_process of them in one OS process, each the real RolloutServer (sglang's
+routes, our extensions, its fault points, spans, pause and abort) on its own port, over an engine whose generation is
+EMULATED.
+
+    python -m rlhf.sim.rollout_servers --run-dir D --config D/config.yaml --first R --count K --ready-dir D
+    (token in RLHF_TOKEN; server r writes D/rollout-r.url once it listens, as a real one does)
+
+SimEngine: random answer tokens (the task's digits; a stop token ends a sample before max_new_tokens), logprobs
+that are the train ranks' EMULATED ones, and `sim.rollout_s_per_token` seconds per generated token (a wait). Weights
+are real: a server pulls every piece of a version from the MetaServer, checks that they tile the model and keeps
+only their checksum (no model memory), which weights.verify compares with the trainer's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import signal
+import threading
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from rlhf import exits
+from rlhf.models import build_model_and_tokenizer, stop_token_ids
+from rlhf.pieces import assemble
+from rlhf.procs import write_atomic
+from rlhf.rollout.engine.sampling import SamplingParams
+from rlhf.services.boot import boot, service_parser
+from rlhf.services.rollout_server.server import RolloutServer
+from rlhf.sim.cost import EMULATED, CostModel
+from rlhf.tracing.setup import stop_process_telemetry
+from rlhf.weights import checksum, export_state, load_state_dir
+
+log = logging.getLogger("rlhf.sim")
+
+
+class SimModel(torch.nn.Module):
+    """What a server reads of its engine's model (config, a parameter's dtype); no weights are held."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.placeholder = torch.nn.Parameter(torch.zeros(0), requires_grad=False)
+
+
+class SimEngine:
+    """The rollout engine's interface with EMULATED generation and checksummed (not held) weights."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, seed: int, cost: CostModel, verify_checksum: str,
+                 answer_tokens: list[int]) -> None:
+        self.model, self.tokenizer = SimModel(model.config), tokenizer
+        self.device, self.dtype = torch.device("cpu"), torch.float32
+        self.generator = torch.Generator().manual_seed(seed)
+        self.rng = random.Random(seed)
+        self.lock = threading.RLock()
+        self.cost, self.algorithm = cost, verify_checksum
+        self.stop_ids = list(dict.fromkeys(stop_token_ids(model, tokenizer)))
+        self.eos_token_id = self.stop_ids[0] if self.stop_ids else None
+        self.answer_tokens = answer_tokens
+        self.weight_version = "0"
+        self.checksum = checksum(export_state(model), verify_checksum)  # the weights it starts from (seeded)
+        self.tokens_generated = 0
+
+    def drop_caches(self) -> None:
+        """Nothing is cached."""
+
+    def weights_checksum(self, algorithm: str = "crc32") -> str:
+        return self.checksum
+
+    def update_weights_from_pieces(self, shards: dict[str, tuple[dict, dict]], weight_version: str) -> None:
+        with self.lock:
+            whole = assemble(shards)  # every piece checked to tile its parameter; then only the digest is kept
+            self.checksum, self.weight_version = checksum(whole, self.algorithm), str(weight_version)
+
+    def update_weights_from_tensors(self, tensors: dict[str, torch.Tensor], weight_version: str) -> None:
+        with self.lock:
+            self.checksum, self.weight_version = checksum(tensors, self.algorithm), str(weight_version)
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
+        self.update_weights_from_tensors(load_state_dir(model_path), weight_version)
+
+    def generate(self, input_ids: list[list[int]], sampling_params: Any = None, return_logprob: bool = False,
+                 top_logprobs_num: int = 0, control: Any = None, detokenize: bool = True) -> list[dict[str, Any]]:
+        sp = sampling_params if isinstance(sampling_params, SamplingParams) else SamplingParams.from_dict(sampling_params)
+        if not input_ids or any(len(p) == 0 for p in input_ids):
+            raise ValueError("generate: every prompt needs at least one token")
+        stops = [] if sp.ignore_eos else self.stop_ids
+        rows = []
+        with self.lock:
+            version = self.weight_version
+            for prompt in input_ids:
+                for _ in range(sp.n):
+                    length = self.rng.randint(1, max(1, sp.max_new_tokens))
+                    toks = [self.rng.choice(self.answer_tokens) for _ in range(length)]
+                    stopped = bool(stops) and length < sp.max_new_tokens
+                    if stopped:
+                        toks[-1] = stops[0]
+                    rows.append((prompt, toks, {"type": "stop", "matched": stops[0]} if stopped else
+                                 {"type": "length", "length": length}))
+            total = sum(len(t) for _, t, _ in rows)
+            self.cost.spend(total)
+            ended = control.step(max(len(t) for _, t, _ in rows), None, None) if control is not None else {}
+        results = []
+        for row, (prompt, toks, fin) in enumerate(rows):
+            fin = ended.get(row, fin)
+            meta: dict[str, Any] = {"finish_reason": fin, "prompt_tokens": len(prompt), "completion_tokens": len(toks),
+                                    "cached_tokens": len(prompt) if row % sp.n else 0, "weight_version": version,
+                                    "simulated": EMULATED}
+            if return_logprob:
+                meta["output_token_logprobs"] = [[0.0, t, None] for t in toks]  # EMULATED (the train side's too)
+            text = self.tokenizer.decode(toks, skip_special_tokens=True) if detokenize and self.tokenizer else ""
+            results.append({"text": text, "output_ids": toks, "meta_info": meta})
+        self.tokens_generated += total
+        return results
+
+    def prompt_logprobs(self, prompts: list[list[int]], start: int = 0, top: int = 0) -> list[dict[str, list]]:
+        return [{"input_token_logprobs": [[None if i == 0 else 0.0, t, None] for i, t in enumerate(p)][start:]}
+                for p in prompts]
+
+
+async def _serve(servers: list[RolloutServer], host: str, ready_dir: str, stop: asyncio.Event) -> None:
+    runners = []
+    for server in servers:
+        runner = web.AppRunner(server.service.app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, host, 0)
+        await site.start()
+        runners.append(runner)
+        server.host, server.port = host, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        write_atomic(os.path.join(ready_dir, f"rollout-{server.rank}.url"), f"http://{host}:{server.port}")
+    log.info("simulated rollout servers %d-%d listening (pid %d, %s generation)", servers[0].rank, servers[-1].rank,
+             os.getpid(), EMULATED)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await asyncio.gather(*(runner.cleanup() for runner in runners))  # side by side: each waits for its connections
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = service_parser(__doc__, rank=False, config=True)
+    parser.add_argument("--first", type=int, required=True, help="the first rollout server this process serves")
+    parser.add_argument("--count", type=int, required=True, help="how many rollout servers this process serves")
+    parser.add_argument("--ready-dir", required=True, help="where server r writes rollout-r.url")
+    args = parser.parse_args(argv)
+    token, cfg = boot(parser, args, "rollout", args.first)
+    model, tokenizer = build_model_and_tokenizer(cfg.model, seed=cfg.seed, device="cpu", dtype="float32")
+    answer = [t for t in tokenizer.encode("0123456789", add_special_tokens=False)]
+    servers = []
+    for r in range(args.first, args.first + args.count):
+        if r != args.first:
+            exits.record_start(args.run_dir, f"rollout-{r}", os.getpid())
+        seed = (cfg.sampling.seed if cfg.sampling.seed >= 0 else cfg.seed + 17) + 1000 * r
+        engine = SimEngine(model, tokenizer, seed, CostModel(cfg.sim.rollout_s_per_token, cfg.sim.jitter, seed),
+                           cfg.weights.verify_checksum, answer)
+        servers.append(RolloutServer(engine, r, token, cfg.resilience, None, cfg.timeouts.lease_s, args.run_dir,
+                                     cfg.weights.verify_checksum, model_path=cfg.model.name,
+                                     max_queued=cfg.rollout.max_queued_requests))
+    del model  # each engine keeps its checksum, not the weights
+    code = 0
+    try:
+        asyncio.run(_serve(servers, args.host, args.ready_dir, asyncio.Event()))
+    except BaseException:
+        code = 1
+        raise
+    finally:
+        for server in servers[1:]:  # the first is the job itself: its scheduler records its end
+            exits.record_exit(args.run_dir, f"rollout-{server.rank}", os.getpid(), code, by=f"rollout-{args.first}",
+                              expected=not code)
+        stop_process_telemetry()
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
