@@ -211,6 +211,10 @@ async def _serve(ranks: list[SimTrainRank], host: str, ready_file: str, stop: th
     while not stop.is_set() and not all(r.shutdown.is_set() for r in ranks):
         await asyncio.sleep(0.1)  # a poll of two conditions set on other threads
     ranks[0].host.stopping.set()
+    for _ in range(40):  # the agent's answer to the /shutdown it relays goes out first (2 s at most)
+        if not agent.running:
+            break
+        await asyncio.sleep(0.05)
     await agent.close()
     await asyncio.gather(*(runner.cleanup() for runner in runners))  # side by side: each waits for its connections
 
