@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("services", ("rlhf.services", "rlhf.sim")),
     ("control", ("rlhf.control",)),
     ("entry points", ("rlhf.control.launch", "rlhf.services.sglang_launch", "rlhf.checkpoint.export", "rlhf.cli",
-                      "rlhf.cli_args", "rlhf.inputs", "rlhf.report", "rlhf.sim.world")),
+                      "rlhf.cli_args", "rlhf.inputs", "rlhf.report", "rlhf.control.sim_launch")),
 ]
 
 

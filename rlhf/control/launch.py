@@ -83,7 +83,7 @@ def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
     if cfg.sim.enabled:  # a simulated world: the real controller, train ranks and rollout servers EMULATED (rlhf.sim)
         if mode != "grpo" or "LOCAL_RANK" in os.environ:
             raise ValueError("sim.train_ranks: a simulated world runs GRPO from one process (no torchrun, not sft)")
-        from rlhf.sim.world import run_simulated
+        from rlhf.control.sim_launch import run_simulated
 
         return run_simulated(cfg)
     if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:

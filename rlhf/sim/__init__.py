@@ -8,7 +8,8 @@ them served by one OS process (each its own port).
     train_ranks.py      `python -m rlhf.sim.train_ranks`: sim.ranks_per_process train ranks in one process
     rollout_servers.py  `python -m rlhf.sim.rollout_servers`: sim.servers_per_process rollout servers in one
                         process, each the real RolloutServer over an engine that emulates generation
-    world.py            the launcher: the train rank processes, then the real Controller in this process
+    (rlhf.control.sim_launch, an entry point beside control/launch: the launcher, the train rank processes, then
+    the real Controller in its process)
 
 What is real: every HTTP hop, the weight shards (the embedded model's bytes, one copy a process, relayed through
 the MetaServer and checked end to end), checkpoints' files (small: a rank's counters, not a model), spans, logs and

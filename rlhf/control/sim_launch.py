@@ -10,7 +10,8 @@ train ranks.
                                (`python -m rlhf.sim.rollout_servers`)
 
 The controller, MetaServer, scheduler, stall watchdog, tracing, faults and `rlhf diagnose` are the ones every run
-uses; only the train ranks' and rollout servers' compute is EMULATED (rlhf.sim). steps.csv rows carry `simulated`.
+uses; only the train ranks' and rollout servers' compute is EMULATED (rlhf.sim). An entry point beside launch.py
+(launch.run hands it a config with sim.train_ranks > 0). steps.csv rows carry `simulated`.
 """
 
 from __future__ import annotations
