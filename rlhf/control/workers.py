@@ -64,7 +64,6 @@ class WorkerGroup:
         futures = {r: loop.create_future() for r in ranks}
         index = {r: i for i, r in enumerate(ranks)}
         inner = self.timeout_s if timeout_s is None else timeout_s
-
         call_id = secrets.token_hex(8)
 
         async def one(client: Client, mine: list[int]) -> None:

@@ -22,7 +22,6 @@ import threading
 from typing import Any
 
 import torch
-from aiohttp import web
 
 from rlhf import exits
 from rlhf.models import build_model_and_tokenizer, stop_token_ids
@@ -33,6 +32,7 @@ from rlhf.services.boot import boot, service_parser
 from rlhf.services.rollout_server.server import RolloutServer
 from rlhf.sim.cost import EMULATED, CostModel
 from rlhf.tracing.setup import stop_process_telemetry
+from rlhf.transport.http import listen
 from rlhf.weights import checksum, export_state, load_state_dir
 
 log = logging.getLogger("rlhf.sim")
@@ -125,12 +125,9 @@ class SimEngine:
 async def _serve(servers: list[RolloutServer], host: str, ready_dir: str, stop: asyncio.Event) -> None:
     runners = []
     for server in servers:
-        runner = web.AppRunner(server.service.app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, host, 0)
-        await site.start()
+        runner, server.port = await listen(server.service, host)
         runners.append(runner)
-        server.host, server.port = host, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        server.host = host
         write_atomic(os.path.join(ready_dir, f"rollout-{server.rank}.url"), f"http://{host}:{server.port}")
     log.info("simulated rollout servers %d-%d listening (pid %d, %s generation)", servers[0].rank, servers[-1].rank,
              os.getpid(), EMULATED)

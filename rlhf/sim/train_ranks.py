@@ -42,7 +42,7 @@ from rlhf.tracing.metrics import disk_wait_threads
 from rlhf.tracing.setup import stop_process_telemetry
 from rlhf.train.parallel import make_layout
 from rlhf.transport.fanout import FanoutAgent
-from rlhf.transport.http import Service
+from rlhf.transport.http import Service, listen
 
 log = logging.getLogger("rlhf.sim")
 
@@ -188,12 +188,9 @@ class SimTrainRank(WeightsAndCheckpoints):
 
 
 async def _listen(service: Service, host: str, runners: list[web.AppRunner]) -> str:
-    runner = web.AppRunner(service.app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, 0)
-    await site.start()
+    runner, port = await listen(service, host)
     runners.append(runner)
-    return f"http://{host}:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    return f"http://{host}:{port}"
 
 
 async def _serve(ranks: list[SimTrainRank], host: str, ready_file: str, stop: threading.Event) -> None:

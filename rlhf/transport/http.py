@@ -263,11 +263,7 @@ class ServiceThread:
         return asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=30)
 
     async def _start(self) -> int:
-        self._runner = web.AppRunner(self.service.app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._runner, self.port = await listen(self.service, self.host, self.port)
         return self.port
 
     @property
@@ -297,6 +293,15 @@ class ServiceThread:
         self.service.executor.shutdown(wait=False, cancel_futures=True)
 
 
+async def listen(service: Service, host: str, port: int = 0) -> tuple[web.AppRunner, int]:
+    """Serve a Service's app on host:port (0: any free port) on the running loop: its runner and the port bound."""
+    runner = web.AppRunner(service.app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+
 def run_process_loop(main: Callable[[], Awaitable[None]], on_exit: Callable[[], None]) -> int:
     """asyncio.run(main()) as a service process's main loop (rollout server, reward server); returns its exit code:
     a SystemExit's (128 + SIGTERM from a signal handler), 0 after Ctrl-C or a normal end. on_exit runs whatever
@@ -324,12 +329,9 @@ async def serve_forever(service: Service, host: str, port: int, on_ready: Callab
                         stop: asyncio.Event | None = None) -> None:
     """Run a Service as the main loop of a process (rollout server, scheduler) until cancelled, or until `stop`
     is set (a drained rollout server)."""
-    runner = web.AppRunner(service.app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
+    runner, bound = await listen(service, host, port)
     freeze_gc()  # the process is up: what it holds now is never garbage
-    on_ready(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+    on_ready(bound)
     try:
         await (stop or asyncio.Event()).wait()
     finally:
