@@ -11,7 +11,10 @@ a step (rollout.prompts_per_step = train ranks, one mini-batch), and reads the r
     controller_rss_mb its peak resident memory
     requests          requests its clients send a step (heartbeats included), and MB both ways
     token_mb          rollout token bytes through the controller a step (/generate replies, the batches it sends
-                      to /compute_logprobs and /train_step)
+                      to /compute_logprobs and /train_step); 0 when it handled no token (rollout.data_plane store:
+                      the rows stay in the rollout servers, the ranks fetch them; batch_mb is then row ids and
+                      advantages)
+    batch_mb          bytes of those routes a step, tokens or metadata
     meta_mb           MB the MetaServer answered with a weights update (manifests and shards)
     hb/s              heartbeat reads a second (the stall watchdog)
     spans, trace_mb   spans and trace bytes a step (every process's traces/)
@@ -57,8 +60,10 @@ def parse_worlds(text: str) -> list[tuple[int, int]]:
 
 
 # the control plane before this project's big-world changes: every rank uploads its 1/world of the weights, the
-# MetaServer's manifest lists every rank's piece of every tensor, and the controller calls each rank itself
-BEFORE = ["--weights.uploaders", "0", "--weights.merge_shards", "0", "--sim.fanout", "false"]
+# MetaServer's manifest lists every rank's piece of every tensor, the controller calls each rank itself, and every
+# rollout token passes through it (rollout.data_plane controller)
+BEFORE = ["--weights.uploaders", "0", "--weights.merge_shards", "0", "--sim.fanout", "false",
+          "--rollout.data_plane", "controller"]
 
 
 def run_world(train: int, servers: int, steps: int, base: str, extra: list[str], plane: str = "after") -> dict:
@@ -95,7 +100,10 @@ def run_world(train: int, servers: int, steps: int, base: str, extra: list[str],
             "own_cost_s": med("seconds"), "controller_cpu_s": med("controller_cpu_s"),
             "controller_rss_mb": max(float(r["controller_rss_mb"]) for r in rows),
             "requests_per_step": med("controller_requests"), "controller_mb_per_step": med("controller_bytes") / 1e6,
-            "controller_token_bytes": med("controller_token_bytes"),
+            # the batch's bytes on the routes that carry it, when they carried rollout tokens (the controller plane);
+            # the store plane's carry row ids and advantages only (controller_tokens: the tokens it handled, counted)
+            "controller_token_bytes": med("controller_batch_bytes") if med("controller_tokens") else 0.0,
+            "controller_batch_bytes": med("controller_batch_bytes"), "controller_tokens": med("controller_tokens"),
             "metaserver_bytes_per_update": med("metaserver_bytes"),
             "heartbeats_per_s": sum(float(r["heartbeat_requests"]) for r in rows) / max(seconds, 1e-9),
             "spans_per_step": spans / len(rows), "trace_bytes_per_step": trace_bytes / len(rows),
@@ -105,7 +113,7 @@ def run_world(train: int, servers: int, steps: int, base: str, extra: list[str],
 COLUMNS = [("world", "{train_ranks}x{rollout_servers}"), ("plane", "{plane}"), ("step_s", "{own_cost_s:.2f}"),
            ("ctl_cpu_s", "{controller_cpu_s:.2f}"), ("ctl_rss_mb", "{controller_rss_mb:.0f}"),
            ("requests", "{requests_per_step:.0f}"), ("ctl_mb", "{controller_mb_per_step:.1f}"),
-           ("token_mb", "{token_mb:.2f}"), ("meta_mb", "{meta_mb:.1f}"), ("hb/s", "{heartbeats_per_s:.0f}"),
+           ("token_mb", "{token_mb:.2f}"), ("batch_mb", "{batch_mb:.2f}"), ("meta_mb", "{meta_mb:.1f}"), ("hb/s", "{heartbeats_per_s:.0f}"),
            ("spans", "{spans_per_step:.0f}"), ("trace_mb", "{trace_mb:.2f}"), ("diagnose_s", "{diagnose_s:.1f}"),
            ("diagnose_mb", "{diagnose_rss_mb:.0f}"), ("run_s", "{run_s:.0f}")]
 
@@ -113,7 +121,7 @@ COLUMNS = [("world", "{train_ranks}x{rollout_servers}"), ("plane", "{plane}"), (
 def table(records: list[dict]) -> str:
     rows = [[name for name, _ in COLUMNS]]
     for rec in records:
-        view = {**rec, "token_mb": rec["controller_token_bytes"] / 1e6,
+        view = {**rec, "token_mb": rec["controller_token_bytes"] / 1e6, "batch_mb": rec["controller_batch_bytes"] / 1e6,
                 "meta_mb": rec["metaserver_bytes_per_update"] / 1e6, "trace_mb": rec["trace_bytes_per_step"] / 1e6}
         rows.append([fmt.format(**view) for _, fmt in COLUMNS])
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
@@ -154,7 +162,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5, help="GRPO steps per world (step 1 is left out of medians)")
     parser.add_argument("--plane", choices=["after", "before", "both"], default="after",
                         help="the control plane measured: after (today's defaults), before (every rank uploads, "
-                             "manifests list every piece, a request per rank), or both, side by side")
+                             "manifests list every piece, a request per rank, every token through the "
+                             "controller), or both, side by side")
     parser.add_argument("--json", default="", help="write one record per world to this file")
     parser.add_argument("--figure", default="", help="a log-log figure of the table (PNG)")
     parser.add_argument("--keep", action="store_true", help="keep the run directories (printed)")

@@ -99,6 +99,7 @@ def _run(tmp_path, name, *args):
         return list(csv.DictReader(fh)), json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # the suite's time (README: `pytest -m slow`)
 def test_k0_through_the_async_path_is_the_synchronous_run(tmp_path):
     """Same prompts, same samples, same training: every steps.csv column but the timings is equal, with dynamic
     sampling on and weights that move every step; the rollout and train logprobs agree (same weights)."""
@@ -165,6 +166,7 @@ def test_off_policy_weights_each_token_by_the_capped_importance_ratio(mode, expe
         assert torch.allclose(out, torch.tensor(expected), atol=1e-6), out
 
 
+@pytest.mark.slow  # the suite's time (README: `pytest -m slow`)
 def test_scenario15_a_slow_server_starves_the_trainer_without_an_error_and_is_named(tmp_path):
     """Async, 2 ranks, 2 servers: every /generate to rollout-1 waits 3 s from batch 2 on. Nothing fails and no
     process logs an error; the train side waits most of each step from step 2, the starvation watchdog names

@@ -64,3 +64,20 @@ def test_shares_carry_their_columns_and_mini_batch_and_report_the_imbalance():
 def test_a_mini_batch_smaller_than_the_dp_degree_is_merged_not_left_empty():
     rows, minis = plan_shares([1] * 6, 4, 2)  # 4 mini-batches of 1-2 samples would leave a rank without one
     assert [sorted(set(m)) for m in minis] == [[0, 1, 2], [0, 1, 2]]
+
+
+def test_a_row_store_hands_back_its_rows_in_the_order_asked_and_drops_old_steps():
+    """rollout.data_plane store's store: rows round-trip through the wire's flat tensors in the order asked (the
+    ids it lacks named), and a put of a later step drops the rows more than keep_steps behind it."""
+    from rlhf.batch.store import RowStore, decode
+
+    store = RowStore(keep_steps=1)
+    store.put(1, 7, [1, 2, 3], [4, 5], [-0.5, -0.25])
+    store.put(1, 8, [1], [9, 9, 9], [-1.0, -2.0, -3.0])
+    store.put(2, 9, [6], [7], [-0.125])
+    header, tensors = store.encode([9, 7, 8, 42])
+    assert header == {"rows": 3, "missing": [42]}
+    assert decode(tensors) == [([6], [7], [-0.125]), ([1, 2, 3], [4, 5], [-0.5, -0.25]),
+                               ([1], [9, 9, 9], [-1.0, -2.0, -3.0])]
+    store.put(3, 10, [1], [2], [0.0])  # step 1 is now more than one step behind
+    assert store.encode([7, 8, 9, 10])[0]["missing"] == [7, 8] and len(store) == 2

@@ -91,6 +91,7 @@ def test_rollout_benchmark_runs_every_workload_and_its_warm_up(tmp_path):
     assert "warm model: SFT stopped at step 2" in table
 
 
+@pytest.mark.slow  # the suite's time (README: `pytest -m slow`)
 def test_gpu_grpo_benchmark_on_the_cpu_prints_its_stage_table_and_leaves_nothing(tmp_path):
     before = {p for p in os.listdir("/tmp") if p.startswith("rlhf-gpu-grpo-")}
     table = benchmark("gpu_grpo.py", "--device", "cpu", "--tiny", "--steps", "2", "--warmup", "1")
@@ -103,12 +104,14 @@ def test_gloo_cuda_benchmark_probes_on_host_tensors():
                                                       "--ops", "all_reduce")
 
 
+@pytest.mark.slow  # the suite's time (README: `pytest -m slow`)
 def test_learning_benchmark_runs_a_seed_and_scores_it(tmp_path):
     table = benchmark("learning.py", "--setups", "async-k1", "--seeds", "1", "--", "--steps", "2",
                       "--sft.max_steps", "10", "--sft.eval_every", "10")
     assert "| async-k1 | 1 |" in table and "≥ +0.15" in table and "failed" not in table
 
 
+@pytest.mark.slow  # the suite's time (README: `pytest -m slow`)
 def test_async_benchmark_compares_sync_and_async_and_draws_the_figure(tmp_path):
     fig = tmp_path / "async.png"
     table = benchmark("async.py", "--steps", "2", "--modes", "sync,async-k1", "--eval-every", "1", "--figure", fig,

@@ -112,6 +112,7 @@ faults:
 """
 
 
+@pytest.mark.slow  # the suite's time (README: `pytest -m slow`)
 def test_a_network_fault_fires_on_every_client_hop_of_a_two_rank_run(tmp_path):
     """Every HTTP hop goes through the client: a fault at rpc.client.send fires on train → MetaServer (the shard
     upload), rollout → MetaServer (the pull), and controller → train rank, rollout server and scheduler (the

@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("engines", ("rlhf.rollout", "rlhf.train", "rlhf.envs", "rlhf.data", "rlhf.evaluation", "rlhf.trainers", "rlhf.diagnosis",
                  "rlhf.trackers")),
     ("storage", ("rlhf.checkpoint",)),
-    ("transport", ("rlhf.transport",)),
+    ("transport", ("rlhf.transport", "rlhf.batch.client")),
     ("services", ("rlhf.services", "rlhf.sim")),
     ("control", ("rlhf.control",)),
     ("entry points", ("rlhf.control.launch", "rlhf.services.sglang_launch", "rlhf.checkpoint.export", "rlhf.cli",

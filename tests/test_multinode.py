@@ -229,6 +229,7 @@ def run_on_hosts(tmp_path, duration_s, *flags):
     return [p.returncode for p in procs], outs, run_dir
 
 
+@pytest.mark.slow  # the suite's time (README: `pytest -m slow`)
 @pytest.mark.skipif(bool(NO_HOSTS), reason=f"no network-namespace hosts here: {NO_HOSTS}")
 def test_a_partition_of_host_b_shorter_than_the_grace_is_survived_and_named(tmp_path):
     """Host B's link goes down for 12 s as train-1 starts step 2 (in the kernel: the train ranks' gloo all-reduce

@@ -24,8 +24,8 @@ TOKEN = "t0k3n"
 def rollout_server(tmp_path):
     procs = []
 
-    def start(colocate=False, rank=0):
-        cfg = build_config("smoke")
+    def start(colocate=False, rank=0, dotted=None):
+        cfg = build_config("smoke", dotted=dotted)
         (tmp_path / "config.yaml").write_text(cfg.to_yaml())
         ready = tmp_path / f"ready-{rank}"
         cmd = [sys.executable, "-m", "rlhf.services.rollout_server", "--run-dir", str(tmp_path), "--rank", str(rank),
@@ -99,6 +99,44 @@ def test_weights_via_metaserver_then_generate_matches_in_process_engine(rollout_
         assert info["model_type"] == "llama" and info["weight_version"] == "2"
     finally:
         meta.stop()
+
+
+def test_rows_stay_on_the_server_scored_and_a_train_rank_fetches_them_by_id(rollout_server):
+    """rollout.data_plane store: /generate with rlhf_rows answers with metadata only (no token, no text), the reward
+    functions' values beside each row; POST /rows gives the same tokens and logprobs a plain /generate of the same
+    seed gives, in the order asked, naming the ids it does not hold; a bad rlhf_rows is a 400 naming its field."""
+    from rlhf.batch.client import RowFetcher, RowsMissing
+    from rlhf.models import build_model_and_tokenizer
+
+    start, loop, _ = rollout_server
+    url, _ = start(dotted=[("rollout.data_plane", "store")])
+    client = Client(url, TOKEN)
+    _, tok = build_model_and_tokenizer(build_config("smoke").model)
+    prompts = encode_prompts(tok, ["1+2=", "40+41="])
+    sampled = {"input_ids": prompts, "sampling_params": {"max_new_tokens": 6, "n": 2, "sampling_seed": 5},
+               "return_logprob": True}
+    plain, _ = loop.run(client.call("/generate", sampled))
+    rows = {"step": 3, "ids": [10, 11, 12, 13], "answers": ["3", "81"], "prompts": ["1+2=", "40+41="],
+            "fields": [{}, {}]}
+    kept, _ = loop.run(client.call("/generate", {**sampled, "rlhf_rows": rows}))
+    assert [r["output_ids"] for r in kept] == [[]] * 4 and {r["text"] for r in kept} == {""}
+    assert all("output_token_logprobs" not in r["meta_info"] for r in kept)
+    meta = [r["rlhf_row"] for r in kept]
+    assert [m["id"] for m in meta] == rows["ids"]
+    assert [m["completion_tokens"] for m in meta] == [len(r["output_ids"]) for r in plain]
+    assert all(set(m["rewards"]) == {"reward_exact_match"} and m["reward"] == m["rewards"]["reward_exact_match"]
+               for m in meta)
+    fetcher = RowFetcher(TOKEN, loop)
+    got = fetcher.fetch({"ids": [12, 10], "at": [0, 0], "urls": [url], "servers": [0]})
+    for (p, o, lp), k in zip(got, (2, 0)):
+        assert p == prompts[k // 2] and o == plain[k]["output_ids"]
+        assert lp == pytest.approx([x for x, _t, _ in plain[k]["meta_info"]["output_token_logprobs"]], abs=1e-6)
+    with pytest.raises(RowsMissing, match=r"rollout-0 .* no longer holds rows \[99\]"):
+        fetcher.fetch({"ids": [10, 99], "at": [0, 0], "urls": [url], "servers": [0]}, step=3)
+    with pytest.raises(RemoteError, match="BadRequest in rollout-0.*rlhf_rows.answers: 2 entries needed"):
+        loop.run(client.call("/generate", {**sampled, "rlhf_rows": {**rows, "answers": ["3"]}}))
+    fetcher.close()
+    loop.run(client.close())
 
 
 def test_meta_update_fails_when_a_shard_never_arrives(rollout_server):

@@ -112,6 +112,7 @@ def test_scenario3_oom_is_hidden_behind_the_last_error_a_stop_job_timeout(tmp_pa
     assert any("stop job" in m["message"] for m in d.masked)  # the last error line, ranked below the OOM
 
 
+@pytest.mark.slow  # the suite's time (README: `pytest -m slow`)
 def test_scenario3_hardened_names_the_oom_first_and_last(tmp_path):
     # the warm start plays no part in this failure path (an OOM in a train step, then slow cleanup): skipped
     run_dir, out = run_scenario(tmp_path, 3, "--resilience", "hardened", "--sft.max_steps", "0")
@@ -165,6 +166,7 @@ def test_scenario5_full_disk_at_a_save_surfaces_one_step_later_in_weights_update
     assert_diagnosed(run_dir, "train-0", "latest_recover_save", "disk")  # not the rollout side one step later
 
 
+@pytest.mark.slow  # the suite's time (README: `pytest -m slow`)
 def test_scenario3_on_the_sft_baseline_surfaces_where_it_happened(tmp_path):
     """The same fault file on SFT (same train workers): no rollout, MetaServer, events or scheduler to hide it."""
     run_dir, out = run_scenario(tmp_path, 3, script="sft_trainer.py")
@@ -206,6 +208,7 @@ def test_sync_stall_cannot_happen_when_the_controller_decides_the_steps(tmp_path
     assert any(m["fault"] == "clock-ahead-on-rank1" and m["event"] == "verify" for m in markers(run_dir))
 
 
+@pytest.mark.slow  # the suite's time (README: `pytest -m slow`)
 def test_scenario10_metaserver_failure_shows_on_both_sides_and_not_in_its_own_log(tmp_path):
     run_dir, out = run_scenario(tmp_path, 10)
     assert out.returncode != 0

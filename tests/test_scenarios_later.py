@@ -108,6 +108,7 @@ def test_scenarios_2_and_7_hardened_migrate_the_failed_servers_groups_and_finish
     assert (d.root.process, d.root.stage, d.root.step, d.root.category) == ("rollout-1", "rollout", 3, category)
 
 
+@pytest.mark.slow  # the suite's time (README: `pytest -m slow`)
 def test_scenario8_truncated_reference_reply_fails_train_in_the_kl_term(tmp_path):
     run_dir, out = run_scenario(tmp_path, 8)
     assert out.returncode != 0
@@ -133,6 +134,7 @@ def test_scenario8_hardened_checksums_reject_the_reply_where_it_arrives_and_the_
     assert (d.root.process, d.root.stage, d.root.step, d.root.category) == ("train-1", "reference", 3, "data_mismatch")
 
 
+@pytest.mark.slow  # the suite's time (README: `pytest -m slow`)
 def test_scenario9_io_hang_in_a_periodic_save_breaks_the_restart_after_a_crash(tmp_path):
     run_dir, first_run = run_scenario(tmp_path, 9)
     assert first_run.returncode != 0

@@ -78,7 +78,8 @@ def assert_same_steps(result, layouts):
         assert got["param_bytes_rank"] < 0.6 * base["param_bytes_rank"], name  # each rank holds part of it
 
 
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2-gqa"])
+@pytest.mark.parametrize("model", ["tiny-llama", pytest.param("tiny-qwen2-gqa", marks=pytest.mark.slow(
+    reason="suite time: the layouts run by default on tiny-llama"))])
 def test_fsdp_and_tensor_parallel_on_two_ranks_take_the_steps_of_replicated_dp(tmp_path, model):
     result = sharded_steps(tmp_path, 2, model, ["fsdp", "tp2"])
     assert result["fsdp"]["layout"] == "fsdp x2" and result["tp2"]["layout"] == "dp x1 x tp 2"
@@ -91,6 +92,7 @@ def test_fsdp_and_tensor_parallel_on_two_ranks_take_the_steps_of_replicated_dp(t
 
 @pytest.mark.parametrize("model", ["tiny-llama", pytest.param("tiny-qwen2-gqa", marks=pytest.mark.slow(
     reason="suite time: the 4-rank layout runs by default on tiny-llama; Qwen2's biases and GQA on 2 ranks"))])
+@pytest.mark.slow  # the suite's time (README: `pytest -m slow`)
 def test_fsdp_times_tensor_parallel_on_four_ranks_takes_the_steps_of_replicated_dp(tmp_path, model):
     result = sharded_steps(tmp_path, 4, model, ["fsdp+tp2"])
     assert result["fsdp+tp2"]["layout"] == "fsdp x2 x tp 2"
@@ -121,6 +123,7 @@ def torchrun_script(script, nproc, *args):
     assert run.returncode == 0, run.stderr[-4000:]
 
 
+@pytest.mark.slow  # the suite's time (README: `pytest -m slow`)
 def test_checkpoints_are_written_by_shard_and_resume_into_another_layout_and_world(tmp_path):
     """fsdp on 4 ranks → fsdp on 2; fsdp → replicated dp; tp 2 → fsdp; a replicated slot → fsdp: each resumed
     step equals the step the writer took after its save, and what is read back equals what was written, bit for
@@ -252,6 +255,7 @@ def test_a_rank_that_never_joins_an_fsdp_all_gather_is_named_in_seconds(tmp_path
     assert (d.root.process, d.root.stage, d.root.step, d.root.category) == ("train-1", "reference", 2, "hang")
 
 
+@pytest.mark.slow  # the suite's time (README: `pytest -m slow`)
 def test_an_oom_inside_rank_1s_fsdp_all_gather_is_diagnosed_on_rank_1(tmp_path):
     from rlhf.diagnosis import diagnose
 

@@ -31,8 +31,9 @@ def _run(tmp_path, *args, timeout=240):
 
 def test_a_simulated_world_runs_the_real_controller_its_faults_fire_and_the_diagnosis_names_the_rank(tmp_path):
     """One run: step 1 runs the big world's control plane (4 of the 8 ranks upload, weights.uploaders; the MetaServer
-    merges their shards, weights.merge_shards; each train rank process's agent fans the calls out, sim.fanout) and
-    every rollout server ends its update with the trainer's checksum; at step 2 train rank 6's step raises (a fault
+    merges their shards, weights.merge_shards; each train rank process's agent fans the calls out, sim.fanout; the
+    rows stay in the rollout servers, rollout.data_plane store) and every rollout server ends its update with the
+    trainer's checksum; at step 2 train rank 6's step raises (a fault
     point of a simulated rank), the run fails, the console's last line and `rlhf diagnose` name train-6 in train,
     and nothing is left running."""
     faults = tmp_path / "faults.yaml"
@@ -49,7 +50,12 @@ def test_a_simulated_world_runs_the_real_controller_its_faults_fire_and_the_diag
     [row] = list(csv.DictReader((run_dir / "steps.csv").open()))
     assert row["simulated"] == "EMULATED" and row["weights_verified"] == "1"
     assert int(row["batch_size"]) == 64 and int(row["controller_requests"]) > 4
-    assert int(row["controller_token_bytes"]) > 0 and int(row["metaserver_bytes"]) > 0
+    assert int(row["controller_batch_bytes"]) > 0 and int(row["metaserver_bytes"]) > 0
+    # the data plane (rollout.data_plane auto: store in a simulated world): no rollout token through the controller;
+    # the servers kept and scored the rows, each rank fetched its own
+    assert int(row["controller_tokens"]) == 0
+    assert "rows.keep" in _span_names(run_dir / "traces" / "rollout-1.jsonl")
+    assert "batch.fetch" in _span_names(run_dir / "traces" / "train-5.jsonl")
     # each rank and server is a service of its own: its own spans, start record and log lines
     traces = {p.name for p in (run_dir / "traces").iterdir()}
     assert {f"train-{r}.jsonl" for r in range(8)} | {f"rollout-{r}.jsonl" for r in range(4)} <= traces

@@ -48,6 +48,7 @@ def test_a_tracker_that_is_not_installed_is_one_line_naming_the_extra(monkeypatc
     assert out.returncode == 2 and "tensorbord not known; choose any of: console, tensorboard, wandb, mlflow" in out.stderr
 
 
+@pytest.mark.slow  # the suite's time (README: `pytest -m slow`)
 def test_three_trackers_read_back_equal_steps_csv_and_carry_the_fault_at_its_step(tmp_path):
     pytest.importorskip("tensorboard")
     pytest.importorskip("wandb")

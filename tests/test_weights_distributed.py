@@ -110,6 +110,7 @@ def test_plan_buckets_keeps_the_order_and_bounds_each_bucket():
     assert torch.equal(a, torch.arange(3.0)) and torch.equal(b, torch.ones(2, dtype=torch.bfloat16))
 
 
+@pytest.mark.slow  # the suite's time (README: `pytest -m slow`)
 def test_a_two_rank_run_broadcasts_survives_a_server_killed_mid_broadcast_and_names_a_hung_one_in_seconds(tmp_path):
     """2 train ranks, 2 rollout servers, --weights.mode distributed, hardened: every step's weights verified on both
     servers. At step 2 rollout-1 is SIGKILLed as it starts receiving: it is started again, the group is formed again

@@ -39,7 +39,8 @@ def _diffs(rows):
     return [float(r["rollout_train_logprob_diff"]) for r in rows]
 
 
-@pytest.mark.parametrize("preset", ["faithful", "hardened"])
+@pytest.mark.parametrize("preset", [pytest.param("faithful", marks=pytest.mark.slow(
+    reason="suite time: hardened's run by default")), "hardened"])
 def test_a_server_that_keeps_its_old_weights_shows_in_the_logprob_difference_and_is_named(tmp_path, preset):
     run_dir, rows = _run(tmp_path, preset)
     diffs = _diffs(rows)

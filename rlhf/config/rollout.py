@@ -41,6 +41,15 @@ class RolloutConfig:
     new weights (no re-prefill, each token's version recorded); abort: running
     requests end now with their tokens (finish_reason abort) and, with resilience.migrate_requests, continue from
     them under the new weights."""
+    data_plane: str = "auto"
+    """Where the step's rows (token ids and logprobs) travel. auto: store in a simulated world (sim.train_ranks),
+    controller otherwise. controller: every /generate reply comes to the
+    controller, which sends each train rank its share (the seeds' system). store: they stay in the rollout servers
+    that generated them (a store per rollout process, keyed by row ids the controller assigns); the servers score
+    them with the reward functions and answer with metadata only (lengths, rewards, versions); each train rank fetches
+    its own share by id (POST /rows) and keeps it from the reference pass to the train step, so no token passes
+    through the controller (docs/scale.md). store needs the native backend, no env.path and no reward_model.path;
+    aborted samples are not continued from their tokens there (they are generated again when migrated)."""
     max_queued_requests: int = 16
     """Calls a rollout server lets wait for its engine; with the policy's shed_load on, one more is answered 503
     with Retry-After and the client sends it again after that (sglang's --max-queued-requests); 0: no limit."""
@@ -58,6 +67,7 @@ class RolloutConfig:
         _choice("rollout.mode", self.mode, ("sync", "async"))
         _positive("rollout.max_staleness", self.max_staleness, allow_zero=True)
         _choice("rollout.interrupt", self.interrupt, ("retract", "in_place", "abort"))
+        _choice("rollout.data_plane", self.data_plane, ("auto", "controller", "store"))
         _positive("rollout.max_queued_requests", self.max_queued_requests, allow_zero=True)
 
 

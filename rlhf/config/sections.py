@@ -99,6 +99,16 @@ class Config:
             if self.env.path or self.reward_model.path:
                 raise ConfigError("sim.train_ranks: a simulated world has no environment or reward model server yet "
                                   "(leave env.path and reward_model.path empty)")
+        if self.data_plane == "store":
+            held = [f"{name} {value!r}" for name, value, ok in (
+                ("rollout.backend", self.rollout.backend, self.rollout.backend == "native"),
+                ("env.path", self.env.path, not self.env.path),
+                ("reward_model.path", self.reward_model.path, not self.reward_model.path)) if not ok]
+            if held:
+                raise ConfigError(f"rollout.data_plane: {self.rollout.data_plane!r} (store here) keeps the rows in native rollout servers that score "
+                                  f"them with the reward functions; this run has {', '.join(held)} (set "
+                                  "rollout.backend native and leave env.path and reward_model.path empty, or choose "
+                                  "rollout.data_plane controller)")
         if self.weights.transport == "cuda_ipc":
             if self.weights.mode != "meta":
                 raise ConfigError(f"weights.transport: 'cuda_ipc' is how the MetaServer's shards travel; weights.mode "
@@ -106,6 +116,14 @@ class Config:
             if not self.model.device.startswith("cuda"):
                 raise ConfigError(f"weights.transport: 'cuda_ipc' shares GPU memory; model.device is "
                                   f"{self.model.device!r} (choose model.device cuda, or weights.transport shm or http)")
+
+    @property
+    def data_plane(self) -> str:
+        """rollout.data_plane resolved: auto is store in a simulated world (the rows stay where the world is big),
+        controller otherwise."""
+        if self.rollout.data_plane != "auto":
+            return self.rollout.data_plane
+        return "store" if self.sim.enabled else "controller"
 
     @property
     def drift_threshold(self) -> float:

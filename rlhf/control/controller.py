@@ -81,6 +81,7 @@ class Controller(RunLifecycle):
                                        self.loop, self.workers, self.services)
         self.fanout = RolloutFanout(cfg.rollout, cfg.sampling, cfg.task.chat_template, cfg.resilience, self.loop,
                                     self.services, self.tokenizer)
+        self.fanout.store = cfg.data_plane == "store"  # rows stay in the rollout servers; replies are metadata
         if cfg.env.path:  # each sample a multi-turn episode, its environment at env-0 (control/episodes.py)
             self.fanout.episodes = Episodes(cfg.env, self.fanout, self.services, cfg.runtime.watchdog_stall_s,
                                             cfg.resilience)
@@ -88,7 +89,8 @@ class Controller(RunLifecycle):
         self.rewards = RewardStage(cfg.reward, cfg.reward_model, cfg.rollout.group_size, cfg.algorithm.resample_rounds,
                                    self.loop, self.services)
         self.trainer = TrainStage(cfg.algorithm, cfg.rollout.group_size, cfg.train.mini_batches, self.workers,
-                                  pad_token_id(None, self.tokenizer))
+                                  pad_token_id(None, self.tokenizer),
+                                  self.services.urls if cfg.data_plane == "store" else None)
         self.columns = [*STEP_COLUMNS, *TrainStage.columns, *ROLLOUT_COLUMNS,
                         *(f"{stage}_s" for stage in STAGES if stage != "cleanup"), *WeightSync.columns,
                         *ColocationEvents.columns, *RolloutSurvival.columns, "saves_failed", "eval_accuracy",

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import subprocess
@@ -30,6 +31,7 @@ from rlhf.procs import cpu_share, wait_for_file
 from rlhf.services.metaserver import MetaServer
 from rlhf.services.scheduler import RemoteScheduler, SchedulerClient
 from rlhf.transport.client import Client, LoopThread
+from rlhf.transport.fanout import HostRelay, RelayedClient
 
 log = logging.getLogger("rlhf.controller")
 
@@ -49,6 +51,7 @@ class RolloutServices(SglangJobs):
         self.env: Client | None = None  # the environment server (env.path), else None
         self.jobs: list[tuple[list[str], dict[str, str], str]] = []  # rollout server r's (command, env, ready file)
         self.job_of: list[str] = []  # rollout server r's scheduler job: rollout-r, or in a simulated world its host's
+        self.relays: dict[str, HostRelay] = {}  # a simulated host's agent, by job (sim.fanout)
 
     @property
     def shm_dir(self) -> str:
@@ -98,9 +101,7 @@ class RolloutServices(SglangJobs):
                 self._submit(r)
             ready_files.append(ready)
         urls = [self._ready_url(r, f) for r, f in enumerate(ready_files)]
-        self.rollout = [Client(u, self.token, cfg.timeouts.rollout_s, peer=f"rollout-{r}",
-                               retries=cfg.resilience.retry_idempotent)
-                        for r, u in enumerate(urls)]
+        self.rollout = [self._rollout_client(r, u) for r, u in enumerate(urls)]
         self._connect_services(jobs)
         log.info("services up: metaserver %s, scheduler %s%s, %d rollout servers%s, %d train ranks",
                  self.metaserver_url, self.scheduler.url,
@@ -208,6 +209,23 @@ class RolloutServices(SglangJobs):
         node = self.node_of(r)
         return self.scheduler if node == 0 else self.remote[node]
 
+    def _rollout_client(self, r: int, url: str) -> Any:
+        """Rollout server r's client; in a simulated world with sim.fanout, its calls go through its host's agent
+        with those of the host's other servers (rlhf.transport.fanout.HostRelay: one request a route per host)."""
+        cfg = self.cfg
+        client = Client(url, self.token, cfg.timeouts.rollout_s, peer=f"rollout-{r}",
+                        retries=cfg.resilience.retry_idempotent)
+        if not (cfg.sim.enabled and cfg.sim.fanout):
+            return client
+        job = self.job_of[r]
+        if job not in self.relays:
+            host = json.loads(wait_for_file(self._host_file(job), cfg.timeouts.startup_s))
+            self.relays[job] = HostRelay(Client(host["agent"], self.token, cfg.timeouts.rollout_s, peer=job))
+        return RelayedClient(client, r, self.relays[job])
+
+    def _host_file(self, job: str) -> str:
+        return os.path.join(self.run_dir, f"{job}.host")
+
     def _submit(self, r: int) -> None:
         """Rollout server r's job (in a simulated world: its host's, every server of it)."""
         assert self.scheduler is not None
@@ -216,6 +234,8 @@ class RolloutServices(SglangJobs):
         for s, name in enumerate(self.job_of):
             if name == job and os.path.exists(self.jobs[s][2]):
                 os.remove(self.jobs[s][2])
+        if os.path.exists(self._host_file(job)):
+            os.remove(self._host_file(job))
         self._scheduler_of(r).submit(job, "rollout", cmd, env,
                                      colocate_with=f"train-{r}" if self.cfg.runtime.colocate else "")
 
@@ -285,11 +305,14 @@ class RolloutServices(SglangJobs):
                 submitted.add(self.job_of[r])
                 self._submit(r)
         restarted = list(down)
+        for job in submitted:  # its agent went with its process: the new one's is read again
+            gone = self.relays.pop(job, None)
+            if gone is not None:
+                self.loop.run(gone.agent.close())
         for r in restarted:
             url = wait_for_file(self.jobs[r][2], cfg.timeouts.startup_s)
             self.loop.run(self.rollout[r].close())
-            self.rollout[r] = Client(url, self.token, cfg.timeouts.rollout_s, peer=f"rollout-{r}",
-                                     retries=cfg.resilience.retry_idempotent)
+            self.rollout[r] = self._rollout_client(r, url)
         return [f"rollout-{r}" for r in restarted]
 
     def rng_states(self) -> list[str | None]:
@@ -365,3 +388,7 @@ class RolloutServices(SglangJobs):
         return self.rollout + ([self.reward] if self.reward else []) + ([self.env] if self.env else []) + \
             ([self.scheduler.client] if self.scheduler else []) + \
             [s.client for s in self.remote.values()]
+
+    def urls(self) -> list[str]:
+        """Every rollout server's URL now (a server started again has a new one)."""
+        return [c.base_url for c in self.rollout]

@@ -37,9 +37,14 @@ class RewardStage:
         """Every sample's reward: the reward functions (and the reward model's weighted score). Each function's
         mean goes to `row` (steps.csv reward_<name>) and the stage's span, unless row is None."""
         fault_point("reward.compute", step=step)
-        rewards = torch.tensor(self.reward(batch["completions"], batch["answers"], batch["prompts"],
-                                           row_fields(batch["fields"])))
-        means = dict(self.reward.means)
+        if "row_reward" in batch.keys():  # rollout.data_plane store: scored where the rows are, beside them
+            rewards = torch.tensor(batch["row_reward"], dtype=torch.float32)
+            parts = batch["row_rewards"]
+            means = {label: sum(p[label] for p in parts) / max(len(parts), 1) for label in self.reward.labels}
+        else:
+            rewards = torch.tensor(self.reward(batch["completions"], batch["answers"], batch["prompts"],
+                                               row_fields(batch["fields"])))
+            means = dict(self.reward.means)
         if "env_reward" in batch.keys():  # an environment's rewards (env.path) add to the functions'
             env_reward = torch.tensor(batch["env_reward"], dtype=rewards.dtype)
             rewards = rewards + env_reward

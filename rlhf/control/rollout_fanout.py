@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from rlhf import tracing
-from rlhf.batch import DistributedBatchMemory
+from rlhf.batch import TOKENS, DistributedBatchMemory
 from rlhf.config import Policy, RolloutConfig, SamplingConfig
 from rlhf.control.fleet import RolloutServices
 from rlhf.data import completion_text, encode_prompts, rl_batch
@@ -51,11 +51,17 @@ class RolloutFanout:
         self.episodes: Any = None  # control.episodes.Episodes with env.path: each sample a multi-turn episode
         self.waiting_on: dict[str, float] = {}  # rollout-R -> since when its /generate call has not answered
         self.migrated = 0  # samples of the last call generated (or continued) on another server than planned
+        self.store = False  # rollout.data_plane store (set by the controller): rows stay in the rollout servers
+        self.next_row = 0  # the next row id (rollout.data_plane store: unique in the run)
 
     async def generate_on(self, client: Client, step: int, input_ids: list[list[int]],
-                          sampling: dict[str, Any] | list[dict[str, Any]], logprobs: bool) -> list[dict]:
-        """One /generate call on one server: its results (n of each input in turn), each with `logprobs` when asked."""
+                          sampling: dict[str, Any] | list[dict[str, Any]], logprobs: bool,
+                          rows: dict[str, Any] | None = None) -> list[dict]:
+        """One /generate call on one server: its results (n of each input in turn), each with `logprobs` when asked;
+        rows (rollout.data_plane store): the server keeps them under these ids and answers with metadata only."""
         body = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": logprobs}
+        if rows is not None:
+            body["rlhf_rows"] = rows
         if logprobs and self.rollout.backend == "native":
             body["return_logprob_packed"] = True  # our servers' extension: float32 logprobs, a third of the JSON
         self.waiting_on[client.peer] = time.monotonic()  # the starvation watchdog reads who has not answered
@@ -66,14 +72,17 @@ class RolloutFanout:
         if logprobs:
             for res in out:
                 res["logprobs"] = output_logprobs(res)
+        TOKENS.add(sum(len(res["output_ids"]) + len(res.get("logprobs") or ()) for res in out))
         return out
 
     def _spread(self, step: int, prompt_ids: list[list[int]], params: dict[str, Any] | list[dict[str, Any]],
-                per: int, logprobs: bool) -> tuple[dict[int, list[dict]], list[tuple[int, list[int], BaseException]]]:
+                per: int, logprobs: bool, rows: Any = None
+                ) -> tuple[dict[int, list[dict]], list[tuple[int, list[int], BaseException]]]:
         """Prompt i's `per` results (n = per) by prompt index, spread over the servers in chunks; params: one
         sampling_params for all, or one per prompt. With the policy's migrate_requests the chunks of servers that
-        failed go once more to those that answered. Returns (results by prompt, [(server, its prompts, error)] for
-        what is still missing)."""
+        failed go once more to those that answered. rows(prompt indices): the rlhf_rows of a chunk (data_plane
+        store; each result's rlhf_row then gets `at`, the server that holds it). Returns (results by prompt,
+        [(server, its prompts, error)] for what is still missing)."""
         servers = self.services.rollout
         chunks = chunk(list(range(len(prompt_ids))), len(servers))
         done: dict[int, list[dict]] = {}
@@ -82,7 +91,12 @@ class RolloutFanout:
             if not idx:
                 return
             sampling = [{**params[i], "n": per} for i in idx] if isinstance(params, list) else {**params, "n": per}
-            out = await self.generate_on(client, step, [prompt_ids[i] for i in idx], sampling, logprobs)
+            out = await self.generate_on(client, step, [prompt_ids[i] for i in idx], sampling, logprobs,
+                                         rows(idx) if rows is not None else None)
+            if rows is not None:
+                at = servers.index(client)
+                for res in out:
+                    res["rlhf_row"]["at"] = at
             done.update((i, out[k * per:(k + 1) * per]) for k, i in enumerate(idx))
 
         outcomes = self.loop.gather(*[one(c, idx) for c, idx in zip(servers, chunks)], return_exceptions=True)
@@ -160,13 +174,23 @@ class RolloutFanout:
         prompt_ids = encode_prompts(self.tokenizer, [e.prompt for e in examples], self.chat_template)
         params = {"max_new_tokens": sp.max_new_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
                   "top_k": sp.top_k, "ignore_eos": sp.ignore_eos}
-        done, failed = self._spread(step, prompt_ids, params, g, True)
+        base, rows = self.next_row, None
+        if self.store:  # row ids: prompt i's samples are base + i * g + j, wherever they are generated
+            self.next_row += len(prompt_ids) * g
+            rows = lambda idx: {  # noqa: E731
+                "step": step, "ids": [base + i * g + j for i in idx for j in range(g)],
+                "answers": [examples[i].answer for i in idx], "prompts": [examples[i].prompt for i in idx],
+                "fields": [examples[i].fields for i in idx]}
+        done, failed = self._spread(step, prompt_ids, params, g, True, rows)
         if failed and self.policy.strict_rollout:
             raise failed[0][2]
-        if self.policy.migrate_requests:
+        if self.policy.migrate_requests and not self.store:  # store: the tokens are not here to continue from
             self._continue_aborted(step, prompt_ids, done, params)
         for r, idx, exc in failed:
-            if isinstance(exc, RpcTimeout):  # in-flight requests are kept, aborted, with no tokens
+            if isinstance(exc, RpcTimeout) and self.store:
+                log.warning("step %d: rollout-%d timed out (%s); its %d samples are left out (rollout.data_plane "
+                            "store keeps no row without tokens)", step, r, exc, len(idx) * g)
+            elif isinstance(exc, RpcTimeout):  # in-flight requests are kept, aborted, with no tokens
                 log.warning("step %d: rollout-%d timed out (%s); keeping its %d samples as aborted (no tokens)",
                             step, r, exc, len(idx) * g)
                 done.update((i, [{"output_ids": [], "meta_info": {"weight_version": ABORTED}, "logprobs": []}] * g)
@@ -179,7 +203,7 @@ class RolloutFanout:
         order = sorted(done)  # prompt order: a group's samples stay adjacent
         rep = [i for i in order for _ in range(g)]
         results = [res for i in order for res in done[i]]
-        memory = DistributedBatchMemory({
+        memory = self._metadata(step, examples, rep, results) if self.store else DistributedBatchMemory({
             "sample_index": list(range(len(rep))),
             "prompt_ids": [prompt_ids[i] for i in rep],
             "output_ids": [r["output_ids"] for r in results],
@@ -201,6 +225,24 @@ class RolloutFanout:
             log.warning("step %d: samples from stale weight versions %s (expected %s)", step, sorted(stale),
                         str(step) if oldest == step else f"{oldest} to {step}")
         return memory
+
+    def _metadata(self, step: int, examples: list[Any], rep: list[int], results: list[dict]) -> DistributedBatchMemory:
+        """rollout.data_plane store: the batch the controller keeps — where each row is, its size, reward and
+        version — and no token (the train ranks fetch their rows by id: rlhf.batch.client)."""
+        rows = [r["rlhf_row"] for r in results]
+        return DistributedBatchMemory({
+            "sample_index": list(range(len(rep))),
+            "row_id": [x["id"] for x in rows],
+            "row_at": [x["at"] for x in rows],
+            "num_tokens": [x["prompt_tokens"] + x["completion_tokens"] for x in rows],
+            "row_reward": [x["reward"] for x in rows],
+            "row_rewards": [x["rewards"] for x in rows],
+            "prompts": [examples[i].prompt for i in rep],
+            "answers": [examples[i].answer for i in rep],
+            "fields": [examples[i].fields for i in rep],
+            "weight_version": [r["meta_info"].get("oldest_weight_version") or r["meta_info"]["weight_version"]
+                               for r in results],
+        }, self.rollout.group_size, strict=False)
 
     def greedy(self, examples: list[Any]) -> list[str]:
         """One greedy completion per example, in order (evaluation), spread over the rollout servers (migrated

@@ -79,5 +79,6 @@ def free_port() -> int:
 
 
 def pythonpath() -> str:
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    """The PYTHONPATH a job gets: the directory that holds this rlhf package first (the one this controller runs)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])

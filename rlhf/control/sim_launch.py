@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 from rlhf import exits, faults, tracing
+from rlhf.batch import TOKENS
 from rlhf.config import Config
 from rlhf.control.controller import Controller
 from rlhf.procs import own_threads, spawn, stop_group, wait_for_file
@@ -48,11 +49,12 @@ class SimulatedController(Controller):
 
     def step(self, step: int) -> dict[str, Any]:
         before, cpu, served = _traffic_totals(TRAFFIC.snapshot()), time.process_time(), self._metaserver_served()
+        tokens = TOKENS.tokens
         row = super().step(step)
         after = _traffic_totals(TRAFFIC.snapshot())
         row.update(simulated=EMULATED, controller_cpu_s=time.process_time() - cpu, controller_rss_mb=_peak_rss_mb(),
                    **{k: a - b for k, a, b in zip(SIM_COLUMNS[3:7], after, before)},
-                   metaserver_bytes=self._metaserver_served() - served)
+                   controller_tokens=TOKENS.tokens - tokens, metaserver_bytes=self._metaserver_served() - served)
         return row
 
     def _metaserver_served(self) -> int:
@@ -60,11 +62,12 @@ class SimulatedController(Controller):
 
 
 # a simulated world's own steps.csv columns: what the step cost the controller's process (its clients' requests and
-# bytes both ways; token bytes: rollout tokens in /generate replies and in the batches sent to the train ranks)
+# bytes both ways; batch bytes: the /generate replies and the calls that carry the batch to the train ranks, tokens
+# in the controller data plane, metadata in the store plane; tokens: rollout token ids and logprobs it handled)
 SIM_COLUMNS = ("simulated", "controller_cpu_s", "controller_rss_mb", "controller_requests", "controller_bytes",
-               "controller_token_bytes", "heartbeat_requests", "metaserver_bytes")
-TOKEN_PATHS = ("/generate", "/compute_logprobs", "/train_step", "/fanout?to=compute_logprobs", "/fanout?to=train_step",
-               "/fanout_wait?to=compute_logprobs", "/fanout_wait?to=train_step")
+               "controller_batch_bytes", "heartbeat_requests", "controller_tokens", "metaserver_bytes")
+TOKEN_PATHS = tuple(f"{prefix}{route}" for route in ("generate", "compute_logprobs", "train_step")
+                    for prefix in ("/", "/fanout?to=", "/fanout_wait?to="))  # direct, or through a host's agent
 
 
 def _traffic_totals(snapshot: dict[str, tuple[int, int, int]]) -> tuple[int, int, int, int]:
@@ -110,6 +113,8 @@ def run_simulated(cfg: Config) -> dict[str, Any] | None:
         for p in range(processes):
             first, count = p * per, min(per, world - p * per)
             ready = os.path.join(run_dir, f"train-{first}.host")
+            if os.path.exists(ready):  # an earlier run's in this directory (a resume): its ports are gone
+                os.remove(ready)
             cmd = [sys.executable, "-m", "rlhf.sim.train_ranks", "--run-dir", run_dir, "--config",
                    os.path.join(run_dir, "config.yaml"), "--first", str(first), "--count", str(count),
                    "--processes", str(processes), "--store", f"{DEFAULT_HOST}:{store.port}", "--ready-file", ready]

@@ -14,12 +14,12 @@ advantages and the mini-batch of each row already columns of its share.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from rlhf.algorithms.grpo import ADVANTAGE_COLUMNS, group_advantages
-from rlhf.batch import StepBatch
+from rlhf.batch import TOKENS, StepBatch
 from rlhf.config import AlgorithmConfig
 from rlhf.control.rollout_fanout import to_batch
 from rlhf.control.workers import TRAIN_COLUMNS, WorkerGroup, logprob_diff, merge_train_metrics
@@ -30,9 +30,10 @@ class TrainStage:
     columns = (*ADVANTAGE_COLUMNS, *TRAIN_COLUMNS)  # steps.csv: the advantages' statistics, the train metrics
 
     def __init__(self, algorithm: AlgorithmConfig, group_size: int, mini_batches: int, workers: WorkerGroup,
-                 pad_id: int) -> None:
+                 pad_id: int, stores: Callable[[], list[str]] | None = None) -> None:
+        """stores: the rollout servers' URLs now (rollout.data_plane store: the ranks fetch their rows there)."""
         self.algorithm, self.group_size, self.mini_batches = algorithm, group_size, mini_batches
-        self.workers, self.layout, self.pad_id = workers, workers.layout, pad_id
+        self.workers, self.layout, self.pad_id, self.stores = workers, workers.layout, pad_id, stores
 
     def split(self, step: int, batch: StepBatch) -> tuple[list[StepBatch], dict[str, Any]]:
         """Each data-parallel rank's share of the batch (with a sample_index and a mini_batch column) and the
@@ -55,17 +56,21 @@ class TrainStage:
     def logprobs(self, step: int, shares: list[StepBatch], row: dict[str, Any]) -> list[dict[str, Any]]:
         """Each data-parallel share's train batch, with reference logprobs (KL on) and recomputed old-policy ones
         (if asked: then they, the first forward under the rollout's weights, give rollout_train_logprob_diff)."""
+        if self.stores is not None:
+            return self._kept_logprobs(step, shares, row)
         alg = self.algorithm
         batches = []
         for share in shares:  # built where first needed
             batches.append({**to_batch(share, self.pad_id), "advantages": share["advantages"]})
-        which = [w for w, needed in (("reference", alg.kl_coef > 0), ("policy", alg.old_logprobs == "recompute"))
-                 if needed]
+        which = self._which()
         if not which:
             return batches
         # both passes in one call when both are needed: the batch crosses once
-        replies = self.workers.call("compute_logprobs", {"which": which}, self.per_rank(batches), step,
-                                    "reference")[::self.layout.tp]
+        per_rank = self.per_rank(batches)
+        _count_tokens(per_rank)
+        replies = self.workers.call("compute_logprobs", {"which": which}, per_rank, step, "reference")
+        _count_tokens([out for _, out in replies])
+        replies = replies[::self.layout.tp]
         if "policy" in which:
             if alg.off_policy != "none":  # the behaviour policy's, for the importance weight
                 for b in batches:
@@ -77,13 +82,56 @@ class TrainStage:
                 b[{"reference": "ref_logprobs", "policy": "old_logprobs"}[w]] = out[w]
         return batches
 
+    def _which(self) -> list[str]:
+        alg = self.algorithm
+        return [w for w, needed in (("reference", alg.kl_coef > 0), ("policy", alg.old_logprobs == "recompute"))
+                if needed]
+
+    def _kept_logprobs(self, step: int, shares: list[StepBatch], row: dict[str, Any]) -> list[dict[str, Any]]:
+        """rollout.data_plane store: each share as the ids of its rows and the servers that hold them (each rank
+        fetches its own, and keeps them and these passes' logprobs for the train step); the advantages and
+        mini-batches go as small tensors. The recompute pass's rollout/train difference comes back as sums."""
+        urls = self.stores() if self.stores is not None else []
+        plans = []
+        for share in shares:
+            servers = sorted(set(share["row_at"]))  # only the servers this share's rows are on
+            local = {s: k for k, s in enumerate(servers)}
+            plans.append({"fetch": {"ids": list(share["row_id"]), "at": [local[a] for a in share["row_at"]],
+                                    "urls": [urls[s] for s in servers], "servers": servers},
+                          "tensors": {"advantages": share["advantages"], "mini_batch": share["mini_batch"]}})
+        which = self._which()
+        if which:
+            per_rank = self.per_rank(plans)
+            replies = self.workers.call("compute_logprobs", [
+                {"which": which, "fetch": p["fetch"], "step": step, "keep_rollout": self.algorithm.off_policy != "none"}
+                for p in per_rank], [p["tensors"] for p in per_rank], step, "reference")[::self.layout.tp]
+            if "policy" in which:
+                tokens = sum(r["lp_diff_tokens"] for r, _ in replies)
+                row.update(rollout_train_logprob_diff=sum(r["lp_diff_sum"] for r, _ in replies) / max(tokens, 1.0),
+                           rollout_train_logprob_diff_max=max(r["lp_diff_max"] for r, _ in replies))
+        return plans
+
     def train(self, step: int, batches: list[dict[str, Any]], rows: int | None = None) -> dict[str, Any]:
         """Every rank's train_step on its share; the metrics of one rank of each TP group (their parts add up).
         rows: the global batch's rows when groups were taken out on purpose (else the configured batch is checked)."""
-        replies = self.workers.call("train_step", {"step": step, **({"rows": rows} if rows else {})},
-                                    self.per_rank(batches), step, "train")
+        args = {"step": step, **({"rows": rows} if rows else {})}
+        per_rank = self.per_rank(batches)
+        if self.stores is not None:  # the ranks kept their rows (or fetch them now, with no logprob pass)
+            replies = self.workers.call("train_step", [{**args, "fetch": p["fetch"]} for p in per_rank],
+                                        [p["tensors"] for p in per_rank], step, "train")
+        else:
+            _count_tokens(per_rank)
+            replies = self.workers.call("train_step", args, per_rank, step, "train")
         return merge_train_metrics([m for m, _ in replies[::self.layout.tp]])
 
     def per_rank(self, batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Each train rank's batch: its data-parallel share's (the ranks of a TP group compute on the same one)."""
         return [batches[self.layout.dp_rank(r)] for r in range(len(self.workers))]
+
+
+TOKEN_TENSORS = ("input_ids", "old_logprobs", "ref_logprobs", "rollout_logprobs", "logprobs", "reference", "policy")
+
+
+def _count_tokens(tensors: list[dict[str, Any]]) -> None:
+    """The rollout tokens and logprobs in batches sent to (or replies from) the train ranks (rlhf.batch.TOKENS)."""
+    TOKENS.add(sum(t[k].numel() for t in tensors for k in TOKEN_TENSORS if k in t))

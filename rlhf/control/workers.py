@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import secrets
 from typing import Any
 
 from rlhf.control.watchdog import StallWatchdog
@@ -64,36 +63,13 @@ class WorkerGroup:
         futures = {r: loop.create_future() for r in ranks}
         index = {r: i for i, r in enumerate(ranks)}
         inner = self.timeout_s if timeout_s is None else timeout_s
-        call_id = secrets.token_hex(8)
-
-        async def one(client: Client, mine: list[int]) -> None:
-            body = {"call_id": call_id, "method": method, "ranks": mine, "args": [args[index[r]] for r in mine],
-                    "stage": stage, "step": step, "timeout_s": inner, "options": options}
-            path, sent = f"/fanout?to={method}", fanout.for_ranks({r: tensors[index[r]] for r in mine})
-            while mine:  # the agent answers early when a rank fails; the ranks still running are asked for again
-                try:
-                    reply, got = await client.call(path, body, sent, timeout_s=inner + 5.0, stage=stage, step=step)
-                except Exception as exc:  # noqa: BLE001 — the host's failure is each of its ranks' failure
-                    for r in mine:
-                        if not futures[r].done():
-                            futures[r].set_exception(exc)
-                    return
-                got_by_rank = fanout.by_rank(got)
-                for item in reply["replies"]:
-                    r = int(item["rank"])
-                    if futures[r].done():  # cancelled meanwhile
-                        continue
-                    if "error" in item:
-                        futures[r].set_exception(fanout.failure_of(item["error"]))
-                    else:
-                        futures[r].set_result((item["reply"], got_by_rank.get(r, {})))
-                mine = [int(r) for r in reply.get("pending", [])]
-                path, body, sent = f"/fanout_wait?to={method}", {"call_id": call_id, "ranks": mine}, {}
 
         for client, served in self.agents:
             mine = [r for r in served if r in futures]
             if mine:
-                task = asyncio.ensure_future(one(client, mine))
+                task = asyncio.ensure_future(fanout.relay(
+                    client, method, {r: futures[r] for r in mine}, [args[index[r]] for r in mine],
+                    [tensors[index[r]] for r in mine], stage, step, inner, options))
                 for r in mine:  # cancelling a rank's call (the watchdog, a sibling's failure) cancels its host's
                     futures[r].add_done_callback(lambda f, t=task: f.cancelled() and t.cancel())
         for f in futures.values():

@@ -83,6 +83,7 @@ class GenerateCall:
     stream: bool = False
     return_text_in_logprobs: bool = False
     packed_logprobs: bool = False  # return_logprob_packed (our extension)
+    rows: dict[str, Any] | None = None  # rlhf_rows (our extension, rollout.data_plane store): keep the rows here
     started: float = field(default_factory=time.time)
     # outputs stopped by /pause_generation mode retract, to go on after /continue_generation: (index in the reply,
     # prompt index, sample index, the raw result so far)

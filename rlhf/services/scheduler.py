@@ -78,7 +78,7 @@ class Scheduler:
     async def _submit(self, request: web.Request) -> web.Response:
         body = await request.json()
         name = body["name"]
-        if name in self.jobs and self.jobs[name].describe()["state"] == "running":
+        if name in self.jobs and not await self._gone(self.jobs[name]):
             return web.json_response({"error": f"job {name!r} is already running"}, status=409)
         job = Job(name, body.get("role", ""), list(body["command"]), dict(body.get("env") or {}),
                   body.get("colocate_with", ""))
@@ -90,6 +90,18 @@ class Scheduler:
         self.jobs[name] = job
         log.info("started job %s (role %s) pid %d", name, job.role, job.proc.pid)
         return web.json_response(job.describe())
+
+    async def _gone(self, job: Job, grace_s: float = 2.0) -> bool:
+        """Whether `job` has ended. A process killed by SIGKILL closes its sockets before its exit shows: a caller
+        that saw its connection drop and asks for it again at once gets `grace_s` for the exit to show (polled; its
+        death is recorded as the watcher would have)."""
+        deadline = time.monotonic() + grace_s
+        while job.describe()["state"] == "running":
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.05)  # a poll interval: the condition is the process's exit
+        self._reap(job)
+        return True
 
     async def _list(self, request: web.Request) -> web.Response:
         return web.json_response([j.describe() for j in self.jobs.values()])
@@ -142,11 +154,14 @@ class Scheduler:
         while True:
             await asyncio.sleep(period_s)
             for job in self.jobs.values():
-                code = job.proc.poll() if job.proc is not None and not (job.stopped or job.stopping) else None
-                if code is not None:
-                    log.error("job %s (role %s, pid %d) died: %s", job.name, job.role, job.proc.pid,
-                              exits.describe(code))
-                    self._ended(job, code, expected=False)
+                self._reap(job)
+
+    def _reap(self, job: Job) -> None:
+        """A job that ended without being asked to: logged as a death and its exit recorded."""
+        code = job.proc.poll() if job.proc is not None and not (job.stopped or job.stopping) else None
+        if code is not None:
+            log.error("job %s (role %s, pid %d) died: %s", job.name, job.role, job.proc.pid, exits.describe(code))
+            self._ended(job, code, expected=False)
 
     async def watch_lease(self) -> None:
         while True:

@@ -14,6 +14,7 @@ only their checksum (no model memory), which weights.verify compares with the tr
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import random
@@ -29,9 +30,11 @@ from rlhf.pieces import assemble
 from rlhf.procs import write_atomic
 from rlhf.rollout.engine.sampling import SamplingParams
 from rlhf.services.boot import boot, service_parser
+from rlhf.services.rollout_server.rows import keep_rows_in, row_store
 from rlhf.services.rollout_server.server import RolloutServer
 from rlhf.sim.cost import EMULATED, CostModel
 from rlhf.tracing.setup import stop_process_telemetry
+from rlhf.transport.fanout import FanoutAgent
 from rlhf.transport.http import listen
 from rlhf.weights import checksum, export_state, load_state_dir
 
@@ -122,19 +125,27 @@ class SimEngine:
                 for p in prompts]
 
 
-async def _serve(servers: list[RolloutServer], host: str, ready_dir: str, stop: asyncio.Event) -> None:
+async def _serve(servers: list[RolloutServer], host: str, ready_dir: str, ready_file: str, stop: asyncio.Event,
+                 cfg: Any) -> None:
     runners = []
     for server in servers:
         runner, server.port = await listen(server.service, host)
         runners.append(runner)
         server.host = host
         write_atomic(os.path.join(ready_dir, f"rollout-{server.rank}.url"), f"http://{host}:{server.port}")
+    # the host's agent: the controller's calls to these servers as one request per route (rlhf.transport.fanout)
+    agent = FanoutAgent(servers[0].rank, servers[0].token, {s.rank: f"http://{host}:{s.port}" for s in servers},
+                        cfg.resilience, cfg.timeouts.rollout_s, role="rollout")
+    runner, port = await listen(agent.service, host)
+    runners.append(runner)
+    write_atomic(ready_file, json.dumps({"agent": f"http://{host}:{port}", "pid": os.getpid()}))
     log.info("simulated rollout servers %d-%d listening (pid %d, %s generation)", servers[0].rank, servers[-1].rank,
              os.getpid(), EMULATED)
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     try:
         await stop.wait()
     finally:
+        await agent.close()
         await asyncio.gather(*(runner.cleanup() for runner in runners))  # side by side: each waits for its connections
 
 
@@ -147,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     token, cfg = boot(parser, args, "rollout", args.first)
     model, tokenizer = build_model_and_tokenizer(cfg.model, seed=cfg.seed, device="cpu", dtype="float32")
     answer = [t for t in tokenizer.encode("0123456789", add_special_tokens=False)]
-    servers = []
+    servers, store = [], row_store(cfg)  # rollout.data_plane store: one store for the host's servers
     for r in range(args.first, args.first + args.count):
         if r != args.first:
             exits.record_start(args.run_dir, f"rollout-{r}", os.getpid())
@@ -157,10 +168,11 @@ def main(argv: list[str] | None = None) -> int:
         servers.append(RolloutServer(engine, r, token, cfg.resilience, None, cfg.timeouts.lease_s, args.run_dir,
                                      cfg.weights.verify_checksum, model_path=cfg.model.name,
                                      max_queued=cfg.rollout.max_queued_requests))
+        keep_rows_in(servers[-1], cfg, store)
     del model  # each engine keeps its checksum, not the weights
     code = 0
     try:
-        asyncio.run(_serve(servers, args.host, args.ready_dir, asyncio.Event()))
+        asyncio.run(_serve(servers, args.host, args.ready_dir, args.ready_file, asyncio.Event(), cfg))
     except BaseException:
         code = 1
         raise

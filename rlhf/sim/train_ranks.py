@@ -30,17 +30,20 @@ import torch
 from aiohttp import web
 
 from rlhf import exits
+from rlhf.batch.client import RowFetcher
 from rlhf.faults import fault_point
 from rlhf.models import build_model_and_tokenizer, torch_dtype
 from rlhf.procs import write_atomic
 from rlhf.services.boot import boot, service_parser
 from rlhf.services.colocation import device_name
+from rlhf.services.train_worker.rows import KeptRows
 from rlhf.services.train_worker.state import WeightsAndCheckpoints
 from rlhf.sim.cost import EMULATED, CostModel, StoreBarrier
 from rlhf.tracing import span
 from rlhf.tracing.metrics import disk_wait_threads
 from rlhf.tracing.setup import stop_process_telemetry
 from rlhf.train.parallel import make_layout
+from rlhf.transport.client import LoopThread
 from rlhf.transport.fanout import FanoutAgent
 from rlhf.transport.http import Service, listen
 
@@ -60,6 +63,13 @@ class SimTrainHost:
         self.stopping = threading.Event()  # the process is ending: a rank inside the collective leaves it
         self._lock = threading.Lock()
         self._nudge = next(p for p in model.parameters() if p.dim() == 1)  # a norm's weight: the EMULATED optimizer
+        self.fetcher: RowFetcher | None = None  # rollout.data_plane store: one loop and pool for the host's ranks
+
+    def row_fetcher(self) -> RowFetcher:
+        with self._lock:
+            if self.fetcher is None:
+                self.fetcher = RowFetcher(self.token, LoopThread("rows"), self.cfg.timeouts.rpc_s, self.cfg.resilience)
+            return self.fetcher
 
     def optimizer_step(self, steps_done: int) -> None:
         """The weights after `steps_done` optimizer steps (every rank of the process reaches it; the first applies)."""
@@ -69,7 +79,7 @@ class SimTrainHost:
                 self.optimizer_steps += 1
 
 
-class SimTrainRank(WeightsAndCheckpoints):
+class SimTrainRank(WeightsAndCheckpoints, KeptRows):
     """One simulated train rank: a real Service with the train worker's routes, EMULATED compute."""
 
     def __init__(self, host: SimTrainHost, rank: int) -> None:
@@ -129,20 +139,28 @@ class SimTrainRank(WeightsAndCheckpoints):
     def begin_grpo(self, args: dict, tensors: dict) -> dict:
         return {"ok": True, "layout": self.layout.describe(), "simulated": EMULATED}
 
+    def row_fetcher(self) -> RowFetcher:
+        return self.host.row_fetcher()
+
     def compute_logprobs(self, args: dict, tensors: dict) -> tuple[dict, dict]:
         which = args.get("which", "reference")
-        mask = tensors["attention_mask"]
+        batch = self.rows_batch(args, tensors, "reference", int(args.get("step", -1)))  # data_plane store: fetched
+        mask = batch["attention_mask"]
         outs = {}
         for model in which if isinstance(which, list) else [which]:
             fault_point("reference.compute")
             self._compute(self.reference_cost, float(mask.sum()), f"forward.{model}")
             outs[model] = torch.zeros(mask.shape, dtype=torch.float32)  # EMULATED: the rollout's own logprobs' zero
         rows = int(mask.shape[0])
+        if "fetch" in args:
+            return {"which": which, "rows": rows, **self.keep_logprobs(batch, outs, bool(args.get("keep_rollout")))}, {}
         return {"which": which, "rows": rows}, (outs if isinstance(which, list) else {"logprobs": outs[which]})
 
     def train_step(self, args: dict, tensors: dict) -> dict:
         t0 = time.perf_counter()
         fault_point("train.step")
+        tensors = self.rows_batch(args, tensors, "train", int(args.get("step", -1)))
+        self.drop_rows()
         response = tensors["response_mask"]
         minis = tensors.get("mini_batch")
         count = self.cfg.train.mini_batches

@@ -170,10 +170,19 @@ async def _call(reward: Reward, kwargs: dict[str, Any], timeout_s: float) -> Any
 def score(rewards: list[Reward], completions: list[str], answers: list[str], prompts: list[str],
           fields: dict[str, list[Any]] | None = None, timeout_s: float = 60.0) -> tuple[list[float], dict[str, float]]:
     """The weighted sum of every reward for each completion, and each reward's mean (by its steps.csv label)."""
+    total, parts = score_parts(rewards, completions, answers, prompts, fields, timeout_s)
+    return total, {label: sum(values) / max(len(values), 1) for label, values in parts.items()}
+
+
+def score_parts(rewards: list[Reward], completions: list[str], answers: list[str], prompts: list[str],
+                fields: dict[str, list[Any]] | None = None, timeout_s: float = 60.0
+                ) -> tuple[list[float], dict[str, list[float]]]:
+    """The weighted sum of every reward for each completion, and each reward's own value of each (by its label):
+    what a rollout server that scores its rows (rollout.data_plane store) sends back beside them."""
     n = len(completions)
     kwargs = {"completions": completions, "answers": answers, "prompts": prompts, **(fields or {})}
     total = [0.0] * n
-    means: dict[str, float] = {}
+    parts: dict[str, list[float]] = {}
     for reward in rewards:
         where = reward.where()
         try:
@@ -195,8 +204,8 @@ def score(rewards: list[Reward], completions: list[str], answers: list[str], pro
         values = [float(v) for v in (values.tolist() if hasattr(values, "tolist") else values)]
         for i, v in enumerate(values):
             total[i] += reward.weight * v
-        means[reward.label] = sum(values) / max(n, 1)
-    return total, means
+        parts[reward.label] = values
+    return total, parts
 
 
 class Scorer:

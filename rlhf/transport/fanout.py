@@ -12,7 +12,8 @@ ranks that wait for it (the others of a collective it never joined); those are `
 them again with /fanout_wait.
 
 The agent calls each rank over its own loopback connection with the caller's stage and step, so every rank's span,
-fault points and typed errors are what a direct call gives; a rank's failure comes back as that rank's (a remote
+fault points and typed errors are what a direct call gives (the agent's own client span of a rank's call is kept
+only when it failed: a big world's traces keep every error whole, not every success twice); a rank's failure comes back as that rank's (a remote
 error with its ErrorInfo, a timeout, a connection error), never as the agent's. `failure_of` turns it back into the
 same exception on the caller's side (rlhf.control.workers.WorkerGroup).
 """
@@ -20,8 +21,10 @@ same exception on the caller's side (rlhf.control.workers.WorkerGroup).
 from __future__ import annotations
 
 import asyncio
+import secrets
 from typing import Any
 
+from rlhf import tracing
 from rlhf.config.resilience import HARDENED, Policy
 from rlhf.errors import ErrorInfo, HTTPStatusError, RemoteError, RpcConnectionError, RpcTimeout
 from rlhf.transport.client import Client
@@ -69,13 +72,44 @@ def failure_of(found: dict[str, Any]) -> BaseException:
     return RuntimeError(f"{found.get('class', 'Error')}: {found.get('message', '')}")
 
 
+async def relay(agent: Client, method: str, futures: dict[int, asyncio.Future], args: list[Any],
+                tensors: list[dict | None], stage: str, step: int, timeout_s: float, options: dict[str, Any]) -> None:
+    """One call on several ranks (or servers) of one host through its agent: each future gets its rank's reply and
+    tensors, or its own error (failure_of); the agent's own failure fails every rank still waiting. The agent answers
+    early when a rank fails; the ranks still running are asked for again (/fanout_wait)."""
+    mine = list(futures)
+    body: dict[str, Any] = {"call_id": secrets.token_hex(8), "method": method, "ranks": mine, "args": args,
+                            "stage": stage, "step": step, "timeout_s": timeout_s, "options": options}
+    path, sent = f"/fanout?to={method}", for_ranks(dict(zip(mine, tensors)))
+    while mine:
+        try:
+            reply, got = await agent.call(path, body, sent, timeout_s=timeout_s + 5.0, stage=stage, step=step)
+        except Exception as exc:  # noqa: BLE001 — the host's failure is each of its ranks' failure
+            for r in mine:
+                if not futures[r].done():
+                    futures[r].set_exception(exc)
+            return
+        got_by_rank = by_rank(got)
+        for item in reply["replies"]:
+            r = int(item["rank"])
+            if futures[r].done():  # cancelled meanwhile
+                continue
+            if "error" in item:
+                futures[r].set_exception(failure_of(item["error"]))
+            else:
+                futures[r].set_result((item["reply"], got_by_rank.get(r, {})))
+        mine = [int(r) for r in reply.get("pending", [])]
+        path, body, sent = f"/fanout_wait?to={method}", {"call_id": body["call_id"], "ranks": mine}, {}
+
+
 class FanoutAgent:
-    """A host's agent: POST /fanout runs one call on several of this host's ranks at once (module docstring)."""
+    """A host's agent: POST /fanout runs one call on several of this host's ranks at once (module docstring).
+    role: what its ranks are (train: train-R; rollout: its rollout servers, rollout-R)."""
 
     def __init__(self, index: int, token: str, ranks: dict[int, str], policy: Policy = HARDENED,
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 600.0, role: str = "train") -> None:
         self.service = Service("agent", index, token, policy)
-        self.clients = {r: Client(url, token, timeout_s, peer=f"train-{r}", checksums=policy.stage_checksums,
+        self.clients = {r: Client(url, token, timeout_s, peer=f"{role}-{r}", checksums=policy.stage_checksums,
                                   retries=policy.retry_idempotent) for r, url in ranks.items()}
         self.running: dict[str, dict[int, asyncio.Task]] = {}  # call id -> its ranks' calls not yet answered for
         self.service.route("/fanout", self.fanout)
@@ -96,10 +130,27 @@ class FanoutAgent:
         sent = by_rank(tensors)
         options = dict(args.get("options") or {})
         call_id = str(args["call_id"])
-        self.running[call_id] = {r: asyncio.ensure_future(self.clients[r].call(
-            f"/{args['method']}", a, sent.get(r), timeout_s=args.get("timeout_s"), stage=str(args.get("stage", "")),
-            step=int(args.get("step", -1)), **options)) for r, a in zip(ranks, per_args)}
+        self.running[call_id] = {r: asyncio.ensure_future(self._call(
+            r, f"/{args['method']}", a, sent.get(r), args.get("timeout_s"), str(args.get("stage", "")),
+            int(args.get("step", -1)), options)) for r, a in zip(ranks, per_args)}
         return await self._answer(call_id, ranks)
+
+    async def _call(self, rank: int, path: str, args: Any, tensors: dict | None, timeout_s: float | None, stage: str,
+                    step: int, options: dict[str, Any]) -> tuple[Any, dict]:
+        """One rank's call. Its span is the rank's own (the trace context still travels: the rank's server span is
+        a child of this agent's /fanout span); only a failure gets a client span here too, with its error, as a
+        direct call's would have (a big world's traces keep every error whole, not every success twice)."""
+        client = self.clients[rank]
+        try:
+            return await client.call(path, args, tensors, timeout_s=timeout_s, stage=stage, step=step,
+                                     **{**options, "traced": False})
+        except Exception:
+            if options.get("traced", True):
+                with tracing.span(f"{options.get('method', 'POST')} {path.split('?', 1)[0]}", stage=stage or None,
+                                  step=step, kind=tracing.SpanKind.CLIENT, peer=client.peer,
+                                  **{"server.address": client.base_url}):
+                    raise
+            raise
 
     async def wait(self, args: dict, tensors: dict) -> tuple[dict, dict]:
         return await self._answer(str(args["call_id"]), [int(r) for r in args["ranks"]])
@@ -135,3 +186,60 @@ class FanoutAgent:
                 task.cancel()
         for client in self.clients.values():
             await client.close()
+
+
+class HostRelay:
+    """The controller's side of one host's agent for services it calls one by one (rollout servers): the calls to
+    the host's servers made in one turn of the event loop with the same route, stage and step go as one /fanout
+    request. Nothing changes for the caller: each server's RelayedClient.call returns that server's reply or raises
+    its own error (or the agent's, when the host is unreachable)."""
+
+    def __init__(self, agent: Client) -> None:
+        self.agent = agent
+        self.pending: dict[tuple, list[tuple[int, Any, dict | None, asyncio.Future]]] = {}
+
+    def submit(self, server: int, path: str, args: Any, tensors: dict | None, timeout_s: float, stage: str, step: int,
+               options: dict[str, Any]) -> asyncio.Future:
+        key = (path, stage, step, timeout_s, tuple(sorted(options.items())))
+        loop = asyncio.get_running_loop()
+        if key not in self.pending:  # the first of this turn's calls: the others made in this turn join it
+            self.pending[key] = []
+            loop.call_soon(lambda: asyncio.ensure_future(self._flush(key)))
+        future = loop.create_future()
+        self.pending[key].append((server, args, tensors, future))
+        return future
+
+    async def _flush(self, key: tuple) -> None:
+        path, stage, step, timeout_s, options = key
+        calls = self.pending.pop(key)
+        futures = {server: future for server, _a, _t, future in calls}
+        if len(futures) < len(calls):  # the same server twice in one turn: one call each, one request each
+            for server, args, tensors, future in calls:
+                await relay(self.agent, path.lstrip("/"), {server: future}, [args], [tensors], stage, step,
+                            timeout_s, dict(options))
+            return
+        await relay(self.agent, path.lstrip("/"), futures, [a for _s, a, _t, _f in calls],
+                    [t for _s, _a, t, _f in calls], stage, step, timeout_s, dict(options))
+
+
+class RelayedClient:
+    """A Client whose calls go through its host's agent (HostRelay); raw and fault-pointed calls go direct."""
+
+    def __init__(self, client: Client, server: int, host: HostRelay) -> None:
+        self.client, self.server, self.host = client, server, host
+        self.base_url, self.peer, self.timeout_s = client.base_url, client.peer, client.timeout_s
+
+    async def call(self, path: str, args: Any = None, tensors: dict | None = None, timeout_s: float | None = None,
+                   stage: str = "", step: int = -1, method: str = "POST", traced: bool = True,
+                   points: tuple[str, ...] = (), raw: bool = False) -> tuple[Any, dict]:
+        if raw or points:
+            return await self.client.call(path, args, tensors, timeout_s, stage, step, method, traced, points, raw)
+        return await self.host.submit(self.server, path, args, tensors,
+                                      self.timeout_s if timeout_s is None else timeout_s, stage, step,
+                                      {"method": method, "traced": traced})
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)

@@ -45,6 +45,9 @@ class GenerateRoutes:
         except ValueError as exc:
             raise BadRequest(f"the /generate body is not JSON: {exc}") from None
         call = parse_generate(args, self.engine.tokenizer)
+        if not self.sglang_only and args.get("rlhf_rows") is not None:  # rollout.data_plane store (rows.py)
+            self.check_rows(args["rlhf_rows"], call)
+            call.rows = args["rlhf_rows"]
         if self.draining:
             raise Overloaded(f"rollout-{self.rank} is draining (SIGTERM): it takes no new calls", 1.0)
         with self._state:
@@ -73,6 +76,8 @@ class GenerateRoutes:
                 with self._state:
                     self.queued.append(call)
                 outputs = await loop.run_in_executor(self.service.executor, ctx.run, self._resume_call, call, outputs)
+            if call.rows is not None:  # kept here, scored here: the reply carries metadata only
+                outputs = await loop.run_in_executor(self.service.executor, ctx.run, self.keep_rows, call, outputs)
             return web.json_response(outputs if call.batch else outputs[0])
         return await self._stream(request, call, loop, ctx)
 

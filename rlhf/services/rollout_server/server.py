@@ -36,13 +36,14 @@ from rlhf.services.colocation import DeviceLease, device_name
 from rlhf.services.rollout_server.distributed import DistributedWeights
 from rlhf.services.rollout_server.generate import GenerateRoutes
 from rlhf.services.rollout_server.memory import WeightsAndMemory
+from rlhf.services.rollout_server.rows import RowRoutes, keep_rows_in, row_store
 from rlhf.tracing.setup import stop_process_telemetry
 from rlhf.transport.http import DEFAULT_HOST, Service, exit_now, run_process_loop, serve_forever
 
 log = logging.getLogger("rlhf.rollout_server")
 
 
-class RolloutServer(GenerateRoutes, WeightsAndMemory, DistributedWeights):
+class RolloutServer(GenerateRoutes, RowRoutes, WeightsAndMemory, DistributedWeights):
     """sglang's native API over the native engine (`sglang_only`: none of our extensions, as a real sglang)."""
 
     def __init__(self, engine: Any, rank: int, token: str, policy: Policy = HARDENED,
@@ -104,6 +105,7 @@ class RolloutServer(GenerateRoutes, WeightsAndMemory, DistributedWeights):
             r("/events", self.events)
             r("/weights_checksum", self.weights_checksum, method=("GET", "POST"))
             r("/rng_state", self.rng_state, method=("GET", "POST"))
+            r("/rows", self.rows_route)
 
     def weights_checksum(self, args: dict, tensors: dict) -> dict:
         """The weight version and the whole model's checksum (weights.verify); POST {"pieces": {key: {name, offset,
@@ -209,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     server = RolloutServer(engine, args.rank, token, cfg.resilience, lease, cfg.timeouts.lease_s,
                            args.run_dir, cfg.weights.verify_checksum, max_queued=cfg.rollout.max_queued_requests,
                            threads=int(os.environ.get("RLHF_ROLLOUT_THREADS", "1")))
-
+    keep_rows_in(server, cfg, row_store(cfg))
     server.host = args.host
 
     announced = announce(args.ready_file, args.host, f"rollout server {args.rank}", log, f", colocate={args.colocate}")

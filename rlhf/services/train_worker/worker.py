@@ -28,6 +28,7 @@ from rlhf.procs import cpu_share, own_threads, release_freed_memory
 from rlhf.services.colocation import DeviceLease, device_name
 from rlhf.services.scheduler import SchedulerClient
 from rlhf.services.train_worker.baseline import SftAndPreflight
+from rlhf.services.train_worker.rows import KeptRows
 from rlhf.services.train_worker.state import WeightsAndCheckpoints, load_reference, save_reference
 from rlhf.tracing.metrics import disk_wait_threads
 from rlhf.train.dist import GlooDataParallel
@@ -39,7 +40,7 @@ from rlhf.transport.http import Service
 log = logging.getLogger("rlhf.train_worker")
 
 
-class TrainWorker(SftAndPreflight, WeightsAndCheckpoints):
+class TrainWorker(SftAndPreflight, WeightsAndCheckpoints, KeptRows):
     def __init__(self, cfg: Config, run_dir: str, rank: int, world_size: int, token: str,
                  device: str = "cpu", threads: int = 1, grpo: bool = True) -> None:
         """threads: torch's intra-op threads on the service's thread, which builds the model and runs every
@@ -184,19 +185,24 @@ class TrainWorker(SftAndPreflight, WeightsAndCheckpoints):
         list of them in one call (the batch sent once): the reply's tensors are then named after them."""
         self._require_device("compute_logprobs")
         which = args.get("which", "reference")
+        batch = self.rows_batch(args, tensors, "reference", int(args.get("step", -1)))  # data_plane store: fetched
         outs = {}
         for model in which if isinstance(which, list) else [which]:
             fault_point("reference.compute")
-            outs[model] = self._engine().compute_logprobs(tensors, model)
+            outs[model] = self._engine().compute_logprobs(batch, model)
         rows = int(next(iter(outs.values())).shape[0]) if outs else 0
+        if "fetch" in args:  # kept here for the train step; the controller gets the rollout/train difference only
+            return {"which": which, "rows": rows, **self.keep_logprobs(batch, outs, bool(args.get("keep_rollout")))}, {}
         return {"which": which, "rows": rows}, (outs if isinstance(which, list) else {"logprobs": outs[which]})
 
     def train_step(self, args: dict, tensors: dict) -> dict:
         self._require_device("train_step")
         t0 = time.perf_counter()
         fault_point("train.step")
+        tensors = self.rows_batch(args, tensors, "train", int(args.get("step", -1)))  # data_plane store: kept
         self._check_global_batch(tensors, args.get("rows"))
         metrics = self._engine().train_step(tensors)
+        self.drop_rows()
         self.sync_hf()
         metrics["train_seconds"] = time.perf_counter() - t0
         metrics["rank"] = self.rank

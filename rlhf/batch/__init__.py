@@ -137,6 +137,20 @@ class StepBatch:
 DistributedBatchMemory = StepBatch  # the experiment plan's name for it
 
 
+class TokenCount:
+    """Rollout token ids and logprobs this process received or sent, counted where it handles them (a simulated
+    world's steps.csv column controller_tokens: 0 when the rows stay on the rollout side, rollout.data_plane store)."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+
+    def add(self, n: int) -> None:
+        self.tokens += int(n)
+
+
+TOKENS = TokenCount()
+
+
 def mini_batch_bounds(samples: int, mini_batches: int) -> list[int]:
     """Where the k mini-batches of a batch of `samples` start and end: k + 1 indices (contiguous, near-equal)."""
     return [round(j * samples / mini_batches) for j in range(mini_batches + 1)]
