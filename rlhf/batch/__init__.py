@@ -25,6 +25,7 @@ naming each column's size when they differ.
 
 from __future__ import annotations
 
+import heapq
 from typing import Any
 
 import torch
@@ -170,11 +171,12 @@ def plan_shares(tokens: list[int], mini_batches: int, dp: int) -> tuple[list[lis
     rows: list[list[int]] = [[] for _ in range(dp)]
     minis: list[list[int]] = [[] for _ in range(dp)]
     for j, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
-        loads, mine = [0] * dp, [[] for _ in range(dp)]
-        for i in sorted(range(lo, hi), key=lambda i: (-tokens[i], i)):  # longest first, ties in batch order
-            rank = min(range(dp), key=lambda r: (loads[r], len(mine[r]), r))  # an empty rank first
+        mine: list[list[int]] = [[] for _ in range(dp)]
+        heap = [(0, 0, r) for r in range(dp)]  # (tokens so far, samples so far, rank): the least loaded on top, an
+        for i in sorted(range(lo, hi), key=lambda i: (-tokens[i], i)):  # empty one first; longest sample first,
+            load, count, rank = heapq.heappop(heap)                       # ties in batch order (O(n log dp))
             mine[rank].append(i)
-            loads[rank] += tokens[i]
+            heapq.heappush(heap, (load + tokens[i], count + 1, rank))
         for rank in range(dp):
             rows[rank] += sorted(mine[rank])
             minis[rank] += [j] * len(mine[rank])

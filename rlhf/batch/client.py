@@ -25,9 +25,14 @@ class RowsMissing(LookupError):
 
 
 class RowFetcher:
-    def __init__(self, token: str, loop: LoopThread, timeout_s: float = 600.0, policy: Policy = HARDENED) -> None:
-        self.token, self.loop, self.timeout_s, self.policy = token, loop, timeout_s, policy
+    """window_s > 0 (the ranks of one host share a fetcher): the fetches that start within window_s of each other
+    go to each server as one POST /rows, and each rank takes its own rows from it (a host's data loader)."""
+
+    def __init__(self, token: str, loop: LoopThread, timeout_s: float = 600.0, policy: Policy = HARDENED,
+                 window_s: float = 0.0) -> None:
+        self.token, self.loop, self.timeout_s, self.policy, self.window_s = token, loop, timeout_s, policy, window_s
         self.clients: dict[str, Client] = {}  # one connection pool per store, kept from step to step
+        self.batches: dict[tuple[str, int], tuple[list[int], asyncio.Future]] = {}  # (url, step) -> the window's
 
     def _client(self, url: str, name: str) -> Client:
         if url not in self.clients:
@@ -45,13 +50,16 @@ class RowFetcher:
             by_server.setdefault(a, []).append(i)
 
         async def one(server: int, wanted: list[int]) -> dict[int, Row]:
-            header, tensors = await self._client(urls[server], names[server]).call(
-                "/rows", {"ids": wanted}, stage=stage, step=step, traced=False)
-            if header["missing"]:
-                raise RowsMissing(f"{names[server]} ({urls[server]}) no longer holds rows {header['missing'][:8]}"
-                                  f"{' …' if len(header['missing']) > 8 else ''} of step {step} (it was started "
-                                  "again after generating them, or they aged out of its store)")
-            return dict(zip(wanted, decode(tensors)))
+            if not self.window_s:
+                return await self._get(urls[server], names[server], wanted, stage, step)
+            key, loop = (urls[server], step), asyncio.get_running_loop()
+            if key not in self.batches:  # the first fetch of the window: the others join it, then it is sent
+                self.batches[key] = ([], loop.create_future())
+                loop.call_later(self.window_s, lambda: asyncio.ensure_future(
+                    self._send(key, names[server], stage, step)))
+            self.batches[key][0].extend(wanted)
+            found = await asyncio.shield(self.batches[key][1])
+            return {i: found[i] for i in wanted}
 
         with tracing.span("batch.fetch", stage=stage, step=step, **{"rlhf.rows": len(ids),
                                                                     "rlhf.servers": len(by_server)}):
@@ -62,6 +70,22 @@ class RowFetcher:
             for part in self.loop.run_as_caller(every()):
                 found.update(part)
         return [found[i] for i in ids]
+
+    async def _get(self, url: str, name: str, wanted: list[int], stage: str, step: int) -> dict[int, Row]:
+        header, tensors = await self._client(url, name).call("/rows", {"ids": wanted}, stage=stage, step=step,
+                                                             traced=False)
+        if header["missing"]:
+            raise RowsMissing(f"{name} ({url}) no longer holds rows {header['missing'][:8]}"
+                              f"{' …' if len(header['missing']) > 8 else ''} of step {step} (it was started "
+                              "again after generating them, or they aged out of its store)")
+        return dict(zip(wanted, decode(tensors)))
+
+    async def _send(self, key: tuple[str, int], name: str, stage: str, step: int) -> None:
+        wanted, future = self.batches.pop(key)
+        try:
+            future.set_result(await self._get(key[0], name, sorted(set(wanted)), stage, step))
+        except Exception as exc:  # noqa: BLE001 — each rank of the window raises it
+            future.set_exception(exc)
 
     def close(self) -> None:
         for client in self.clients.values():

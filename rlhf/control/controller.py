@@ -90,7 +90,7 @@ class Controller(RunLifecycle):
                                    self.loop, self.services)
         self.trainer = TrainStage(cfg.algorithm, cfg.rollout.group_size, cfg.train.mini_batches, self.workers,
                                   pad_token_id(None, self.tokenizer),
-                                  self.services.urls if cfg.data_plane == "store" else None)
+                                  self.services.stores if cfg.data_plane == "store" else None)
         self.columns = [*STEP_COLUMNS, *TrainStage.columns, *ROLLOUT_COLUMNS,
                         *(f"{stage}_s" for stage in STAGES if stage != "cleanup"), *WeightSync.columns,
                         *ColocationEvents.columns, *RolloutSurvival.columns, "saves_failed", "eval_accuracy",

@@ -389,6 +389,8 @@ class RolloutServices(SglangJobs):
             ([self.scheduler.client] if self.scheduler else []) + \
             [s.client for s in self.remote.values()]
 
-    def urls(self) -> list[str]:
-        """Every rollout server's URL now (a server started again has a new one)."""
-        return [c.base_url for c in self.rollout]
+    def stores(self) -> list[str]:
+        """Where each rollout server's rows are (rollout.data_plane store): its own URL, or in a simulated world its
+        host's first server's (the host's servers share one store); a server started again has a new one."""
+        first = {job: self.job_of.index(job) for job in self.job_of}
+        return [self.rollout[first[self.job_of[r]]].base_url for r in range(len(self.rollout))]

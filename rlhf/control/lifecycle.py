@@ -62,7 +62,8 @@ class RunLifecycle(FailureReports, CheckpointSaves):
         self.workers.watchdog = StallWatchdog(self.workers.clients, cfg.runtime.watchdog_stall_s,
                                               self.policy.stall_stops_run, run_dir, on_report=self._stall_reported,
                                               partition_grace_s=cfg.runtime.partition_grace_s
-                                              if self.policy.wait_out_partitions else 0.0)
+                                              if self.policy.wait_out_partitions else 0.0,
+                                              read_beats=self.workers.heartbeats)
         self.saves_failed = 0  # checkpoint saves that failed while the run went on (this step's: steps.csv saves_failed)
         self.failed_in_a_row = 0  # skip_failed_saves: consecutive failed saves, against checkpoint.max_failed_saves
         self.stalled = False  # the watchdog found a rank keeping the others waiting: cleanup does not wait for it

@@ -70,11 +70,14 @@ TOKEN_PATHS = tuple(f"{prefix}{route}" for route in ("generate", "compute_logpro
                     for prefix in ("/", "/fanout?to=", "/fanout_wait?to="))  # direct, or through a host's agent
 
 
+HEARTBEAT_PATHS = ("/heartbeat", "/fanout_untraced?to=heartbeat", "/fanout_wait?to=heartbeat")  # a rank's, a host's
+
+
 def _traffic_totals(snapshot: dict[str, tuple[int, int, int]]) -> tuple[int, int, int, int]:
     """Requests, bytes both ways, rollout token bytes, and heartbeat reads of this process's clients."""
     return (sum(v[0] for v in snapshot.values()), sum(v[1] + v[2] for v in snapshot.values()),
             sum(v[1] + v[2] for k, v in snapshot.items() if k in TOKEN_PATHS),
-            snapshot.get("/heartbeat", (0, 0, 0))[0])
+            sum(v[0] for k, v in snapshot.items() if k in HEARTBEAT_PATHS))
 
 
 def _peak_rss_mb() -> float:

@@ -31,7 +31,7 @@ class TrainStage:
 
     def __init__(self, algorithm: AlgorithmConfig, group_size: int, mini_batches: int, workers: WorkerGroup,
                  pad_id: int, stores: Callable[[], list[str]] | None = None) -> None:
-        """stores: the rollout servers' URLs now (rollout.data_plane store: the ranks fetch their rows there)."""
+        """stores: where each rollout server's rows are now (rollout.data_plane store: the ranks fetch them there)."""
         self.algorithm, self.group_size, self.mini_batches = algorithm, group_size, mini_batches
         self.workers, self.layout, self.pad_id, self.stores = workers, workers.layout, pad_id, stores
 
@@ -91,13 +91,15 @@ class TrainStage:
         """rollout.data_plane store: each share as the ids of its rows and the servers that hold them (each rank
         fetches its own, and keeps them and these passes' logprobs for the train step); the advantages and
         mini-batches go as small tensors. The recompute pass's rollout/train difference comes back as sums."""
-        urls = self.stores() if self.stores is not None else []
+        stores = self.stores() if self.stores is not None else []
         plans = []
         for share in shares:
-            servers = sorted(set(share["row_at"]))  # only the servers this share's rows are on
-            local = {s: k for k, s in enumerate(servers)}
-            plans.append({"fetch": {"ids": list(share["row_id"]), "at": [local[a] for a in share["row_at"]],
-                                    "urls": [urls[s] for s in servers], "servers": servers},
+            # only the stores this share's rows are in (a simulated host's servers share one: one fetch for them)
+            urls = sorted({stores[a] for a in share["row_at"]})
+            local = {u: k for k, u in enumerate(urls)}
+            servers = [min(a for a in share["row_at"] if stores[a] == u) for u in urls]  # a server of each, named
+            plans.append({"fetch": {"ids": list(share["row_id"]), "at": [local[stores[a]] for a in share["row_at"]],
+                                    "urls": urls, "servers": servers},
                           "tensors": {"advantages": share["advantages"], "mini_batch": share["mini_batch"]}})
         which = self._which()
         if which:

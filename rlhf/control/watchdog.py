@@ -24,7 +24,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from rlhf import exits, stacks
 from rlhf.analysis import WATCHDOG_REPORT_ONLY
@@ -124,11 +124,15 @@ class StallWatchdog:
     """Supervises one fan-out call to the train ranks (see the module docstring)."""
 
     def __init__(self, clients: list[Client], stall_s: float, stops_run: bool, run_dir: str = "",
-                 on_report: Callable[[str], None] | None = None, partition_grace_s: float = 0.0) -> None:
+                 on_report: Callable[[str], None] | None = None, partition_grace_s: float = 0.0,
+                 read_beats: Callable[[], Awaitable[list[dict[str, Any] | None]]] | None = None) -> None:
         """run_dir: where every live process dumps its stacks when a stall is found (rlhf.stacks); '' skips it.
-        partition_grace_s: how long a missing rank that is alive but unreachable (a partition) is waited for."""
+        partition_grace_s: how long a missing rank that is alive but unreachable (a partition) is waited for.
+        read_beats: every rank's heartbeat (None: it did not answer) in one read, e.g. per host through its agent
+        (WorkerGroup.heartbeats); by default one GET /heartbeat per rank."""
         self.clients, self.stall_s, self.stops_run, self.on_report = clients, stall_s, stops_run, on_report
         self.run_dir, self.partition_grace_s = run_dir, partition_grace_s
+        self.read_beats = read_beats or self._beats
 
     def unreachable(self, found: Finding, views: list[RankView]) -> str:
         """'' unless the missing rank is alive and unreachable: its heartbeat does not answer over the network while
@@ -144,6 +148,9 @@ class StallWatchdog:
             return ""
         return (f"train-{found.missing} ({self.clients[found.missing].base_url}) is alive (its heartbeat file is "
                 f"{age:.1f} s old) but does not answer over the network: its host is unreachable (a partition)")
+
+    async def _beats(self) -> list[dict[str, Any] | None]:
+        return list(await asyncio.gather(*[self._beat(c) for c in self.clients]))
 
     async def _beat(self, client: Client) -> dict[str, Any] | None:
         try:
@@ -185,7 +192,7 @@ class StallWatchdog:
                     answered[r] = now
             if reported or now - start < self.stall_s / 2:
                 continue
-            beats = await asyncio.gather(*[self._beat(c) for c in self.clients])
+            beats = await self.read_beats()
             now = time.monotonic()
             for view, beat in zip(views, beats):
                 view.update(beat, now)

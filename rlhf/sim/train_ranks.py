@@ -68,7 +68,9 @@ class SimTrainHost:
     def row_fetcher(self) -> RowFetcher:
         with self._lock:
             if self.fetcher is None:
-                self.fetcher = RowFetcher(self.token, LoopThread("rows"), self.cfg.timeouts.rpc_s, self.cfg.resilience)
+                # the host's ranks fetch together: one POST /rows per rollout host and step (a 10 ms window)
+                self.fetcher = RowFetcher(self.token, LoopThread("rows"), self.cfg.timeouts.rpc_s, self.cfg.resilience,
+                                          window_s=0.01)
             return self.fetcher
 
     def optimizer_step(self, steps_done: int) -> None:

@@ -126,10 +126,26 @@ class _Gpu:
                 "gpu_temp_c": nvml.nvmlDeviceGetTemperature(self.handle, nvml.NVML_TEMPERATURE_GPU)}
 
 
+def _child_pids(pid: int) -> list[int]:
+    """The children of `pid`: Linux lists them per thread (/proc/PID/task/TID/children), which costs what the
+    process's threads cost; elsewhere (or without that file) psutil's scan of the process table."""
+    found: list[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children", encoding="ascii") as fh:
+                found += [int(x) for x in fh.read().split()]
+        return found
+    except (OSError, ValueError):
+        try:
+            return [c.pid for c in psutil.Process(pid).children()]
+        except psutil.Error:
+            return []
+
+
 def _is_service(proc: psutil.Process) -> bool:
-    """One of our own services (scheduler, rollout server): it samples itself."""
+    """One of our own services (scheduler, rollout server, a simulated world's hosts): it samples itself."""
     cmdline = proc.cmdline()
-    return any(arg.startswith("rlhf.services.") for arg in cmdline[1:3])
+    return any(arg.startswith(("rlhf.services.", "rlhf.sim.")) for arg in cmdline[1:3])
 
 
 class ResourceSampler:
@@ -200,19 +216,24 @@ class ResourceSampler:
 
     def _children_cpu(self) -> float:
         """CPU % of the processes this one started that are not our services (fault burners and writers, worker
-        pools, compilers show here; a rollout server under the scheduler has its own row), with their children."""
+        pools, compilers show here; a rollout server under the scheduler has its own row), with their children.
+        Each process's children are read from its own /proc entry (_child_pids), not from the whole process table
+        on every call as psutil's children() does: a simulated world's controller has 20 children."""
         total, seen = 0.0, set()
-        for child in self.proc.children():
+        for pid in _child_pids(self.proc.pid):
             try:
-                if _is_service(child):
+                if _is_service(self._children.get(pid) or psutil.Process(pid)):
                     continue
-                family = [child, *child.children(recursive=True)]
             except psutil.Error:
                 continue
-            for proc in family:
-                seen.add(proc.pid)
+            family, i = [pid], 0
+            while i < len(family):
+                family += _child_pids(family[i])
+                i += 1
+            for member in family:
+                seen.add(member)
                 try:
-                    total += self._child_percent(proc)
+                    total += self._child_percent(self._children.get(member) or psutil.Process(member))
                 except psutil.Error:
                     continue
         for pid in set(self._children) - seen:

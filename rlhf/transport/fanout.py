@@ -6,6 +6,7 @@ them (the control plane of a big world: DESIGN §17).
                   "options"}, tensors "<rank>/<name>"
          → {"replies": [{"rank", "reply"} | {"rank", "error"}], "pending": [ranks]}, tensors "<rank>/<name>"
     POST /fanout_wait {"call_id", "ranks": [the pending ones]}  → the same, for them
+    POST /fanout_untraced                                         → /fanout without a span (the watchdog's heartbeats)
 
 An answer comes once every rank has answered, or as soon as one has failed: a rank's error must not wait for the
 ranks that wait for it (the others of a collective it never joined); those are `pending`, and the caller asks for
@@ -80,10 +81,12 @@ async def relay(agent: Client, method: str, futures: dict[int, asyncio.Future], 
     mine = list(futures)
     body: dict[str, Any] = {"call_id": secrets.token_hex(8), "method": method, "ranks": mine, "args": args,
                             "stage": stage, "step": step, "timeout_s": timeout_s, "options": options}
-    path, sent = f"/fanout?to={method}", for_ranks(dict(zip(mine, tensors)))
+    traced = bool(options.get("traced", True))  # an untraced call (a heartbeat) is untraced at every hop
+    path, sent = f"/fanout{'' if traced else '_untraced'}?to={method}", for_ranks(dict(zip(mine, tensors)))
     while mine:
         try:
-            reply, got = await agent.call(path, body, sent, timeout_s=timeout_s + 5.0, stage=stage, step=step)
+            reply, got = await agent.call(path, body, sent, timeout_s=timeout_s + 5.0, stage=stage, step=step,
+                                          traced=traced)
         except Exception as exc:  # noqa: BLE001 — the host's failure is each of its ranks' failure
             for r in mine:
                 if not futures[r].done():
@@ -113,6 +116,8 @@ class FanoutAgent:
                                   retries=policy.retry_idempotent) for r, url in ranks.items()}
         self.running: dict[str, dict[int, asyncio.Task]] = {}  # call id -> its ranks' calls not yet answered for
         self.service.route("/fanout", self.fanout)
+        self.service.route("/fanout_untraced", self.fanout)  # the same, without a span (heartbeats every 0.5 s)
+        self.service.untraced_paths.add("/fanout_untraced")
         self.service.route("/fanout_wait", self.wait)
         self.service.route("/health", lambda a, t: {"ok": True, "ranks": sorted(self.clients)}, method="GET",
                            inline=True)

@@ -3,7 +3,8 @@
 
     POST /generate {..., "rlhf_rows": {"step": S, "ids": [a row id per output], "answers": [one per prompt],
                     "prompts": [one per prompt], "fields": [one per prompt]}}
-         → sglang's outputs without their tokens: output_ids [], text "", meta_info as sglang's (no logprobs), and
+         → sglang's outputs without their tokens: output_ids [], text "", meta_info {weight_version, finish_reason,
+           oldest_weight_version (a sample that spans versions)}, and
            "rlhf_row": {"id", "prompt_tokens", "completion_tokens", "reward", "rewards": {label: value}}
     POST /rows {"ids": [...]} → {"rows", "missing"} + tensors prompt_lens, output_lens, prompt_ids, output_ids,
                                logprobs (rlhf.batch.store: raw buffers and a JSON header, never a pickle)
@@ -68,8 +69,9 @@ class RowRoutes:
                                        row_fields([spec["fields"][i] or {} for i in owner]), self.scorer.timeout_s)
         replies = []
         for k, out in enumerate(outputs):
-            meta = {key: v for key, v in out["meta_info"].items() if not key.startswith("output_token_logprobs")}
-            versions = meta.pop("output_token_weight_versions", None)  # one a token: the oldest is what counts
+            # the metadata the controller keeps: a big world's step has thousands of these
+            meta = {key: out["meta_info"].get(key) for key in ("weight_version", "finish_reason")}
+            versions = out["meta_info"].get("output_token_weight_versions")  # one a token: the oldest is what counts
             if versions:
                 meta["oldest_weight_version"] = versions[0]
             replies.append({"text": "", "output_ids": [], "meta_info": meta, "rlhf_row": {
