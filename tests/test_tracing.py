@@ -274,3 +274,33 @@ def test_a_stage_span_is_exported_at_its_boundary_so_a_sigkill_cannot_lose_it(tm
     assert out.returncode == -9, out.stderr
     spans = load_spans(str(tmp_path)).spans
     assert [(s.name, s.attributes.get("rlhf.step")) for s in spans] == [("rollout", 3)]
+
+
+def test_an_unsampled_rank_keeps_only_its_failed_traces_whole():
+    """tracing.rank_sample: a rank that is not sampled passes on a trace's spans only once none of them is open and
+    one of them failed (the failed request's whole local trace: its children that succeeded too)."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from rlhf.tracing.exporters import FailedTracesOnly
+
+    exported = InMemorySpanExporter()
+    gate = FailedTracesOnly(SimpleSpanProcessor(exported))
+    provider = TracerProvider()
+    provider.add_span_processor(gate)
+    tracer = provider.get_tracer("t")
+    with tracer.start_as_current_span("POST /train_step"):
+        with tracer.start_as_current_span("sim.forward_backward"):
+            pass
+    assert exported.get_finished_spans() == () and gate.dropped == 2
+    try:
+        with tracer.start_as_current_span("POST /train_step"):
+            with tracer.start_as_current_span("sim.forward_backward"):
+                pass
+            assert exported.get_finished_spans() == ()  # held while the request is open
+            raise RuntimeError("the train step failed")
+    except RuntimeError:
+        pass
+    assert [s.name for s in exported.get_finished_spans()] == ["sim.forward_backward", "POST /train_step"]
+    provider.shutdown()

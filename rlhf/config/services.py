@@ -162,8 +162,14 @@ class TracingConfig:
     """Batch span processor delay between exports, milliseconds; spans also go out at every stage boundary and request end."""
     metrics_interval_s: float = 1.0
     """Resource sampler period (CPU, RSS, threads, fds, IO, GPU) into <run-dir>/metrics/<role>-<rank>.csv; 0 disables."""
+    rank_sample: int = 0
+    """Spans at scale: every span of one train rank and one rollout server in N (those whose rank is a multiple of
+    N); the others keep only the traces in which one of their spans failed, whole (every error's evidence, no
+    success twice over). 1: every rank's spans; 0 (auto): 1, and in a simulated world one in sim.train_ranks / 64
+    (16 at 1,024 ranks)."""
 
     def __post_init__(self) -> None:
+        _positive("tracing.rank_sample", self.rank_sample, allow_zero=True)
         _positive("tracing.export_delay_ms", self.export_delay_ms)
         _positive("tracing.metrics_interval_s", self.metrics_interval_s, allow_zero=True)
         if self.otlp_endpoint and not self.otlp_endpoint.startswith(("http://", "https://")):

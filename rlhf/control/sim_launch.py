@@ -95,6 +95,8 @@ def run_simulated(cfg: Config) -> dict[str, Any] | None:
     run_dir = os.path.abspath(cfg.run_dir or default_run_dir(None))
     make_run_dir(run_dir)
     own_threads(1)
+    if not cfg.tracing.rank_sample:  # auto: about 64 train ranks keep every span (the run's config records it)
+        cfg.tracing.rank_sample = max(1, world // 64)
     with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as fh:
         fh.write(cfg.to_yaml())
     setup_logging(run_dir, "controller", 0, console_prefixes=CONTROLLER_LOGGERS + ("rlhf.sim",))

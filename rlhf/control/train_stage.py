@@ -118,7 +118,9 @@ class TrainStage:
         rows: the global batch's rows when groups were taken out on purpose (else the configured batch is checked)."""
         args = {"step": step, **({"rows": rows} if rows else {})}
         per_rank = self.per_rank(batches)
-        if self.stores is not None:  # the ranks kept their rows (or fetch them now, with no logprob pass)
+        if self.stores is not None and self._which():  # the ranks kept their rows, advantages and logprobs
+            replies = self.workers.call("train_step", {**args, "kept": True}, None, step, "train")
+        elif self.stores is not None:  # no logprob pass: the ranks fetch their rows now
             replies = self.workers.call("train_step", [{**args, "fetch": p["fetch"]} for p in per_rank],
                                         [p["tensors"] for p in per_rank], step, "train")
         else:

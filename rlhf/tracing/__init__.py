@@ -43,7 +43,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from rlhf.tracing.exporters import FileSpanExporter, UrandomIdGenerator
+from rlhf.tracing.exporters import FailedTracesOnly, FileSpanExporter, UrandomIdGenerator
 
 log = logging.getLogger("rlhf.tracing")
 
@@ -82,7 +82,8 @@ def setup_tracing(run_dir: str, role: str, rank: int, cfg: Any) -> None:
     with _state.lock:
         first = _state.settings is None
         _state.settings = {"run_dir": run_dir, "file": cfg.file, "otlp_endpoint": endpoint.rstrip("/"),
-                           "export_delay_ms": cfg.export_delay_ms}
+                           "export_delay_ms": cfg.export_delay_ms,
+                           "rank_sample": max(1, int(getattr(cfg, "rank_sample", 1) or 1))}
         _state.primary = (role, rank)
     provider = _provider(role, rank)
     if first:
@@ -103,13 +104,16 @@ def _provider(role: str, rank: int) -> Any:
                                     "host.name": os.uname().nodename})
         provider = TracerProvider(resource=resource, id_generator=UrandomIdGenerator())
         delay = settings["export_delay_ms"]
+        sample = settings["rank_sample"]
+        kept = sample == 1 or role not in ("train", "rollout") or rank % sample == 0  # tracing.rank_sample
         if settings["file"]:
             path = os.path.join(settings["run_dir"], "traces", f"{role}-{rank}.jsonl")
-            provider.add_span_processor(BatchSpanProcessor(FileSpanExporter(path), schedule_delay_millis=delay))
+            processor = BatchSpanProcessor(FileSpanExporter(path), schedule_delay_millis=delay)
+            provider.add_span_processor(processor if kept else FailedTracesOnly(processor))
         if settings["otlp_endpoint"]:
-            provider.add_span_processor(BatchSpanProcessor(
-                OTLPSpanExporter(endpoint=settings["otlp_endpoint"] + "/v1/traces", timeout=5),
-                schedule_delay_millis=delay))
+            processor = BatchSpanProcessor(OTLPSpanExporter(endpoint=settings["otlp_endpoint"] + "/v1/traces",
+                                                            timeout=5), schedule_delay_millis=delay)
+            provider.add_span_processor(processor if kept else FailedTracesOnly(processor))
         _state.providers[key] = provider
         return provider
 

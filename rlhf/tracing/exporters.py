@@ -13,7 +13,7 @@ import os
 import threading
 from typing import Any, Sequence
 
-from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace import StatusCode
@@ -122,3 +122,47 @@ class FileSpanExporter(SpanExporter):
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return True
+
+
+class FailedTracesOnly(SpanProcessor):
+    """An unsampled rank's spans (tracing.rank_sample): the spans of one trace in this process are held until none
+    of them is open, then passed on whole when one of them failed, else dropped (counted in `dropped`)."""
+
+    def __init__(self, inner: SpanProcessor) -> None:
+        self.inner = inner
+        self.open: dict[int, int] = {}  # trace id -> spans started and not ended
+        self.held: dict[int, list[ReadableSpan]] = {}
+        self.dropped = 0
+        self._lock = threading.Lock()
+
+    def on_start(self, span: Any, parent_context: Any = None) -> None:
+        with self._lock:
+            tid = span.context.trace_id
+            self.open[tid] = self.open.get(tid, 0) + 1
+        self.inner.on_start(span, parent_context)
+
+    def on_end(self, span: ReadableSpan) -> None:
+        tid = span.context.trace_id
+        with self._lock:
+            self.held.setdefault(tid, []).append(span)
+            self.open[tid] = self.open.get(tid, 1) - 1
+            if self.open[tid] > 0:
+                return
+            del self.open[tid]
+            spans = self.held.pop(tid)
+        if any(s.status.status_code == StatusCode.ERROR for s in spans):
+            for s in spans:
+                self.inner.on_end(s)
+        else:
+            self.dropped += len(spans)
+
+    def shutdown(self) -> None:
+        with self._lock:  # what is still open at the end (a request cut off by the exit) is kept: it may be evidence
+            spans = [s for held in self.held.values() for s in held]
+            self.held.clear()
+        for s in spans:
+            self.inner.on_end(s)
+        self.inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.inner.force_flush(timeout_millis)

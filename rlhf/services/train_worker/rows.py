@@ -3,7 +3,9 @@ controller sends row ids, not tokens; the rank fetches its share from the rollou
 (rlhf.batch.client), builds its train tensors and keeps them from the reference pass to the train step, the
 logprobs of that pass included (they never travel back to the controller).
 
-    args {"fetch": {"ids", "at", "urls"}, "step", ...} + tensors {"advantages", "mini_batch"}   on /compute_logprobs, /train_step
+    /compute_logprobs, /train_step  args {"fetch": {"ids", "at", "urls", "servers"}, "step", ...} + tensors
+                                    {"advantages", "mini_batch"}
+    /train_step                     args {"kept": true, "step"}: the rows, columns and logprobs kept this step
 """
 
 from __future__ import annotations
@@ -34,6 +36,12 @@ class KeptRows:
     def rows_batch(self, args: dict, tensors: dict, stage: str, step: int) -> dict[str, torch.Tensor]:
         """The call's train tensors: those sent (rollout.data_plane controller), or the rows of args["fetch"]
         fetched (once a step: the train step finds them kept) with the sent columns (advantages, mini_batch)."""
+        if args.get("kept"):  # the reference pass fetched them this step, with the columns sent then
+            if self._kept is None or self._kept[0] != step:
+                raise RuntimeError(f"train-{self.rank}: told to train on the rows it kept for step {step}, but it "
+                                   f"keeps {'none' if self._kept is None else 'step %d' % self._kept[0]}'s "
+                                   "(rollout.data_plane store: /compute_logprobs fetches them first)")
+            return self._kept[2]
         where = args.get("fetch")
         if where is None:
             return tensors
