@@ -283,7 +283,11 @@ class SchedulerClient(_Jobs):
         self.death_level = logging.ERROR  # WARNING when the controller starts another (resilience.restart_rollout)
         self.url = wait_for_file(ready, startup_timeout_s, self.proc)
         self.client = Client(self.url, token, peer=self.name)
-        self._renewer: asyncio.Future | None = asyncio.run_coroutine_threadsafe(self._renew_forever(), loop.loop)  # type: ignore[assignment]
+        # the lease on a loop thread of its own: a busy RPC loop (a big world's replies) must not let it lapse
+        self._lease_loop = LoopThread(f"{self.name}-lease")
+        self._lease_client = Client(self.url, token, peer=self.name)
+        self._renewer: asyncio.Future | None = asyncio.run_coroutine_threadsafe(  # type: ignore[assignment]
+            self._renew_forever(), self._lease_loop.loop)
 
     async def _renew_forever(self) -> None:
         while True:
@@ -294,7 +298,7 @@ class SchedulerClient(_Jobs):
                 self.died = True
                 return
             try:
-                await self.client.call("/lease", {}, timeout_s=self.lease_s / 2, traced=False)
+                await self._lease_client.call("/lease", {}, timeout_s=self.lease_s / 2, traced=False)
             except (ConnectionError, TimeoutError, RuntimeError) as exc:
                 if self.proc.poll() is not None:
                     continue  # it is dead: say so (above) rather than that a renewal failed
@@ -305,6 +309,11 @@ class SchedulerClient(_Jobs):
         if self._renewer is not None:
             self._renewer.cancel()
             self._renewer = None
+            try:
+                self._lease_loop.run(self._lease_client.close(), timeout=5.0)
+            except Exception as exc:  # noqa: BLE001 — closing a connection must not hide the run's own error
+                log.debug("closing the lease client: %s: %s", type(exc).__name__, exc)
+            self._lease_loop.close()
         died = self.proc.poll() is not None  # it ended before we stopped it: between two renewals
         if died and not self.died:
             log.log(self.death_level, "%s (pid %d) died: %s", self.name, self.proc.pid,
