@@ -74,10 +74,13 @@ def failure_of(found: dict[str, Any]) -> BaseException:
 
 
 async def relay(agent: Client, method: str, futures: dict[int, asyncio.Future], args: list[Any],
-                tensors: list[dict | None], stage: str, step: int, timeout_s: float, options: dict[str, Any]) -> None:
+                tensors: list[dict | None], stage: str, step: int, timeout_s: float, options: dict[str, Any],
+                role: str = "train") -> None:
     """One call on several ranks (or servers) of one host through its agent: each future gets its rank's reply and
-    tensors, or its own error (failure_of); the agent's own failure fails every rank still waiting. The agent answers
-    early when a rank fails; the ranks still running are asked for again (/fanout_wait)."""
+    tensors, or its own error (failure_of); the agent's own failure fails every rank still waiting, as a direct call
+    would have (a host that cannot be reached is each of its ranks that cannot: `cannot reach train-70 (…/fanout…)`,
+    role-R naming the rank, the URL its host's). The agent answers early when a rank fails; the ranks still running
+    are asked for again (/fanout_wait)."""
     mine = list(futures)
     body: dict[str, Any] = {"call_id": secrets.token_hex(8), "method": method, "ranks": mine, "args": args,
                             "stage": stage, "step": step, "timeout_s": timeout_s, "options": options}
@@ -90,7 +93,7 @@ async def relay(agent: Client, method: str, futures: dict[int, asyncio.Future], 
         except Exception as exc:  # noqa: BLE001 — the host's failure is each of its ranks' failure
             for r in mine:
                 if not futures[r].done():
-                    futures[r].set_exception(exc)
+                    futures[r].set_exception(_as_rank(exc, f"{role}-{r}"))
             return
         got_by_rank = by_rank(got)
         for item in reply["replies"]:
@@ -103,6 +106,15 @@ async def relay(agent: Client, method: str, futures: dict[int, asyncio.Future], 
                 futures[r].set_result((item["reply"], got_by_rank.get(r, {})))
         mine = [int(r) for r in reply.get("pending", [])]
         path, body, sent = f"/fanout_wait?to={method}", {"call_id": body["call_id"], "ranks": mine}, {}
+
+
+def _as_rank(exc: Exception, peer: str) -> Exception:
+    """The host's connection error or timeout as the rank's own (the peer its name, the URL the host's)."""
+    if isinstance(exc, RpcConnectionError):
+        return RpcConnectionError(exc.url, exc.cause, peer)
+    if isinstance(exc, RpcTimeout):
+        return RpcTimeout(exc.url, exc.timeout_s, peer)
+    return exc
 
 
 class FanoutAgent:
@@ -221,10 +233,10 @@ class HostRelay:
         if len(futures) < len(calls):  # the same server twice in one turn: one call each, one request each
             for server, args, tensors, future in calls:
                 await relay(self.agent, path.lstrip("/"), {server: future}, [args], [tensors], stage, step,
-                            timeout_s, dict(options))
+                            timeout_s, dict(options), role="rollout")
             return
         await relay(self.agent, path.lstrip("/"), futures, [a for _s, a, _t, _f in calls],
-                    [t for _s, _a, t, _f in calls], stage, step, timeout_s, dict(options))
+                    [t for _s, _a, t, _f in calls], stage, step, timeout_s, dict(options), role="rollout")
 
 
 class RelayedClient:
