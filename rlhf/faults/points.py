@@ -73,14 +73,14 @@ ROUTES: dict[str, tuple[str, ...]] = {
               "/save_weights_dir", "/save", "/load", "/events", "/sft_begin", "/sft_step", "/sft_eval", "/sft_run_for",
               "/health", "/weights_checksum", "/heartbeat", "/shutdown", "/preflight", "/start_scheduler",
               "/weights_group", "/broadcast_weights"),
-    # sglang's routes, then our extensions (/update_weights_from_meta, /events, /weights_checksum)
+    # sglang's routes, then our extensions (/update_weights_from_meta, /events, /weights_checksum, /rng_state, /rows)
     "rollout": ("/generate", "/update_weights_from_disk", "/init_weights_update_group",
                 "/update_weights_from_distributed", "/destroy_weights_update_group", "/update_weight_version",
                 "/release_memory_occupation",
                 "/resume_memory_occupation", "/abort_request", "/pause_generation", "/continue_generation",
                 "/flush_cache", "/health", "/health_generate", "/ready", "/model_info", "/get_model_info",
                 "/server_info", "/get_server_info", "/update_weights_from_meta", "/events", "/weights_checksum",
-                "/rng_state"),
+                "/rng_state", "/rows"),
     "metaserver": ("/versions", "/weights/{version}/{shard}", "/weights/{version}/manifest", "/weights/{version}",
                    "/health"),
     "scheduler": ("/jobs", "/jobs/{name}", "/lease", "/health"),
