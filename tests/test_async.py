@@ -128,6 +128,7 @@ def test_k1_trains_one_version_behind_and_the_bound_holds_after_a_resume(tmp_pat
     assert all(0 <= float(r["staleness_max"]) <= 1 for r in more)
 
 
+@pytest.mark.slow  # the suite's time (README: `pytest -m slow`)
 def test_scenario11_a_server_that_never_pauses_is_named_at_the_weights_update(tmp_path):
     """Async, 2 ranks, 2 servers: rollout-1's /pause_generation hangs before the step-3 weights update. The pause
     call times out naming rollout-1 and the route; the run fails in weights_update, and `rlhf diagnose` names

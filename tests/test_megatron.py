@@ -57,6 +57,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow  # the suite's time (README: `pytest -m slow`)
 def test_hf_and_megatron_weights_convert_both_ways_exactly():
     pytest.importorskip("megatron.core")
     from tests.test_runtime import free_port

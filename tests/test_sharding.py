@@ -229,6 +229,7 @@ def run_fault_file(tmp_path, name):
     return run_dir, out, markers
 
 
+@pytest.mark.slow  # the suite's time (README: `pytest -m slow`)
 def test_a_rank_that_never_joins_an_fsdp_all_gather_is_named_in_seconds(tmp_path):
     """fsdp_all_gather_hang.yaml: rank 1 hangs at collective.all_gather in step 2; rank 0's heartbeat is inside the
     all-gather; the watchdog names train-1 within runtime.watchdog_stall_s and stops the run; diagnosis agrees."""

@@ -45,6 +45,7 @@ def post(url, path, body):
     return reply.status_code, reply.json()
 
 
+@pytest.mark.slow  # the suite's time (README: `pytest -m slow`)
 def test_the_weights_group_routes_take_sglangs_requests_and_give_its_replies(rollout_server):  # noqa: F811
     """Two rollout servers join a group the test process opens (as train rank 0 does), receive a model's weights in two
     flattened buckets by broadcast, and hold them bit for bit with the version of the last bucket. Every request
