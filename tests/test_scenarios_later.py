@@ -19,6 +19,7 @@ def metrics_rows(run_dir, name):
         return list(csv.DictReader(fh))
 
 
+@pytest.mark.slow  # the suite's time (README: `pytest -m slow`)
 def test_scenario4_lost_colocation_event_leaves_device0_idle_then_fails_three_stages_later(tmp_path):
     run_dir, out = run_scenario(tmp_path, 4)
     assert out.returncode != 0
@@ -65,6 +66,7 @@ def test_scenario6_rollout_side_device_leak_fails_the_train_sides_next_upload(tm
     assert_diagnosed(run_dir, "rollout-0", "events", "oom_device")  # the holder, from its heartbeat
 
 
+@pytest.mark.slow  # the suite's time (README: `pytest -m slow`)
 def test_scenario7_rollout_timeout_keeps_aborted_samples_and_reference_fails_on_their_shape(tmp_path):
     run_dir, out = run_scenario(tmp_path, 7)
     assert out.returncode != 0
@@ -155,6 +157,7 @@ def test_scenario9_io_hang_in_a_periodic_save_breaks_the_restart_after_a_crash(t
     assert_diagnosed(run_dir, "train-0", "periodic_recover_save", "hang")  # the save that never finished
 
 
+@pytest.mark.slow  # the suite's time (README: `pytest -m slow`)
 def test_scenario9_hardened_abandons_the_stuck_save_and_a_restarted_world_finishes(tmp_path):
     """abandon_stuck_saves + torchrun --max-restarts 1: train-0's periodic save at step 2 stops half-way; the rank
     answers CheckpointWriteStalled after checkpoint.write_stall_s and the step goes on; the SIGKILL of train-0 at

@@ -163,6 +163,7 @@ def test_checkpoints_are_written_by_shard_and_resume_into_another_layout_and_wor
     assert "k_proj.bias" in b["foreign"]  # Qwen2's q/k/v biases are missing from a Llama checkpoint
 
 
+@pytest.mark.slow  # the suite's time (README: `pytest -m slow`)
 def test_a_grpo_run_trains_sharded_verifies_its_weights_and_resumes_into_another_layout(tmp_path):
     """The runtime end to end: 2 train ranks under --parallel.layout fsdp, no warm start (each rank builds only its
     pieces; checkpoints by shard every step, the weights sent by piece and verified every step), then the same run
