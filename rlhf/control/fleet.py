@@ -392,5 +392,7 @@ class RolloutServices(SglangJobs):
     def stores(self) -> list[str]:
         """Where each rollout server's rows are (rollout.data_plane store): its own URL, or in a simulated world its
         host's first server's (the host's servers share one store); a server started again has a new one."""
-        first = {job: self.job_of.index(job) for job in self.job_of}
+        first: dict[str, int] = {}
+        for r, job in enumerate(self.job_of):
+            first.setdefault(job, r)
         return [self.rollout[first[self.job_of[r]]].base_url for r in range(len(self.rollout))]

@@ -87,19 +87,18 @@ class RolloutFanout:
         chunks = chunk(list(range(len(prompt_ids))), len(servers))
         done: dict[int, list[dict]] = {}
 
-        async def one(client: Client, idx: list[int]) -> None:
+        async def one(at: int, idx: list[int]) -> None:  # at: the server's index
             if not idx:
                 return
             sampling = [{**params[i], "n": per} for i in idx] if isinstance(params, list) else {**params, "n": per}
-            out = await self.generate_on(client, step, [prompt_ids[i] for i in idx], sampling, logprobs,
+            out = await self.generate_on(servers[at], step, [prompt_ids[i] for i in idx], sampling, logprobs,
                                          rows(idx) if rows is not None else None)
             if rows is not None:
-                at = servers.index(client)
                 for res in out:
                     res["rlhf_row"]["at"] = at
             done.update((i, out[k * per:(k + 1) * per]) for k, i in enumerate(idx))
 
-        outcomes = self.loop.gather(*[one(c, idx) for c, idx in zip(servers, chunks)], return_exceptions=True)
+        outcomes = self.loop.gather(*[one(r, idx) for r, idx in enumerate(chunks)], return_exceptions=True)
         failed: list[tuple[int, list[int], BaseException]] = []
         for r, (idx, out) in enumerate(zip(chunks, outcomes)):
             if isinstance(out, BaseException):
@@ -124,7 +123,7 @@ class RolloutFanout:
         with tracing.span("rollout.migrate", stage="rollout", step=step, **{
                 "rlhf.from": ",".join(f"rollout-{r}" for r, _i, _e in moving),
                 "rlhf.to": ",".join(f"rollout-{r}" for r in healthy), "rlhf.prompts": len(moved)}):
-            again = self.loop.gather(*[one(servers[h], p) for h, p in zip(healthy, parts)], return_exceptions=True)
+            again = self.loop.gather(*[one(h, p) for h, p in zip(healthy, parts)], return_exceptions=True)
         still = [f for f in failed if not migratable(f[2])]
         for h, p, out in zip(healthy, parts, again):
             if isinstance(out, BaseException):

@@ -16,3 +16,17 @@ the MetaServer and checked end to end), checkpoints' files (small: a rank's coun
 exit records. What is EMULATED: the forward and backward passes, sampling (random tokens), the gradient all-reduce
 (a barrier), the optimizer (one parameter nudged a step, so each version's weights differ).
 """
+
+from __future__ import annotations
+
+import argparse
+
+from rlhf.services.boot import service_parser
+
+
+def host_parser(doc: str | None, what: str) -> argparse.ArgumentParser:
+    """The command line of a process that serves several simulated `what` (train ranks, rollout servers)."""
+    parser = service_parser(doc, rank=False, config=True)
+    parser.add_argument("--first", type=int, required=True, help=f"the first of the {what} this process serves")
+    parser.add_argument("--count", type=int, required=True, help=f"how many {what} this process serves")
+    return parser

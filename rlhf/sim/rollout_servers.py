@@ -29,9 +29,10 @@ from rlhf.models import build_model_and_tokenizer, stop_token_ids
 from rlhf.pieces import assemble
 from rlhf.procs import write_atomic
 from rlhf.rollout.engine.sampling import SamplingParams
-from rlhf.services.boot import boot, service_parser
+from rlhf.services.boot import boot
 from rlhf.services.rollout_server.rows import keep_rows_in, row_store
 from rlhf.services.rollout_server.server import RolloutServer
+from rlhf.sim import host_parser
 from rlhf.sim.cost import EMULATED, CostModel
 from rlhf.tracing.setup import stop_process_telemetry
 from rlhf.transport.fanout import FanoutAgent
@@ -150,9 +151,7 @@ async def _serve(servers: list[RolloutServer], host: str, ready_dir: str, ready_
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = service_parser(__doc__, rank=False, config=True)
-    parser.add_argument("--first", type=int, required=True, help="the first rollout server this process serves")
-    parser.add_argument("--count", type=int, required=True, help="how many rollout servers this process serves")
+    parser = host_parser(__doc__, "rollout servers")
     parser.add_argument("--ready-dir", required=True, help="where server r writes rollout-r.url")
     args = parser.parse_args(argv)
     token, cfg = boot(parser, args, "rollout", args.first)

@@ -34,10 +34,11 @@ from rlhf.batch.client import RowFetcher
 from rlhf.faults import fault_point
 from rlhf.models import build_model_and_tokenizer, torch_dtype
 from rlhf.procs import write_atomic
-from rlhf.services.boot import boot, service_parser
+from rlhf.services.boot import boot
 from rlhf.services.colocation import device_name
 from rlhf.services.train_worker.rows import KeptRows
 from rlhf.services.train_worker.state import WeightsAndCheckpoints
+from rlhf.sim import host_parser
 from rlhf.sim.cost import EMULATED, CostModel, StoreBarrier
 from rlhf.tracing import span
 from rlhf.tracing.metrics import disk_wait_threads
@@ -237,9 +238,7 @@ async def _serve(ranks: list[SimTrainRank], host: str, ready_file: str, stop: th
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = service_parser(__doc__, rank=False, config=True)
-    parser.add_argument("--first", type=int, required=True, help="the first train rank this process serves")
-    parser.add_argument("--count", type=int, required=True, help="how many train ranks this process serves")
+    parser = host_parser(__doc__, "train ranks")
     parser.add_argument("--processes", type=int, required=True, help="train rank processes in the world")
     parser.add_argument("--store", required=True, help="HOST:PORT of the world's c10d store (the collective)")
     args = parser.parse_args(argv)
