@@ -11,6 +11,9 @@ from the YAML). Writes scenarios.csv and scenarios.md into --out and prints the 
     python benchmarks/scenarios.py --resilience hardened --modes rl --fault-free   # the survival matrix
     python benchmarks/scenarios.py --scenarios 1_sim --modes rl --resilience faithful hardened
         # scenario 1 at the seed plan's size (32 train ranks, 16 rollout servers) in a simulated world
+    python benchmarks/scenarios.py --scenarios scale_straggler scale_host_lost scale_server_hung scale_clock_ahead \
+        --modes rl --resilience faithful hardened
+        # the faults of a big world (examples/faults/scale_*.yaml: 1,024 simulated train ranks, 256 servers)
 
 Each row counts what the run survived: steps done, requests sent again (retries), samples migrated
 to another rollout server, rollout servers restarted, weights updates done through disk when the
@@ -43,8 +46,8 @@ from rlhf.analysis import measure_run, survival_counts  # noqa: E402
 COLUMNS = ["scenario", "mode", "resilience", "fault_stage", "fault_point", "target", "error_stage",
            "first_error_time_s", "surfaced_error_time_s", "gap_s", "hops", "processes_with_errors",
            "log_files_to_read", "last_error_line", "run_outcome", "steps_done", "retries", "migrated", "restarts",
-           "fallbacks", "saves_failed", "world_restarts", "staleness_max", "eval_after", "eval_fault_free", "wall_s",
-           "seed_expected"]
+           "fallbacks", "saves_failed", "stragglers", "rebalanced", "world_restarts", "staleness_max", "eval_after",
+           "eval_fault_free", "named_s", "diagnosis", "wall_s", "seed_expected"]
 
 RESTART = {"9", "12"}  # scenarios whose effect shows only when the same command is run again (resume)
 
@@ -72,7 +75,7 @@ def fault_free_eval(n: str, out_dir: str) -> float | str:
     """The eval accuracy of scenario n's config (its steps, timeouts, warm start) with its faults removed."""
     import yaml
 
-    with open(os.path.join(ROOT, "examples", "faults", f"scenario{n}.yaml"), encoding="utf-8") as fh:
+    with open(fault_file(n), encoding="utf-8") as fh:
         spec = yaml.safe_load(fh)
     spec["faults"] = []
     path = os.path.join(out_dir, f"scenario{n}-fault-free.yaml")
@@ -81,10 +84,50 @@ def fault_free_eval(n: str, out_dir: str) -> float | str:
     run_dir = os.path.join(out_dir, f"scenario{n}-fault-free")
     shutil.rmtree(run_dir, ignore_errors=True)
     print(f"[scenarios] scenario {n} with no faults → {run_dir}", file=sys.stderr, flush=True)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-                    f"--master_port={free_port()}", os.path.join(ROOT, "examples", "grpo_trainer.py"), "--run-dir",
-                    run_dir, "--faults", path], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT, timeout=600)
+    launch = [sys.executable] if simulated(n) else [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                                                     "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
+    subprocess.run([*launch, os.path.join(ROOT, "examples", "grpo_trainer.py"), "--run-dir", run_dir, "--faults", path],
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT, timeout=600)
     return survival_counts(run_dir)["eval_after"]
+
+
+def simulated(n: str) -> bool:
+    """A simulated world's scenario (docs/scale.md): its size is in the file, one process starts it."""
+    return n.endswith("_sim") or n.startswith("scale_")
+
+
+def fault_file(n: str) -> str:
+    """examples/faults/scenarioN.yaml, or the file named (scale_straggler: examples/faults/scale_straggler.yaml)."""
+    return os.path.join(ROOT, "examples", "faults", f"{n}.yaml" if n.startswith("scale_") else f"scenario{n}.yaml")
+
+
+def named(run_dir: str) -> dict:
+    """How soon the run named what happened (the first WARNING or ERROR of the controller after the first injection,
+    seconds after it: a stall watchdog's finding, a straggler, a clock, a migration, the run's failure) and what
+    `rlhf diagnose` names (process/category/stage/step)."""
+    from rlhf.analysis import injections
+    from rlhf.diagnosis import diagnose
+
+    out = {"named_s": "", "diagnosis": ""}
+    injects = injections(run_dir)
+    path = os.path.join(run_dir, "logs", "controller-0.log")
+    if injects and os.path.exists(path):
+        onset = injects[0]["time"]
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                parts = line.split(" ", 3)
+                if len(parts) == 4 and parts[2] in ("WARNING", "ERROR") and "rlhf.faults:" not in line:
+                    t = time.mktime(time.strptime(parts[0][:19], "%Y-%m-%dT%H:%M:%S")) + float(parts[0][19:] or 0)
+                    if t >= onset - 1.0:
+                        out["named_s"] = round(t - onset, 2)
+                        break
+    try:
+        root = diagnose(run_dir).root
+    except Exception as exc:  # noqa: BLE001 — a diagnosis that fails is this row's answer, not the benchmark's end
+        return {**out, "diagnosis": f"failed: {type(exc).__name__}: {exc}"}
+    if root is not None:
+        out["diagnosis"] = f"{root.process}/{root.category}/{root.stage}/{root.step}"
+    return out
 
 
 def run_one(n: str, mode: str, resilience: str, out_dir: str) -> dict:
@@ -95,8 +138,8 @@ def run_one(n: str, mode: str, resilience: str, out_dir: str) -> dict:
     restarts = ["--max-restarts=1"] if resilience == "hardened" else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            "--master_port=PORT", *restarts, os.path.join(ROOT, "examples", script), "--run-dir", run_dir,
-           "--faults", os.path.join(ROOT, "examples", "faults", f"scenario{n}.yaml"), "--resilience", resilience]
-    if n.endswith("_sim"):  # a simulated world (docs/scale.md): its size is in the file, one process starts it
+           "--faults", fault_file(n), "--resilience", resilience]
+    if simulated(n):  # a simulated world (docs/scale.md): its size is in the file, one process starts it
         cmd = [sys.executable, os.path.join(ROOT, "examples", script), *cmd[cmd.index("--run-dir"):]]
     print(f"[scenarios] scenario {n} {mode} {resilience} → {run_dir}", file=sys.stderr, flush=True)
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: a kept one would resume, and mix old logs in
@@ -111,7 +154,7 @@ def run_one(n: str, mode: str, resilience: str, out_dir: str) -> dict:
         codes.append(subprocess.run(run, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
                                     timeout=600).returncode)
     row = {"scenario": n, "mode": mode, "resilience": resilience, **measure_run(run_dir, codes[-1]),
-           "wall_s": round(time.perf_counter() - t0, 1), "seed_expected": SEED_EXPECTED.get(n, "")}
+           "wall_s": round(time.perf_counter() - t0, 1), "seed_expected": SEED_EXPECTED.get(n, ""), **named(run_dir)}
     if len(codes) == 2:
         row["run_outcome"] = f"crashed (exit {codes[0]}); restart {row['run_outcome']}"
     print(f"[scenarios]   fault in {row['fault_stage']}, surfaced in {row['error_stage'] or '-'} after "
@@ -133,7 +176,7 @@ def main() -> None:
     out_dir = os.path.abspath(args.out or tempfile.mkdtemp(prefix="rlhf-scenarios-"))
     os.makedirs(out_dir, exist_ok=True)
     rows = [run_one(n, m, r, out_dir) for n in args.scenarios for m in args.modes for r in args.resilience
-            if m == "rl" or not n.endswith("_sim")]  # a simulated world runs GRPO only
+            if m == "rl" or not simulated(n)]  # a simulated world runs GRPO only
     baseline = {n: fault_free_eval(n, out_dir) for n in args.scenarios} if args.fault_free else {}
     for r in rows:
         r["eval_fault_free"] = baseline.get(r["scenario"], "") if r["mode"] == "rl" else ""
@@ -143,8 +186,8 @@ def main() -> None:
         writer.writerows(rows)
     shown = ["scenario", "mode", "resilience", "fault_stage", "fault_point", "target", "error_stage",
              "first_error_time_s", "surfaced_error_time_s", "gap_s", "hops", "log_files_to_read", "run_outcome",
-             "steps_done", "retries", "migrated", "restarts", "fallbacks", "saves_failed", "world_restarts", "staleness_max",
-             "eval_after", "eval_fault_free"]
+             "steps_done", "retries", "migrated", "restarts", "fallbacks", "saves_failed", "stragglers", "rebalanced",
+             "world_restarts", "staleness_max", "eval_after", "eval_fault_free", "named_s", "diagnosis"]
     lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
     lines += ["| " + " | ".join(str(r[c]) for c in shown) + " |" for r in rows]
     lines += ["", "The seed plan's expected result (seeds/000; its timeouts, not the scaled ones):", ""]

@@ -159,6 +159,7 @@ def survival_counts(run_dir: str, logs: dict[str, list[str]] | None = None) -> d
                            and (_message(line).startswith("retrying ") or line.endswith("; retrying"))),
             "migrated": total("rollout_migrated"), "restarts": total("rollout_restarts"),
             "fallbacks": total("weights_fallback"), "saves_failed": total("saves_failed"),
+            "stragglers": total("stragglers"), "rebalanced": total("rebalanced"),
             # asynchronous GRPO: the most weights versions a trained-on sample lagged its step (0 in sync runs)
             "staleness_max": max((int(float(r.get("staleness_max") or 0)) for r in rows), default=""),
             "eval_after": eval_after}

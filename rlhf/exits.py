@@ -18,10 +18,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from typing import Any
 
-from rlhf import stacks
+from rlhf import clock, stacks
 
 FILE = "exits.jsonl"
 
@@ -66,13 +65,13 @@ def record_start(run_dir: str, process: str, pid: int | None = None) -> None:
         stacks.arm(run_dir, process)
     host = {k: v for k, v in (("host", os.environ.get("RLHF_HOST", "")), ("host_name", os.environ.get("RLHF_HOST_NAME",
                                                                                                       ""))) if v}
-    _append(run_dir, {"event": "start", "process": process, "pid": pid or os.getpid(), "time": time.time(), **host})
+    _append(run_dir, {"event": "start", "process": process, "pid": pid or os.getpid(), "time": clock.now(), **host})
 
 
 def record_exit(run_dir: str, process: str, pid: int, exit_code: int | None, by: str, expected: bool,
                 reason: str = "") -> None:
     """`by` saw `process` end with `exit_code` (negative: killed by that signal); expected: we asked it to."""
-    _append(run_dir, {"event": "exit", "process": process, "pid": pid, "time": time.time(), "exit_code": exit_code,
+    _append(run_dir, {"event": "exit", "process": process, "pid": pid, "time": clock.now(), "exit_code": exit_code,
                       "signal": signal_name(exit_code), "by": by, "expected": expected,
                       **({"reason": reason} if reason else {})})
 

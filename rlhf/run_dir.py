@@ -11,6 +11,8 @@ import os
 import sys
 from typing import Any
 
+from rlhf import clock
+
 
 def default_run_dir(started: float | None = None) -> str:
     """runs/<UTC start time>. Under torchrun the start is its agent's, so the workers a restart
@@ -37,6 +39,23 @@ class _Context(logging.Filter):
 
 LOG_FORMAT = "%(asctime)s.%(msecs)03d %(role)s-%(rank)s %(levelname)s %(name)s: %(message)s"
 DATE_FORMAT = "%Y-%m-%dT%H:%M:%S"
+
+
+class _HostClock(logging.Formatter):
+    """Stamps each line on this process's clock (rlhf.clock.now: a clock_skew fault shifts it, as a host's wrong
+    clock would)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        skew = clock.skew()
+        if not skew:
+            return super().format(record)
+        saved = record.created, record.msecs
+        record.created += skew
+        record.msecs = (record.created - int(record.created)) * 1000
+        try:
+            return super().format(record)
+        finally:
+            record.created, record.msecs = saved
 
 
 class _Route(logging.Filter):
@@ -69,7 +88,7 @@ def setup_logging(run_dir: str | None, role: str, rank: int = 0, console: bool =
     for handler in list(root.handlers):
         root.removeHandler(handler)
         handler.close()
-    fmt = logging.Formatter(LOG_FORMAT, DATE_FORMAT)
+    fmt = _HostClock(LOG_FORMAT, DATE_FORMAT)
     routes = routes or {}
     routed = tuple(p for prefixes in routes for p in prefixes)
 

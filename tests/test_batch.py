@@ -81,3 +81,15 @@ def test_a_row_store_hands_back_its_rows_in_the_order_asked_and_drops_old_steps(
                                ([1], [9, 9, 9], [-1.0, -2.0, -3.0])]
     store.put(3, 10, [1], [2], [0.0])  # step 1 is now more than one step behind
     assert store.encode([7, 8, 9, 10])[0]["missing"] == [7, 8] and len(store) == 2
+
+
+def test_a_slow_rank_gets_a_share_in_proportion_to_its_speed():
+    tokens = [10] * 64
+    equal, _ = plan_shares(tokens, 2, 4)
+    assert [len(r) for r in equal] == [16, 16, 16, 16]
+    assert plan_shares(tokens, 2, 4, [1.0] * 4) == plan_shares(tokens, 2, 4)  # speeds of 1: the same plan
+    rows, minis = plan_shares(tokens, 2, 4, [1.0, 1.0, 0.25, 1.0])
+    sizes = [len(r) for r in rows]
+    assert 2 <= sizes[2] <= 0.35 * min(sizes[:2] + sizes[3:])  # about a quarter of the others': all finish together
+    assert sorted(i for r in rows for i in r) == list(range(64))  # every sample once
+    assert all(set(m) == {0, 1} for m in minis)  # still a sample in every mini-batch

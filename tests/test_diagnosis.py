@@ -345,3 +345,46 @@ def test_a_process_killed_two_steps_after_a_skipped_save_dies_in_the_stage_its_p
                                           ("train-1", DEAD_PID + 1, 0.0, 4.5, 0, "train-1", False)], metrics=metrics)
     d = diagnose(str(run))
     assert (d.root.process, d.root.category, d.root.step, d.root.stage) == ("train-0", "process_death", 4, "train")
+
+
+CLOCK = ("clock: agent-1 (pid {pid}) is 60.0 s ahead of controller-0's clock (its reply to /fanout?to=train_step at "
+         "step 2, stage train, +/- 0.004 s): its log lines, heartbeat rows and exit records are stamped as much off "
+         "(rlhf diagnose reads them on this clock)")
+
+
+def test_a_host_whose_clock_is_ahead_is_read_on_the_controllers_clock(tmp_path):
+    """Ranks 4-7 share a process whose clock is 60 s ahead. Its rank 5 fails first (stamped a minute late), the
+    controller's calls then fail. Read as stamped, train-5's error comes after the run failed (masked) and the
+    controller's report is the root; on the controller's clock (its `clock:` line) train-5 is the root cause."""
+    pid = DEAD_PID + 40
+    logs = {"controller-0": [(5.0, "ERROR", "rlhf.controller", "run failed: step 2, stage train: RpcConnectionError: "
+                                                               "cannot reach train-6 (http://x/fanout): Server "
+                                                               "disconnected")],
+            "train-4": [(64.9, "ERROR", "rlhf.http", "train-5: POST /train_step failed at step 2: RuntimeError: the "
+                                                     "optimizer state is corrupt")]}
+    lives = [("controller-0", DEAD_PID, 0.0, 6.0, 1, "controller-0", False),
+             *[(f"train-{r}", pid, 0.0, 66.0, 1, f"train-{r}", False) for r in range(4, 8)]]
+    as_stamped = diagnose(str(make_run(tmp_path / "a", logs, lives=lives)))
+    assert as_stamped.root.process != "train-5", as_stamped.render()
+    logs["controller-0"].insert(0, (2.0, "WARNING", "rlhf.client", CLOCK.format(pid=pid)))
+    d = diagnose(str(make_run(tmp_path / "b", logs, lives=lives)))
+    assert (d.root.process, d.root.category, d.root.step, d.root.stage) == ("train-5", "exception", 2, "train"), \
+        d.render()
+    assert abs(d.root.time - (T0 + 4.9)) < 0.01
+    clock = next(m for m in d.masked if m["category"] == "clock_skew")
+    assert clock["process"] == "train-4" and "(pid %d: train-4 to train-7, 4 processes)" % pid in clock["message"]
+
+
+def test_a_clock_or_a_straggler_alone_is_the_root_of_a_run_that_finished(tmp_path):
+    pid = DEAD_PID + 40
+    lives = [(f"train-{r}", pid, 0.0, 70.0, 0, f"train-{r}", True) for r in range(4, 8)]
+    d = diagnose(str(make_run(tmp_path / "a", {"controller-0": [(2.0, "WARNING", "rlhf.client", CLOCK.format(pid=pid))]},
+                              lives=lives, finished=True)))
+    assert d.verdict == "finished with errors"
+    assert (d.root.process, d.root.category, d.root.step, d.root.stage) == ("train-4", "clock_skew", 2, "train")
+    slow = ("stall watchdog (step 3, stage train, /train_step): train-517 is a straggler: 1023 of 1024 ranks have "
+            "waited in all_reduce(grads) for up to 3.4 s at step 3, while train-517 is in POST /train_step at its step "
+            "3 (computing); the run goes on")
+    d = diagnose(str(make_run(tmp_path / "b", {"controller-0": [(2.0, "WARNING", "rlhf.controller", slow)]},
+                              finished=True)))
+    assert (d.root.process, d.root.category, d.root.step, d.root.stage) == ("train-517", "straggler", 3, "train")

@@ -12,6 +12,7 @@ import yaml
 
 from rlhf.config import build_config
 from rlhf.config.checks import ConfigError
+from rlhf.diagnosis import diagnose
 from rlhf.sim.cost import CostModel
 from tests.conftest import ROOT
 
@@ -102,3 +103,84 @@ def test_the_cost_model_and_the_config_checks():
         build_config(["--sim.train_ranks", "4", "--weights.mode", "disk"])
     with pytest.raises(ConfigError, match="sim.jitter"):
         build_config(["--sim.jitter", "-1"])
+
+
+def test_a_straggler_and_a_host_clock_ahead_are_named_in_seconds_and_the_run_goes_on(tmp_path):
+    """From step 2 train rank 2 computes 4 times as long (compute_slowdown on a simulated rank), and the process of
+    ranks 4-7 (a host) runs 60 s ahead (clock_skew). The stall watchdog names rank 2 a straggler while the other 7
+    wait in the all-reduce (a WARNING: slow, not stuck; steps.csv counts it), and its share of the next batch is cut
+    so that the world no longer waits (rebalance_stragglers); the controller names the host's clock
+    off its replies; the run finishes; what that host stamps is a minute ahead; and the diagnosis names both, the
+    earlier finding first."""
+    faults = tmp_path / "faults.yaml"
+    faults.write_text(yaml.safe_dump({"faults": [
+        {"name": "rank2-slow", "kind": "compute_slowdown", "point": "train.step", "target": {"role": "train", "rank": 2},
+         "when": {"step": 2}, "params": {"factor": 4}},
+        {"name": "host1-ahead", "kind": "clock_skew", "point": "train.step", "target": {"role": "train", "rank": 5},
+         "when": {"step": 2}, "params": {"offset_s": 60}}]}))
+    run_dir, out = _run(tmp_path, "--steps", "3", "--faults", str(faults), "--sim.train_s_per_token", "0.03",
+                        "--runtime.watchdog_stall_s", "1")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = list(csv.DictReader((run_dir / "steps.csv").open()))
+    assert [int(r["stragglers"]) for r in rows] == [0, 1, 0]
+    assert float(rows[1]["train_s"]) > 2.5 * float(rows[0]["train_s"])  # the world waited for it
+    # hardened (resilience.rebalance_stragglers): its share of step 3's batch is cut, and the world no longer waits
+    assert [int(r["rebalanced"]) for r in rows] == [0, 0, 1]
+    assert float(rows[2]["train_s"]) < 1.6 * float(rows[0]["train_s"])
+    lines = (run_dir / "logs" / "controller-0.log").read_text().splitlines()
+    assert any("step 2: train-2 took 4.0x the median rank's compute a token in stage train, a straggler; its share "
+               "of the next steps' batches is cut to 0.25" in line for line in lines)
+    named = [line for line in lines if "is a straggler" in line]
+    assert named and "train-2 is a straggler: 7 of 8 ranks have waited in all_reduce(grads)" in named[0], named
+    markers = [json.loads(line) for line in (run_dir / "faults" / "markers.jsonl").read_text().splitlines()]
+    onset = {m["fault"]: m["time"] for m in markers if m["event"] == "inject"}
+    assert _stamp(named[0]) - onset["rank2-slow"] < 10.0
+    [clock] = [line for line in lines if " clock: " in line]
+    assert "clock: agent-1 (pid " in clock and "60.0 s ahead of controller-0's clock" in clock, clock
+    assert _stamp(clock) - onset["host1-ahead"] < 10.0
+    # what the host stamps on its own clock is a minute ahead: its heartbeat rows, its ranks' exit records
+    beats = list(csv.DictReader((run_dir / "metrics" / "train-4.csv").open()))
+    assert float(beats[-1]["time"]) - _stamp(lines[-1]) > 50
+    ends = {e["process"]: e["time"] for e in map(json.loads, (run_dir / "exits.jsonl").read_text().splitlines())
+            if e["event"] == "exit"}
+    assert ends["train-5"] - ends["controller-0"] > 50 > abs(ends["train-1"] - ends["controller-0"])
+    found = diagnose(str(run_dir))
+    assert found.verdict == "finished with errors"
+    named = {h.category: h for h in (found.root, found.runner_up)}  # the earlier finding is the root
+    assert (named["straggler"].process, named["straggler"].stage, named["straggler"].step) == ("train-2", "train", 2)
+    assert named["clock_skew"].process == "train-4" and named["clock_skew"].step == 2, found.render()
+    assert "train-4 to train-7, 4 processes" in named["clock_skew"].summary
+
+
+def _stamp(line):
+    import datetime as dt
+
+    return dt.datetime.strptime(line.split(" ", 1)[0], "%Y-%m-%dT%H:%M:%S.%f").timestamp()
+
+
+def test_compute_slowdown_holds_one_rank_and_real_compute_is_stretched():
+    from rlhf.faults.kinds import KINDS, Hit
+    from rlhf.faults.kinds import compute_slowdown as slow
+    from rlhf.faults.parse import parse_fault_dicts
+
+    [spec] = parse_fault_dicts([{"name": "s", "kind": "compute_slowdown", "point": "train.step",
+                                 "target": {"role": "train", "rank": 3}, "params": {"factor": 3}}])
+    kind = KINDS["compute_slowdown"](spec, "")
+    kind.inject(Hit("train.step", "train", 3, 2))
+    try:
+        assert slow.factor("train", 3) == 3.0 and slow.factor("train", 2) == 1.0
+        assert slow.stretch("train", 2, 0.2) == 0.0
+        import time
+
+        t0 = time.perf_counter()
+        assert slow.stretch("train", 3, 0.1) == pytest.approx(0.2)
+        assert time.perf_counter() - t0 >= 0.2
+    finally:
+        kind.restore()
+    assert slow.factor("train", 3) == 1.0
+    with pytest.raises(Exception, match="must be > 1"):
+        parse_fault_dicts([{"name": "s", "kind": "compute_slowdown", "point": "train.step",
+                            "target": {"role": "train", "rank": 3}, "params": {"factor": 0.5}}])
+    with pytest.raises(Exception, match="target.role must be train"):
+        parse_fault_dicts([{"name": "s", "kind": "compute_slowdown", "point": "rollout.generate",
+                            "target": {"role": "rollout", "rank": 0}}])

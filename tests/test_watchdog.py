@@ -5,7 +5,11 @@ import datetime as dt
 
 import pytest
 
-from rlhf.control.watchdog import RankView, find_stall
+import asyncio
+
+from rlhf.control import watchdog
+from rlhf.control.watchdog import RankView, StallWatchdog, find_stall, find_straggler
+from rlhf.errors import SyncStall
 from rlhf.diagnosis import diagnose
 from tests.test_kills import run_with_fault
 from tests.test_scenarios import markers
@@ -63,6 +67,59 @@ def test_a_rank_that_has_not_answered_long_after_the_others_is_stuck_only_when_b
     assert find_stall(views, 5.0, now, answered={0: 5.0}, method="/compute_logprobs") is None  # 7 s: under 2 x 5 s
     views, now = beats(("idle", "", 0, 0.0, 25), ("POST /compute_logprobs", "", 0, 1.0, 25))
     assert find_stall(views, 5.0, now, answered={0: 1.0}, method="/compute_logprobs") is None  # still computing
+
+
+def test_a_rank_that_computes_while_the_others_wait_is_a_straggler_not_a_stall():
+    waiting = ("POST /train_step", "all_reduce(grads)", 1.0, 0.0, 6)  # inside for 3.5 s by the last beat
+    views, now = beats(*[waiting] * 15, ("POST /train_step", "", 0, 1.0, 6))
+    assert find_stall(views, 3.0, now) is None
+    found = find_straggler(views, 3.0, now)
+    assert found is not None and found.missing == 15, found
+    assert found.startswith("train-15 is a straggler: 15 of 16 ranks have waited in all_reduce(grads) for up to 3.5 s")
+    assert found.endswith("while train-15 is in POST /train_step at its step 2 (computing)")
+    assert find_straggler(views, 5.0, now) is None  # not yet: the others have waited 3.5 s
+    # blocked instead of computing: a stall (find_stall's), never a straggler
+    views, now = beats(*[waiting] * 15, ("POST /train_step", "", 0, 0.0, 6))
+    assert find_straggler(views, 3.0, now) is None and find_stall(views, 3.0, now).missing == 15
+    # three of 16 computing while the rest wait: more than an eighth of the world, a slow stage, not one straggler
+    views, now = beats(*[waiting] * 13, *[("POST /train_step", "", 0, 1.0, 6)] * 3)
+    assert find_straggler(views, 3.0, now) is None
+
+
+def test_a_finding_stands_only_when_the_next_heartbeat_read_finds_it_again(monkeypatch):
+    """One read of a big world's heartbeats spans its hosts: a collective that ends meanwhile shows some ranks still
+    inside and others already out and idle. A stall is named when two reads in a row find the same missing rank."""
+    monkeypatch.setattr(watchdog, "POLL_S", 0.02)
+
+    def reader(flicker):
+        reads = []
+
+        async def read():
+            reads.append(None)
+            t = len(reads) * 0.02
+            inside = {"rank": 0, "phase": "POST /train_step", "step": 2, "collective": "all_reduce(grads)",
+                      "collective_s": 5.0 + t, "cpu_s": 0.0, "disk_wait_threads": 0}
+            out = {**inside, "rank": 1} if flicker and len(reads) % 2 else \
+                {"rank": 1, "phase": "idle", "step": 0, "collective": "", "collective_s": 0.0, "cpu_s": 0.0,
+                 "disk_wait_threads": 0}
+            return [inside, out]
+        return read, reads
+
+    async def supervise(flicker):
+        read, reads = reader(flicker)
+        dog = StallWatchdog([None, None], 0.04, True, read_beats=read)
+        calls = [asyncio.get_running_loop().create_future() for _ in range(2)]
+        asyncio.get_running_loop().call_later(2.0, lambda: [c.set_result(({}, {})) for c in calls])
+        try:
+            return await dog.supervise(calls, "/train_step", 2, "train"), reads
+        except SyncStall as exc:
+            return exc, reads
+
+    found, reads = asyncio.run(supervise(flicker=False))
+    assert isinstance(found, SyncStall) and "train-1 is missing from all_reduce(grads)" in str(found)
+    assert len(reads) < 90  # named well before the call's end (2 s of 0.02 s reads)
+    flickering, _ = asyncio.run(supervise(flicker=True))  # every other read has rank 1 inside it too: no stall
+    assert not isinstance(flickering, SyncStall), flickering
 
 
 HANG = ("    kind: hang\n    point: collective.all_reduce\n    target: {role: train, rank: 1}\n"

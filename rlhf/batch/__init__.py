@@ -118,12 +118,14 @@ class StepBatch:
         """The samples at `index`, in that order."""
         return StepBatch({k: _take(v, index) for k, v in self.data.items()}, self.group_size, strict=False)
 
-    def shares(self, dp: int, mini_batches: int, tokens_key: str) -> tuple[list["StepBatch"], dict[str, Any]]:
+    def shares(self, dp: int, mini_batches: int, tokens_key: str, speeds: list[float] | None = None
+               ) -> tuple[list["StepBatch"], dict[str, Any]]:
         """Each data-parallel rank's share (module docstring), with a `mini_batch` column; stats: tokens_per_rank,
-        imbalance (max rank's tokens over the mean, minus 1), mini_batches (how many the batch was cut into)."""
+        imbalance (max rank's tokens over the mean, minus 1), mini_batches (how many the batch was cut into).
+        speeds: each rank's relative compute speed (plan_shares)."""
         self.validate("shares")
         tokens = [int(t) for t in _as_list(self.data[tokens_key])]
-        rows, minis = plan_shares(tokens, mini_batches, dp)
+        rows, minis = plan_shares(tokens, mini_batches, dp, speeds)
         out = []
         for index, mini in zip(rows, minis):
             share = self.rows(index)
@@ -157,11 +159,13 @@ def mini_batch_bounds(samples: int, mini_batches: int) -> list[int]:
     return [round(j * samples / mini_batches) for j in range(mini_batches + 1)]
 
 
-def plan_shares(tokens: list[int], mini_batches: int, dp: int) -> tuple[list[list[int]], list[list[int]]]:
+def plan_shares(tokens: list[int], mini_batches: int, dp: int, speeds: list[float] | None = None
+                ) -> tuple[list[list[int]], list[list[int]]]:
     """The batch path as indices: for each of `dp` ranks, the samples it trains on (mini-batch by mini-batch, each
     mini-batch's in batch order) and the mini-batch of each. `tokens`: each sample's token count. Every mini-batch
     gets at least one sample per rank (an optimizer step is a collective every rank joins), so a batch is cut in
-    min(mini_batches, samples // dp) mini-batches."""
+    min(mini_batches, samples // dp) mini-batches. `speeds`: each rank's relative compute speed (1: the others'; a
+    straggler's 1/3 gets about a third of their tokens), so the ranks finish together; None: all equal."""
     n = len(tokens)
     if dp < 1 or mini_batches < 1:
         raise ValueError(f"plan_shares: dp {dp} and mini_batches {mini_batches} must be at least 1")
@@ -172,11 +176,12 @@ def plan_shares(tokens: list[int], mini_batches: int, dp: int) -> tuple[list[lis
     minis: list[list[int]] = [[] for _ in range(dp)]
     for j, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
         mine: list[list[int]] = [[] for _ in range(dp)]
-        heap = [(0, 0, r) for r in range(dp)]  # (tokens so far, samples so far, rank): the least loaded on top, an
-        for i in sorted(range(lo, hi), key=lambda i: (-tokens[i], i)):  # empty one first; longest sample first,
-            load, count, rank = heapq.heappop(heap)                       # ties in batch order (O(n log dp))
-            mine[rank].append(i)
-            heapq.heappush(heap, (load + tokens[i], count + 1, rank))
+        heap = [(0.0, 0, r, 0) for r in range(dp)]  # (time so far: tokens / speed, samples so far, rank, tokens):
+        for i in sorted(range(lo, hi), key=lambda i: (-tokens[i], i)):  # the least loaded on top, an empty one
+            _, count, rank, load = heapq.heappop(heap)                   # first; longest sample first, ties in
+            mine[rank].append(i)                                          # batch order (O(n log dp))
+            load += tokens[i]
+            heapq.heappush(heap, (load / speeds[rank] if speeds else load, count + 1, rank, load))
         for rank in range(dp):
             rows[rank] += sorted(mine[rank])
             minis[rank] += [j] * len(mine[rank])

@@ -53,6 +53,8 @@ class Policy:
     """An idempotent request (GETs, DELETEs, /compute_logprobs) that fails in transit (connection reset or refused, a corrupt reply, HTTP 502-504) is sent again, 3 attempts within its timeout, exponential back-off with jitter, each retry a WARNING and a span event; off: the first failure is the call's."""
     stall_stops_run: bool = True
     """When the stall watchdog (runtime.watchdog_stall_s) finds a rank keeping the others waiting, the call fails at once with SyncStall naming it; off: the stall and the live diagnosis are logged and the run waits for the call's timeout, as the seeds' system did."""
+    rebalance_stragglers: bool = True
+    """A data-parallel rank whose compute (the train step's own seconds per token, without its collectives) is 1.5 times the median rank's or more gets a share of the next steps' batches cut in proportion, so the ranks finish together (a WARNING naming it and the factor, the steps.csv count `rebalanced`); the shares go back as it recovers; the gradient is the same (the loss is normalised by the global counts); off: equal token shares, and the world waits for it every step."""
     wait_out_partitions: bool = True
     """When the stall watchdog's missing rank is alive (its heartbeat file in the run directory is fresh) and yet does not answer over the network, its host is behind a partition: the call waits up to runtime.partition_grace_s for the network to come back (a WARNING naming the rank and its host) and goes on if it does (a partition shorter than that is survived); then the finding stands (stall_stops_run); off: the finding at once, as for a stuck rank."""
     restart_rollout: bool = True

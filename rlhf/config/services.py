@@ -75,8 +75,12 @@ class RuntimeConfig:
     in the run directory fresh) but does not answer over the network is behind a partition; the call waits this long
     for the network to come back (a WARNING naming the rank and its host) before the watchdog's finding stands."""
 
+    clock_skew_s: float = 2.0
+    """The controller reads each peer's wall clock off every reply it gets (NTP's way, from the control plane's own traffic) and names, in a WARNING, a process whose clock is off by more than this beyond half the round trip; `rlhf diagnose` then reads that process's log lines, heartbeat rows and exit records on the controller's clock. 0 disables."""
+
     def __post_init__(self) -> None:
         _positive("runtime.watchdog_stall_s", self.watchdog_stall_s, allow_zero=True)
+        _positive("runtime.clock_skew_s", self.clock_skew_s, allow_zero=True)
         _positive("runtime.partition_grace_s", self.partition_grace_s, allow_zero=True)
         _positive("runtime.heap_mmap_threshold_mb", self.heap_mmap_threshold_mb, allow_zero=True)
 

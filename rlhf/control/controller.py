@@ -90,10 +90,11 @@ class Controller(RunLifecycle):
                                    self.loop, self.services)
         self.trainer = TrainStage(cfg.algorithm, cfg.rollout.group_size, cfg.train.mini_batches, self.workers,
                                   pad_token_id(None, self.tokenizer),
-                                  self.services.stores if cfg.data_plane == "store" else None)
+                                  self.services.stores if cfg.data_plane == "store" else None,
+                                  rebalance=self.policy.rebalance_stragglers)
         self.columns = [*STEP_COLUMNS, *TrainStage.columns, *ROLLOUT_COLUMNS,
                         *(f"{stage}_s" for stage in STAGES if stage != "cleanup"), *WeightSync.columns,
-                        *ColocationEvents.columns, *RolloutSurvival.columns, "saves_failed", "eval_accuracy",
+                        *ColocationEvents.columns, *RolloutSurvival.columns, "saves_failed", "stragglers", "eval_accuracy",
                         *self.rewards.columns, *ASYNC_COLUMNS,
                         *((*EPISODE_COLUMNS, "reward_env") if cfg.env.path else ())]
         # the train layout: a batch is cut in layout.dp shares; the ranks of one TP group get the same share
@@ -160,6 +161,8 @@ class Controller(RunLifecycle):
             merged = self.trainer.train(step, batches, len(batch) if row.get("dropped_groups") else None)
         row["weights_drift"] = self.weights.drift(step, {**merged, **row})  # row: the recompute pass's, if any
         row["saves_failed"] = self._save(step, clock)
+        named = self.workers.watchdog.stragglers if self.workers.watchdog is not None else []
+        row["stragglers"], self.stragglers_seen = len(named) - self.stragglers_seen, len(named)  # named this step
         tokens, seconds = int(sum(batch["num_tokens"])), time.perf_counter() - t0
         generating = produced.seconds.get("rollout") or clock.seconds["rollout"]
         # sync: the train ranks wait out the rollout and its scoring (a judge's round trips, dynamic sampling's rounds)

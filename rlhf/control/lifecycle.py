@@ -23,7 +23,7 @@ import time
 import traceback
 from typing import Any
 
-from rlhf import faults, stacks, tracing
+from rlhf import clock, faults, stacks, tracing
 from rlhf.checkpoint import slots as ckpt
 from rlhf.config import Config
 from rlhf.control.reporting import FailureReports
@@ -55,6 +55,7 @@ class RunLifecycle(FailureReports, CheckpointSaves):
     def __init__(self, cfg: Config, run_dir: str, worker_urls: list[str], token: str) -> None:
         self.cfg, self.run_dir, self.token, self.policy = cfg, run_dir, token, cfg.resilience
         self.loop = LoopThread(self.loop_name)
+        clock.watch(cfg.runtime.clock_skew_s)  # every reply's clock against this process's: a host's wrong clock named
         self.workers = WorkerGroup(worker_urls, token, self.loop, cfg.timeouts.rpc_s,
                                    checksums=self.policy.stage_checksums, retries=self.policy.retry_idempotent)
         # the train layout (dp x tp over the ranks), built once: the batch's shares and the weights' paths read it
@@ -64,6 +65,7 @@ class RunLifecycle(FailureReports, CheckpointSaves):
                                               partition_grace_s=cfg.runtime.partition_grace_s
                                               if self.policy.wait_out_partitions else 0.0,
                                               read_beats=self.workers.heartbeats)
+        self.stragglers_seen = 0  # stragglers the watchdog had named by the end of the last step
         self.saves_failed = 0  # checkpoint saves that failed while the run went on (this step's: steps.csv saves_failed)
         self.failed_in_a_row = 0  # skip_failed_saves: consecutive failed saves, against checkpoint.max_failed_saves
         self.stalled = False  # the watchdog found a rank keeping the others waiting: cleanup does not wait for it

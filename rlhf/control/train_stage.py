@@ -14,6 +14,8 @@ advantages and the mini-batch of each row already columns of its share.
 
 from __future__ import annotations
 
+import logging
+import statistics
 from typing import Any, Callable
 
 import torch
@@ -25,21 +27,30 @@ from rlhf.control.rollout_fanout import to_batch
 from rlhf.control.workers import TRAIN_COLUMNS, WorkerGroup, logprob_diff, merge_train_metrics
 from rlhf.faults import fault_point
 
+log = logging.getLogger("rlhf.controller")
+SLOW = 1.5  # rebalance_stragglers: a share this many times the median's compute a token is cut
+
 
 class TrainStage:
-    columns = (*ADVANTAGE_COLUMNS, *TRAIN_COLUMNS)  # steps.csv: the advantages' statistics, the train metrics
+    columns = (*ADVANTAGE_COLUMNS, *TRAIN_COLUMNS, "rebalanced")  # steps.csv: the advantages' statistics, the train
+                                                                    # metrics, shares cut for a slow rank
 
     def __init__(self, algorithm: AlgorithmConfig, group_size: int, mini_batches: int, workers: WorkerGroup,
-                 pad_id: int, stores: Callable[[], list[str]] | None = None) -> None:
-        """stores: where each rollout server's rows are now (rollout.data_plane store: the ranks fetch them there)."""
+                 pad_id: int, stores: Callable[[], list[str]] | None = None, rebalance: bool = False) -> None:
+        """stores: where each rollout server's rows are now (rollout.data_plane store: the ranks fetch them there).
+        rebalance: resilience.rebalance_stragglers (a slow data-parallel rank gets a smaller share)."""
         self.algorithm, self.group_size, self.mini_batches = algorithm, group_size, mini_batches
         self.workers, self.layout, self.pad_id, self.stores = workers, workers.layout, pad_id, stores
+        self.rebalance = rebalance
+        self.speeds: list[float] | None = None  # each data-parallel share's relative compute speed; None: equal
+        self.rebalanced = 0  # shares this step's split cut for a slow rank (steps.csv rebalanced)
 
     def split(self, step: int, batch: StepBatch) -> tuple[list[StepBatch], dict[str, Any]]:
         """Each data-parallel rank's share of the batch (with a sample_index and a mini_batch column) and the
         split's stats (rlhf.batch)."""
         fault_point("data.split", step=step)
-        return batch.shares(self.layout.dp, self.mini_batches, tokens_key="num_tokens")
+        self.rebalanced = sum(s < 1.0 for s in self.speeds or ())
+        return batch.shares(self.layout.dp, self.mini_batches, tokens_key="num_tokens", speeds=self.speeds)
 
     def advantages(self, batch: StepBatch, shares: list[StepBatch], first: torch.Tensor | None = None
                    ) -> dict[str, Any]:
@@ -126,7 +137,32 @@ class TrainStage:
         else:
             _count_tokens(per_rank)
             replies = self.workers.call("train_step", args, per_rank, step, "train")
-        return merge_train_metrics([m for m, _ in replies[::self.layout.tp]])
+        metrics = [m for m, _ in replies[::self.layout.tp]]
+        if self.rebalance:
+            self._rebalance(step, metrics)
+        return {**merge_train_metrics(metrics), "rebalanced": self.rebalanced}
+
+    def _rebalance(self, step: int, metrics: list[dict[str, Any]]) -> None:
+        """The next splits' speeds from this step's compute seconds per token of each data-parallel share: one at
+        SLOW x the others' median or more gets that median / its own (a WARNING when it changes), the others 1."""
+        rates = [m["compute_s"] / m["tokens"] if m.get("compute_s") and m.get("tokens") else 0.0 for m in metrics]
+        if sum(r > 0 for r in rates) < 2:
+            return
+        # each share against the median of the others (with two ranks, the other one)
+        medians = [statistics.median([x for j, x in enumerate(rates) if j != d and x > 0] or [r])
+                   for d, r in enumerate(rates)]
+        speeds = [round(m / r, 3) if r > 0 and r >= SLOW * m else 1.0 for r, m in zip(rates, medians)]
+        before = self.speeds or [1.0] * len(speeds)
+        for d, (old, new) in enumerate(zip(before, speeds)):
+            who = f"train-{d * self.layout.tp}" + (f" (and its {self.layout.tp - 1} TP peers)" if self.layout.tp > 1 else "")
+            if new < 1.0 and abs(new - old) > 0.05:
+                log.warning("step %d: %s took %.1fx the median rank's compute a token in stage train, a straggler; its "
+                            "share of the next steps' batches is cut to %.2f of the others' "
+                            "(resilience.rebalance_stragglers)", step, who,
+                            rates[d] / medians[d], new)
+            elif new == 1.0 and old < 1.0:
+                log.info("step %d: %s computes at the others' pace again; equal shares", step, who)
+        self.speeds = speeds if any(s < 1.0 for s in speeds) else None
 
     def per_rank(self, batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Each train rank's batch: its data-parallel share's (the ranks of a TP group compute on the same one)."""

@@ -14,7 +14,9 @@ behind a partition: with the policy's `wait_out_partitions` the call waits runti
 (a WARNING) before the finding stands. What a stall does is the policy's `stall_stops_run`: on (hardened), the call
 fails at once with SyncStall naming the missing rank; off (faithful, the seeds' system), the report and the live diagnosis are printed
 and the call goes on waiting for its timeout. A rank that is still computing, or waiting on its disk, is a
-straggler, not a stall: the watchdog leaves it to the call's timeout.
+straggler, not a stall: the watchdog names it once a call (a WARNING: "train-N is a straggler", counted in
+steps.csv `stragglers`) while at most an eighth of the world keeps the rest waiting, and leaves it to the call's
+timeout: the run goes on.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class RankView:
     silent: bool = False  # its heartbeat did not answer
     idle_since: float | None = None  # monotonic time since which it used no CPU and had no thread in disk wait
     last: tuple[float, float] | None = None  # (time, cpu_s) of the previous heartbeat
+    working: bool = False  # the last two heartbeats showed it working (CPU use or a thread in disk wait)
 
     def update(self, beat: dict[str, Any] | None, now: float) -> None:
         self.beat, self.silent = (beat, False) if beat is not None else (self.beat, True)
@@ -55,6 +58,7 @@ class RankView:
         if self.last is not None:
             t0, cpu0 = self.last
             working = (cpu - cpu0) / max(now - t0, 1e-3) >= BLOCKED_CORES or beat.get("disk_wait_threads", 0) > 0
+            self.working = working
             if working:
                 self.idle_since = None
             elif self.idle_since is None:
@@ -120,6 +124,28 @@ def find_stall(views: list[RankView], stall_s: float, now: float, answered: dict
     return None
 
 
+def find_straggler(views: list[RankView], stall_s: float, now: float) -> Finding | None:
+    """A rank that keeps the others waiting while it computes (slow, not stuck): most of the world has been inside
+    one collective for >= stall_s, and every rank not in it (at most an eighth of the world, at least one) was seen
+    working in its last two heartbeats. None when there is none, or when a missing rank is blocked or silent (a
+    stall's, find_stall)."""
+    inside = [v for v in views if v.beat and v.beat.get("collective") and v.beat["collective_s"] >= stall_s]
+    if not inside:
+        return None
+    waiter = max(inside, key=lambda v: v.beat["collective_s"])
+    what, w = waiter.beat["collective"], waiter.beat
+    missing = [v for v in views if not v.beat or v.beat.get("collective") != what]
+    if not missing or len(missing) > max(1, len(views) // 8):
+        return None
+    if any(v.silent or not v.beat or v.beat.get("collective") or not v.working for v in missing):
+        return None
+    m = missing[0]
+    others = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+    return Finding.of(f"train-{m.rank} is a straggler{others}: {len(views) - len(missing)} of {len(views)} ranks "
+                      f"have waited in {what} for up to {w['collective_s']:.1f} s at step {w.get('step', -1)}, while "
+                      f"train-{m.rank} is in {m.where(now)}", m.rank)
+
+
 class StallWatchdog:
     """Supervises one fan-out call to the train ranks (see the module docstring)."""
 
@@ -133,6 +159,7 @@ class StallWatchdog:
         self.clients, self.stall_s, self.stops_run, self.on_report = clients, stall_s, stops_run, on_report
         self.run_dir, self.partition_grace_s = run_dir, partition_grace_s
         self.read_beats = read_beats or self._beats
+        self.stragglers: list[str] = []  # every straggler named (a WARNING each); the controller counts them a step
 
     def unreachable(self, found: Finding, views: list[RankView]) -> str:
         """'' unless the missing rank is alive and unreachable: its heartbeat does not answer over the network while
@@ -180,6 +207,8 @@ class StallWatchdog:
         start = time.monotonic()
         views = [RankView(r) for r in range(len(calls))]
         answered: dict[int, float] = {}
+        named: set[int] = set()  # stragglers named in this call
+        suspect = -1  # the rank the last read found missing: named when this read finds it again
         reported = False
         partitioned_since: float | None = None  # when the missing rank was first found alive but unreachable
         while True:
@@ -196,11 +225,25 @@ class StallWatchdog:
             now = time.monotonic()
             for view, beat in zip(views, beats):
                 view.update(beat, now)
+            if gathered.done():  # the call ended while the heartbeats were read: what they say is already past
+                return gathered.result()
             found = find_stall(views, self.stall_s, now, answered, method)
+            # a finding stands when the next read finds it again: one read spans the world's hosts, so a collective
+            # that ended meanwhile can show some ranks still inside it and others already out and idle
+            if found is not None and found.missing != suspect:
+                suspect, found = found.missing, None
+            elif found is None:
+                suspect = -1
+            where = f"step {step}, stage {stage}" if step >= 0 else f"stage {stage}"
             if found is None:
                 partitioned_since = None
+                slow = find_straggler(views, self.stall_s, now)
+                if slow is not None and slow.missing not in named:
+                    named.add(slow.missing)
+                    self.stragglers.append(slow)
+                    log.warning("stall watchdog (%s, %s): %s; the run goes on (a rank that computes is slow, not "
+                                "stuck: the call's timeout, timeouts.rpc_s, bounds it)", where, method, slow)
                 continue
-            where = f"step {step}, stage {stage}" if step >= 0 else f"stage {stage}"
             cut_off = self.unreachable(found, views) if self.partition_grace_s else ""
             if cut_off:  # wait for the network, up to the grace (resilience.wait_out_partitions)
                 if partitioned_since is None:

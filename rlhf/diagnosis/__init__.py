@@ -32,6 +32,7 @@ What is where:
     rules.py      a message's category (the patterns), stage and subject; the ranking's thresholds
     logs.py       evidence from logs/*.log (and unfinished background checkpoint writes)
     processes.py  evidence from exits.jsonl and metrics/*.csv: deaths, requests never left, memory held
+    clocks.py     a process whose clock is off (the controller's `clock:` line): its stamps on the controller's clock
     spans.py      evidence from traces: failures in transit, requests that never arrived, the stage at a time
     rank.py       diagnose(): hypotheses per process, the root cause, chain, masked errors, runner-up
     report.py     Evidence, Hypothesis, Diagnosis: the headline, the text and diagnosis.json

@@ -9,6 +9,7 @@ import statistics
 from typing import Any
 
 from rlhf import exits
+from rlhf.diagnosis.clocks import clock_offsets, on_one_clock
 from rlhf.diagnosis.logs import (
     _drift_evidence,
     _log_evidence,
@@ -18,7 +19,7 @@ from rlhf.diagnosis.logs import (
 )
 from rlhf.diagnosis.processes import _busy_evidence, _holder_evidence, _life_evidence, _pids, _read_metrics
 from rlhf.diagnosis.report import Diagnosis, Evidence, Hypothesis
-from rlhf.diagnosis.rules import _NOTICE_LAG_S, _PROC, HARD, PARENT, STARVED_CPU_WAIT, STARVED_IO_PRESSURE
+from rlhf.diagnosis.rules import _NOTICE_LAG_S, _PROC, HARD, PARENT, SOFT, STARVED_CPU_WAIT, STARVED_IO_PRESSURE
 from rlhf.diagnosis.spans import (
     _controller_stage_at,
     _never_arrived,
@@ -43,6 +44,9 @@ def diagnose(run_dir: str) -> Diagnosis:
     failed = [e for e in logs if e.reporter == "controller-0" and e.message.startswith("run failed")]
     surfaced = failed[-1] if failed else None
     lives = exits.all_lives(run_dir)
+    offsets = clock_offsets(logs)
+    if offsets:  # a process whose clock is off: what it stamped, read on the controller's clock
+        on_one_clock(offsets, logs, metrics, lives, _pids(lives))
     evidence = logs + _life_evidence(lives, metrics, spans)
     evidence += _holder_evidence(evidence, metrics, servers) + _transit_evidence(spans)
     evidence += _unfinished_writes(run_dir, evidence) + _drift_evidence(run_dir, logs) + _starved_evidence(run_dir,
@@ -97,7 +101,7 @@ def diagnose(run_dir: str) -> Diagnosis:
     ranked = _cpu_hog(ranked, metrics, surfaced, pids)
     for h in ranked:
         _life_of(h, lives)
-    ranked.sort(key=lambda h: h.time)
+    ranked.sort(key=lambda h: (h.category in SOFT, h.time))  # a straggler only when nothing else went wrong
     if not ranked:  # every piece of evidence was a consequence (of a death, of the end): no cause of its own
         return diag
     root = ranked[0]
@@ -257,6 +261,8 @@ def _told_to_stop(e: Evidence) -> bool:
 def _hypothesis(name: str, evs: list[Evidence], pids: dict[str, int], spans: list[SpanRecord],
                 around: list[Evidence] = ()) -> Hypothesis:
     """`around`: every process's evidence in the window (a dead process's stage from what its peers reported)."""
+    if len(evs) > 1 and evs[0].category in SOFT:  # named slow first, then it failed: the failure is what it is about
+        evs = [*[e for e in evs if e.category not in SOFT], *[e for e in evs if e.category in SOFT]]
     first = evs[0]
     decisive = first
     for e in evs:  # a hard local cause noticed a little later is what the earlier reports were about

@@ -7,14 +7,19 @@ import re
 
 # CPU or IO starvation refines a timeout or hang: the subject's heartbeat shows it starved meanwhile
 CATEGORIES = ("process_death", "oom_device", "oom_host", "disk", "hang", "timeout", "network", "weights_drift",
-              "data_mismatch", "exception", "cpu_starvation", "io_starvation", "slow_rollout", "tool_infra")
+              "data_mismatch", "exception", "cpu_starvation", "io_starvation", "slow_rollout", "tool_infra", "straggler", "clock_skew")
 STARVED_CPU_WAIT = 60.0  # % of wall time a process's threads waited runnable for a CPU (run-queue wait)
 STARVED_IO_PRESSURE = 10.0  # % of time some task waited for IO (PSI), with a thread of the subject in disk wait
 HARD = {"process_death", "oom_device", "oom_host", "disk", "hang"}
+SOFT = {"straggler", "clock_skew"}  # a cause only when nothing else went wrong: any other hypothesis ranks before it
 
 _RULES = [  # first match wins; applied to the message and its traceback's last line
     # a tool's infrastructure (its service, the sandbox) failed in the environment server: not env-0 itself
     ("tool_infra", r"InfraError|\(the infrastructure, not the model's call|tool infrastructure failures"),
+    # the stall watchdog's report of a rank that computes while the others wait: slow, not stuck (SOFT)
+    ("straggler", r"is a straggler|median rank's compute a token"),
+    # the controller read a peer's clock off its reply: that process's stamps are off (SOFT)
+    ("clock_skew", r"^clock: \S+ \(pid \d+[^)]*\) is [\d.]+ s (?:ahead of|behind) "),
     ("process_death", r"killed by SIG|\bdied: |vanished|no exit record"),
     ("oom_device", r"CUDA out of memory|OutOfMemoryError|device[- ]\d+: out of memory|DeviceMemoryNotReleased"),
     ("oom_host", r"\bMemoryError|Cannot allocate memory|bad_alloc"),
@@ -32,7 +37,7 @@ LOG_LINE = re.compile(  # one line of logs/<role>-<rank>.log
     r"^(?P<ts>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}) (?P<proc>[a-z]+-\d+) (?P<level>[A-Z]+) "
     r"(?P<logger>[\w.]+): (?P<msg>.*)$")
 _PROC = re.compile(r"\b(train|rollout|reward|env|scheduler|metaserver|controller)-(\d+)\b")
-_FAILURE_WARNING = re.compile(r"failed|timed out|not delivered|\bdied\b|lapsed|cannot reach|unreachable|[Ee]rror|^retrying |: migrating |falling back to disk|"
+_FAILURE_WARNING = re.compile(r"failed|is a straggler|, a straggler;|^clock: |timed out|not delivered|\bdied\b|lapsed|cannot reach|unreachable|[Ee]rror|^retrying |: migrating |falling back to disk|"
                               r"logprobs differ by")
 _NOT_EVIDENCE = re.compile(r"^first failure of this run|^diagnosis failed|^fault \S+ never fired|^fault audit:|^stopping job|still running|^removed shared-memory|"
                            r"^interrupted ")
@@ -46,6 +51,7 @@ _ROUTE_STAGE = [("/generate", "rollout"), ("/update_weights", "weights_update"),
                 ("/save", "latest_recover_save"), ("/load", "resume"), ("/events", "events"),
                 ("_memory_occupation", "events"), ("/jobs", "cleanup"), ("/evaluate", "evaluate"),
                 ("/score", "reward"), ("/sft_", "sft")]
+CLOCK_LINE = re.compile(r"^clock: (\S+) \(pid (\d+)[^)]*\) is ([\d.]+) s (ahead of|behind) ")
 _STEP = re.compile(r"\b(?:at (?:its )?)?step (\d+)")
 _WITHIN = re.compile(r"within ([\d.]+) ?s\b")
 PARENT = {"rollout": "scheduler-0", "reward": "scheduler-0", "env": "scheduler-0", "scheduler": "train-0"}  # a job dies with the scheduler, the scheduler with rank 0

@@ -32,6 +32,7 @@ from aiohttp import web
 from rlhf import exits
 from rlhf.batch.client import RowFetcher
 from rlhf.faults import fault_point
+from rlhf.faults.kinds import compute_slowdown
 from rlhf.models import build_model_and_tokenizer, torch_dtype
 from rlhf.procs import write_atomic
 from rlhf.services.boot import boot
@@ -111,11 +112,14 @@ class SimTrainRank(WeightsAndCheckpoints, KeptRows):
 
     # ------------------------------------------------------------------ EMULATED compute and collective
 
-    def _compute(self, cost: CostModel, tokens: float, what: str) -> None:
+    def _compute(self, cost: CostModel, tokens: float, what: str) -> float:
         self.busy_since = time.monotonic()
+        cost.slowdown = compute_slowdown.factor("train", self.rank)  # a straggler fault (compute_slowdown)
         try:
             with span(f"sim.{what}", **{"rlhf.simulated": EMULATED, "rlhf.tokens": int(tokens)}):
-                self.emulated_s += cost.spend(tokens, self.shutdown)
+                seconds = cost.spend(tokens, self.shutdown)
+                self.emulated_s += seconds
+                return seconds
         finally:
             self.busy_since = None
 
@@ -168,16 +172,18 @@ class SimTrainRank(WeightsAndCheckpoints, KeptRows):
         minis = tensors.get("mini_batch")
         count = self.cfg.train.mini_batches
         tokens = float(response.sum())
+        compute_s = 0.0
         for i in range(count):
             part = float(response[minis == i].sum()) if minis is not None else tokens / count
-            self._compute(self.train_cost, part, "forward_backward")
+            compute_s += self._compute(self.train_cost, part, "forward_backward")
             self._collective("all_reduce(grads)")
         self.optimizer_steps += count
         self.host.optimizer_step(self.optimizer_steps)
         rows = int(response.shape[0]) or 1
         return {"kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "response_length": tokens / rows, "ratio_mean": 1.0,
                 "loss": 0.0, "grad_norm": 0.0, "tokens": tokens, "lp_diff_sum": 0.0, "lp_diff_max": 0.0,
-                "lp_diff_tokens": tokens, "train_seconds": time.perf_counter() - t0, "rank": self.rank,
+                "lp_diff_tokens": tokens, "train_seconds": time.perf_counter() - t0, "compute_s": compute_s,
+                "rank": self.rank,
                 "simulated": EMULATED}
 
     def save(self, args: dict, tensors: dict) -> dict:

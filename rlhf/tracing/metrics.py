@@ -20,6 +20,8 @@ from typing import Any
 
 import psutil
 
+from rlhf import clock
+
 log = logging.getLogger("rlhf.metrics")
 
 COLUMNS = ["time", "role", "rank", "pid", "cpu_percent", "children_cpu_percent", "system_cpu_percent", "rss_bytes",
@@ -178,7 +180,7 @@ class ResourceSampler:
             except (psutil.AccessDenied, AttributeError):
                 io_read = io_write = ""
             row = {
-                "time": round(time.time(), 3), "role": self.role, "rank": self.rank, "pid": self.proc.pid,
+                "time": round(clock.now(), 3), "role": self.role, "rank": self.rank, "pid": self.proc.pid,
                 "cpu_percent": self.proc.cpu_percent(None), "rss_bytes": self.proc.memory_info().rss,
                 "threads": self.proc.num_threads(), "open_fds": self.proc.num_fds(),
                 "io_read_bytes": io_read, "io_write_bytes": io_write,

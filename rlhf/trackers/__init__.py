@@ -26,7 +26,7 @@ PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"} 
 INSTALL = "pip install 'rlhf[trackers]'"
 # a steps.csv column > 0 at a step is an event beside the curves
 EVENT_COLUMNS = ("rollout_restarts", "rollout_migrated", "weights_fallback", "weights_drift", "saves_failed",
-                 "dropped_groups", "infra_errors", "infra_retries")
+                 "stragglers", "rebalanced", "dropped_groups", "infra_errors", "infra_retries")
 _TRAIN = ("loss", "grad_norm", "kl", "clip_fraction", "entropy", "ratio_mean", "response_length")
 _ASYNC = ("staleness_mean", "staleness_max", "off_policy_fraction", "buffer_groups")
 _ENV = ("turns_mean", "tool_calls", "tool_errors", "infra_errors", "infra_retries", "dropped_groups")

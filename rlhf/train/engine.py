@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from typing import Any, Callable, Protocol
 
 import torch
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from rlhf import tracing
 from rlhf.algorithms import LOSSES
 from rlhf.algorithms.sft import nll_loss
+from rlhf.faults.kinds import compute_slowdown
 from rlhf.train.parallel import Layout, clip_grad_norm, frozen_copy, is_laid_out, parallelize, reshard_all
 from rlhf.weights import is_dtensor
 
@@ -263,6 +265,7 @@ class TrainEngine:
         all_metrics: list[dict] = []
         grad_norms = []
         minis = _mini_batches(batch, self.cfg.mini_batches)
+        compute_s = 0.0  # this rank's forward/backward seconds (resilience.rebalance_stragglers reads them)
         # |train - rollout| logprob of the first mini-batch's tokens, before its optimizer step: the same weights
         # (sync), so a difference beyond numerics is wrong weights on one side (sum, max, tokens)
         diff: list[torch.Tensor] | None = [] if self.algorithm.old_logprobs == "rollout" else None
@@ -282,12 +285,16 @@ class TrainEngine:
                 )
 
             with tracing.span("forward_backward", sequences=rows):
+                t0 = time.perf_counter()
                 all_metrics += self._accumulate(mini, loss_of, with_entropy=True)
+                compute_slowdown.stretch(*tracing.whoami(), time.perf_counter() - t0, self.device)  # a straggler fault
+                compute_s += time.perf_counter() - t0
             with tracing.span("optimizer.step"):
                 grad_norms.append(self._optimizer_step())
         out = _weighted_mean(all_metrics)
         out["grad_norm"] = sum(grad_norms) / len(grad_norms)
         out["loss"] = sum(m["loss"] for m in all_metrics) / len(minis)
+        out["compute_s"] = compute_s
         if diff:
             parts = torch.stack(diff).float()
             out["lp_diff_sum"], out["lp_diff_max"], out["lp_diff_tokens"] = (

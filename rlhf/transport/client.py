@@ -17,7 +17,7 @@ from typing import Any, Awaitable
 import aiohttp
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential_jitter
 
-from rlhf import tracing
+from rlhf import clock, tracing
 from rlhf.errors import ErrorInfo, HTTPStatusError, Overloaded, RemoteError, RpcConnectionError, RpcTimeout
 from rlhf.faults import afault_point
 from rlhf.faults.points import idempotent
@@ -166,10 +166,13 @@ class Client:
         try:
             for point in points + ("rpc.client.send",):
                 await afault_point(point, step=step if step >= 0 else None, peer=self.peer, path=path, stage=stage)
+            sent = clock.now()
             async with session.request(
                 method, url, data=body if method != "GET" else None, headers=headers,
                 timeout=aiohttp.ClientTimeout(total=timeout),
             ) as resp:
+                if clock.watching() and clock.HEADER in resp.headers:
+                    self._clock(resp.headers[clock.HEADER], sent, path, stage, step)
                 payload = await resp.read()
                 TRAFFIC.add(path, len(body) if method != "GET" else 0, len(payload))
                 if resp.status == 200 and raw:
@@ -209,6 +212,19 @@ class Client:
             if isinstance(exc, (RpcConnectionError, TimeoutError)):
                 raise
             raise RpcConnectionError(url, exc, self.peer) from exc
+
+    def _clock(self, stamped: str, sent: float, path: str, stage: str, step: int) -> None:
+        """The peer's clock, read off its reply: named (a WARNING) the first time it is off beyond the tolerance."""
+        off = clock.observe(stamped, sent, clock.now())
+        if off is None:
+            return
+        offset, error, pid = off
+        role, rank = tracing.whoami()
+        where = ", ".join(x for x in (f"step {step}" if step >= 0 else "", f"stage {stage}" if stage else "") if x)
+        log.warning("clock: %s (pid %d) is %.1f s %s %s-%d's clock (its reply to %s%s, +/- %.3f s): its log lines, "
+                    "heartbeat rows and exit records are stamped as much off (rlhf diagnose reads them on this clock)",
+                    self.peer, pid, abs(offset), "ahead of" if offset > 0 else "behind", role or "controller",
+                    max(rank, 0), path, f" at {where}" if where else "", error)
 
     async def close(self) -> None:
         if self._session is not None:

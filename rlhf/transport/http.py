@@ -33,7 +33,7 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
-from rlhf import tracing
+from rlhf import clock, tracing
 from rlhf.config.resilience import HARDENED, Policy
 from rlhf.errors import ErrorInfo
 from rlhf.faults import afault_effects
@@ -58,6 +58,11 @@ Handler = Callable[[dict, dict], Any]
 _EFFECTS: contextvars.ContextVar[list] = contextvars.ContextVar("rlhf_transport_effects", default=[])
 
 
+async def _stamp_clock(request: web.Request, response: web.StreamResponse) -> None:
+    """Every reply carries this process's wall time and pid: the caller measures how far its clock is off (rlhf.clock)."""
+    response.headers[clock.HEADER] = clock.stamp()
+
+
 class Service:
     """An aiohttp application with auth, typed errors and handlers run on one worker thread."""
 
@@ -77,6 +82,7 @@ class Service:
         if threads != 1:
             own_threads(1)
         self.app = web.Application(middlewares=[self._trace, self._auth], client_max_size=1 << 34)
+        self.app.on_response_prepare.append(_stamp_clock)
         self.stage, self.step = "", -1
         self.untraced_paths: set[str] = set()
         # routes that wait on other processes by design (a long poll): never this process's activity in its
