@@ -21,7 +21,7 @@ HEADER = "X-RLHF-Clock"  # "<the replying process's wall time> <its pid>"
 
 _skew_s = 0.0
 _tolerance_s = 0.0  # 0: this process does not watch its peers' clocks
-_reported: dict[int, float] = {}  # pid -> the offset reported for it
+_reported: dict[int, tuple[float, float]] = {}  # pid -> the offset reported for it and its uncertainty
 _lock = threading.Lock()
 
 
@@ -56,7 +56,7 @@ def observe(stamped: str, sent: float, received: float) -> tuple[float, float, i
     """A reply stamped `stamped` (HEADER) to a request sent at `sent` and answered at `received` (this process's
     clock, now()): (the peer's clock minus this one's, its uncertainty: half the round trip, the peer's pid) when
     the peer is off by more than the tolerance beyond the uncertainty and that was not reported yet (or has moved
-    by more than the tolerance since); else None."""
+    by more than the tolerance beyond both readings' uncertainty since); else None."""
     try:
         theirs, pid_text = stamped.split()
         peer_time, pid = float(theirs), int(pid_text)
@@ -67,7 +67,7 @@ def observe(stamped: str, sent: float, received: float) -> tuple[float, float, i
         return None
     with _lock:
         before = _reported.get(pid)
-        if before is not None and abs(offset - before) <= _tolerance_s:
+        if before is not None and abs(offset - before[0]) - error - before[1] <= _tolerance_s:
             return None
-        _reported[pid] = offset
+        _reported[pid] = offset, error
     return offset, error, pid

@@ -95,6 +95,15 @@ class RpcTimeout(TimeoutError):
         super().__init__(f"no reply from {_who(url, peer)} within {timeout_s:g} s")
 
 
+class NoProgress(RpcTimeout):
+    """A long call judged by its progress (the SFT warm start): no rank's heartbeat moved (its step, its CPU time)
+    for timeout_s."""
+
+    def __init__(self, url: str, timeout_s: float, peer: str = "", last: str = "") -> None:
+        super().__init__(url, timeout_s, peer)
+        self.args = (f"no progress from {_who(url, peer)} within {timeout_s:g} s (its heartbeat unchanged: {last})",)
+
+
 class RpcConnectionError(ConnectionError):
     def __init__(self, url: str, cause: BaseException, peer: str = "") -> None:
         self.url, self.cause, self.peer = url, cause, peer

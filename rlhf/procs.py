@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 PR_SET_PDEATHSIG = 1
 
@@ -124,12 +124,19 @@ def _child_setup() -> None:
 
 
 def spawn(cmd: Sequence[str], env: dict[str, str] | None = None, log_path: str | None = None,
-          cwd: str | None = None) -> subprocess.Popen:
-    """Start a child in its own session that is SIGKILLed when this process (thread) dies."""
+          cwd: str | None = None, join: Callable[[], None] | None = None) -> subprocess.Popen:
+    """Start a child in its own session that is SIGKILLed when this process (thread) dies. join: run in the child
+    before it runs anything (rlhf.contain.Cgroup.join: its cgroup)."""
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL
+
+    def setup() -> None:
+        _child_setup()
+        if join is not None:
+            join()
+
     try:
         return subprocess.Popen(list(cmd), env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                preexec_fn=_child_setup, cwd=cwd, close_fds=True)
+                                preexec_fn=setup, cwd=cwd, close_fds=True)
     finally:
         if log_path:
             out.close()  # type: ignore[union-attr]

@@ -242,3 +242,19 @@ def test_the_receiver_that_never_entered_the_broadcast_is_named_not_the_sender(t
     watchdog = next(line for line in log if " ERROR " in line and "stall watchdog" in line)
     assert "while rollout-1 is not receiving it; rollout-1 is missing from the weights broadcast" in watchdog, watchdog
     assert_diagnosed(run_dir, "rollout-1", "weights_update", "hang")
+
+
+def test_a_rollout_server_killed_mid_batch_is_left_out_of_the_pause_and_started_again(tmp_path):
+    """Async K = 1, 2 servers: rollout-0 SIGKILLed as the step-3 weights update pauses it. The pause finds it gone:
+    hardened starts it again and leaves it out of the pause and the continue (it has nothing running), the update
+    gives it the step's weights, and the run finishes (before: "cannot reach rollout-0 …/pause_generation" failed
+    the run in weights_update)."""
+    faults = tmp_path / "kill.yaml"
+    faults.write_text("faults:\n  - name: kill-rollout0\n    kind: process_kill\n    point: rpc.server.handle\n"
+                      "    target: {role: rollout, rank: 0, peer: /pause_generation}\n    when: {step: 3}\n")
+    rows, summary = _run(tmp_path, "run", "--steps", "4", "--rollout.mode", "async", "--rollout.servers", "2",
+                         "--faults", str(faults))
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4]
+    assert sum(int(r["rollout_restarts"] or 0) for r in rows) == 1
+    log = (tmp_path / "run" / "logs" / "controller-0.log").read_text()
+    assert "rollout-0 went down during its /pause_generation" in log and "left out of it" in log, log[-3000:]

@@ -249,3 +249,24 @@ def test_a_parked_worker_thread_runs_what_is_submitted_meanwhile_then_returns_to
         worker.shutdown(wait=True)
     with pytest.raises(RuntimeError, match="after shutdown"):
         worker.submit(int)
+
+
+def test_a_peer_clock_is_read_off_its_reply_and_named_once():
+    """rlhf.clock: the peer's stamp against the midpoint of the request's send and receive, +/- half the round trip;
+    named when off by more than the tolerance beyond that, once, and again only when it moved by more than the
+    tolerance beyond both readings' uncertainty."""
+    from rlhf import clock
+
+    clock.watch(2.0)
+    try:
+        assert clock.observe("1001.0 4242", 1000.0, 1000.2) is None  # 0.9 s: within the tolerance
+        assert clock.observe("1061.0 4242", 1000.0, 1002.0) == (60.0, 1.0, 4242)  # 60 s ahead, +/- 1 s
+        assert clock.observe("1063.0 4242", 1000.0, 1000.2) is None  # 62.9 s: the same finding within the errors
+        assert clock.observe("1010.0 4242", 1000.0, 1000.2)[0] == pytest.approx(9.9)  # it moved: named again
+        assert clock.observe("990.0 4343", 1000.0, 1000.2)[0] == pytest.approx(-10.1)  # another process, behind
+        assert clock.observe("1061.0 4444", 1000.0, 1130.0) is None  # a 130 s round trip hides 60 s
+        assert clock.observe("garbage", 0.0, 0.0) is None
+    finally:
+        clock.watch(0.0)
+        clock._reported.clear()
+    assert clock.observe("1061.0 4545", 1000.0, 1000.2) is None  # a process that does not watch names nothing

@@ -14,7 +14,7 @@ PACKAGE = pathlib.Path(ROOT) / "rlhf"
 
 # bottom up; a module belongs to the layer of its longest listed prefix
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundations", ("rlhf", "rlhf.registry", "rlhf.clock", "rlhf.procs", "rlhf.devices", "rlhf.run_dir",
+    ("foundations", ("rlhf", "rlhf.registry", "rlhf.clock", "rlhf.contain", "rlhf.procs", "rlhf.devices", "rlhf.run_dir",
                      "rlhf.progress", "rlhf.stacks", "rlhf.exits", "rlhf.errors", "rlhf.weights", "rlhf.pieces", "rlhf.batch",
                      "rlhf.analysis", "rlhf.hosts")),
     ("math, models, tasks", ("rlhf.algorithms", "rlhf.models", "rlhf.tasks")),

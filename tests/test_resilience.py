@@ -1,6 +1,7 @@
 """The resilience policy: presets, one behaviour switched alone, recorded in config.yaml, seen by every process."""
 
 import dataclasses
+import json
 import time
 
 import pytest
@@ -262,6 +263,8 @@ def test_a_world_torchrun_restarts_resumes_and_continues_the_uninterrupted_run_e
                                                                       for s in range(3, 7)]
 
 
+@pytest.mark.slow(reason="suite time (23 s): tests/test_async.py's server killed as the step's weights update "
+                         "pauses it runs the same restart inside weights_update by default")
 def test_a_rollout_server_killed_during_the_weights_update_is_started_again_and_updated(tmp_path):
     """restart_rollout: rollout-1 is SIGKILLed while it serves step 3's /update_weights_from_meta (after that step's
     health check); the update fails on it, the controller starts it again and updates once more, and the run
@@ -275,3 +278,95 @@ def test_a_rollout_server_killed_during_the_weights_update_is_started_again_and_
         rows = list(csv.DictReader(fh))
     assert [int(r["rollout_restarts"]) for r in rows] == [0, 0, 1, 0, 0]
     assert all(r["weights_verified"] in ("True", "true", "1") for r in rows)
+
+
+def test_sigterm_during_the_sft_warm_start_ends_the_run_within_seconds(tmp_path):
+    """SIGTERM to torchrun while the rank is in its SFT warm start (one long call): the warm start ends before its
+    next step, and the run stops within seconds instead of waiting 30 s for the call."""
+    import signal
+    import subprocess
+
+    from tests.conftest import ROOT
+    from tests.test_runtime import assert_none_left, torchrun
+
+    run_dir = tmp_path / "run"
+    cmd = torchrun(run_dir, "--steps", "2", "--sft.max_steps", "100000", "--sft.stop_in_band", "false",
+                   "--sft.eval_every", "100000", nproc=1)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    metrics = run_dir / "metrics" / "train-0.csv"
+    try:
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and "sft_warm_start" in metrics.read_text()):  # the rank is in its warm start
+            assert proc.poll() is None and time.monotonic() < deadline, "the warm start never began"
+            time.sleep(0.1)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        ended_s = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert_none_left(run_dir)
+    assert proc.returncode != 0
+    assert ended_s < 15.0, (ended_s, err[-2000:])
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
+    assert "warm start interrupted after sft step" in logs and "still running at shutdown" not in logs, logs[-3000:]
+
+
+def test_the_warm_start_is_judged_by_its_progress_not_cut_at_the_rpc_timeout(tmp_path):
+    """timeouts.rpc_s 3 s: a warm start that takes longer and keeps stepping finishes (before: RpcTimeout at 3 s).
+    One that stops moving fails with NoProgress: test_a_long_call_fails_once_no_rank_moves_for_its_progress_time."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    run_dir = tmp_path / "long"
+    out = subprocess.run([sys.executable, f"{ROOT}/examples/grpo_trainer.py", "--preset", "smoke", "--steps", "1",
+                          "--timeouts.rpc_s", "3", "--sft.max_steps", "160", "--sft.batch_size", "4",
+                          "--sft.stop_in_band", "false", "--sft.eval_every", "100000", "--run-dir", str(run_dir)],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    sft = json.loads((run_dir / "summary.json").read_text())
+    assert sft["sft_steps"] == 160 and sft["sft_seconds"] > 3.0, sft  # longer than rpc_s, and it finished
+
+
+def test_a_long_call_fails_once_no_rank_moves_for_its_progress_time():
+    """WorkerGroup's progress-judged call: it lives while a rank's heartbeat moves (its step, or a quarter of a core
+    of CPU between two reads), and fails with NoProgress naming the rank and its last heartbeat once none has for
+    progress_s; a rank whose background threads use a little CPU is not moving."""
+    import asyncio
+
+    from rlhf.control.workers import WorkerGroup
+    from rlhf.errors import NoProgress
+    from rlhf.transport.client import LoopThread
+
+    loop = LoopThread()
+    group = WorkerGroup(["http://127.0.0.1:9", "http://127.0.0.1:10"], "tok", loop, 60.0)
+    reads = []
+
+    def beats(moving_reads):
+        async def read(timeout_s=2.0):
+            reads.append(None)
+            n = len(reads)
+            step = min(n, moving_reads)  # the step advances for the first reads, then stops
+            return [{"phase": "sft warm start", "step": step, "cpu_s": 5.0 + 0.001 * n},
+                    {"phase": "sft warm start", "step": step, "cpu_s": 5.0}]
+        return read
+
+    try:
+        group.heartbeats = beats(20)
+        t0 = time.monotonic()
+        with pytest.raises(NoProgress, match=r"no progress from train-0 .* within 0.4 s \(its heartbeat unchanged: "
+                                             r"sft warm start at step 20"):
+            loop.run(group._progress([0, 1], "sft_warm_start", 0.4))
+        assert len(reads) >= 20 and time.monotonic() - t0 >= 0.4  # alive while it stepped
+        reads.clear()
+
+        group.heartbeats = beats(10**6)  # always stepping: never NoProgress
+        watch = asyncio.run_coroutine_threadsafe(group._progress([0, 1], "sft_warm_start", 0.2), loop.loop)
+        time.sleep(0.6)
+        assert not watch.done()
+        watch.cancel()
+    finally:
+        loop.close()

@@ -11,6 +11,7 @@ import pytest
 from rlhf.errors import HTTPStatusError
 from rlhf.services.scheduler import SchedulerClient
 from rlhf.transport.client import Client, LoopThread
+from tests.conftest import ROOT
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
 
@@ -110,3 +111,67 @@ def test_the_scheduler_starts_without_torch(tmp_path):
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+# a job that starts a helper in a session of its own (setsid: out of its process group) and waits
+DETACHER = [sys.executable, "-c", "import subprocess, sys, time; p = subprocess.Popen(['sleep', '300'], "
+            "start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
+            "open(sys.argv[1], 'w').write(str(p.pid)); time.sleep(120)"]
+
+
+def _helper(path, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text():
+            return int(path.read_text())
+        time.sleep(0.05)
+    raise AssertionError(f"{path} never written")
+
+
+def test_a_contained_job_takes_what_it_detached_with_it_when_stopped_or_killed(scheduler, tmp_path):
+    """env-0's containment: the job and what it starts (here a `setsid` helper, out of its process group, which the
+    group stop misses) share a cgroup, killed when the job is stopped and when it dies (SIGKILL); its pids limit
+    holds."""
+    from rlhf.contain import Cgroup
+
+    if Cgroup.make("rlhf-probe", 8) is None:
+        pytest.skip(f"no cgroups here: {Cgroup.why}")
+    from rlhf.contain import sweep
+
+    sweep("rlhf-probe")
+    make, loop = scheduler
+    s = make()
+    job = s.submit("env-0", "env", [*DETACHER, str(tmp_path / "a")], {}, contain={"pids_max": 16, "memory_mb": 0})
+    helper = _helper(tmp_path / "a")
+    assert os.getpgid(helper) != os.getpgid(job["pid"])  # detached: out of the group the job stop signals
+    loop.run(s.stop_job("env-0", timeout_s=15))
+    assert _gone(job["pid"]) and _gone(helper)
+    job = s.submit("env-1", "env", [*DETACHER, str(tmp_path / "b")], {}, contain={"pids_max": 16})
+    helper = _helper(tmp_path / "b")
+    os.kill(job["pid"], signal.SIGKILL)  # its helper would be re-parented to init and live on
+    assert _gone(helper)
+    log = (tmp_path / "logs" / "scheduler-0.log").read_text()
+    assert "job env-1 left 1 process(es) running" in log and "sleep" in log
+    import glob
+
+    assert not glob.glob("/sys/fs/cgroup/unified/rlhf-*env-*") + glob.glob("/sys/fs/cgroup/rlhf-*env-*")
+
+
+def test_a_subreaper_stops_the_orphans_of_its_children_as_it_exits(tmp_path):
+    """Without cgroups env-0 is a child subreaper: a helper whose parent exited is re-parented to it, not to init,
+    and stopped as it exits."""
+    script = ("import subprocess, sys, time\n"
+              "from rlhf import contain\n"
+              "assert contain.keep_orphans()\n"
+              "middle = subprocess.Popen([sys.executable, '-c', \"import subprocess; p = subprocess.Popen(['sleep', "
+              "'300'], start_new_session=True, stdout=subprocess.DEVNULL); print(p.pid)\"], stdout=subprocess.PIPE, "
+              "text=True)\n"
+              "helper = int(middle.communicate()[0])\n"  # its parent has exited: the helper is an orphan now
+              "print(helper, flush=True)\n"
+              "print(contain.stop_descendants(), flush=True)\n")
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    helper, stopped = out.stdout.splitlines()
+    assert f"{helper} sleep" in stopped and _gone(int(helper))

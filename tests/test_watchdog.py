@@ -1,16 +1,15 @@
 """The stall watchdog: the rule on recorded heartbeats, and live GRPO runs where train rank 1 hangs before a
 collective (the issue's example: the waiting rank used to be blamed after an RPC timeout, or never)."""
 
+import asyncio
 import datetime as dt
 
 import pytest
 
-import asyncio
-
 from rlhf.control import watchdog
 from rlhf.control.watchdog import RankView, StallWatchdog, find_stall, find_straggler
-from rlhf.errors import SyncStall
 from rlhf.diagnosis import diagnose
+from rlhf.errors import SyncStall
 from tests.test_kills import run_with_fault
 from tests.test_scenarios import markers
 
@@ -81,6 +80,10 @@ def test_a_rank_that_computes_while_the_others_wait_is_a_straggler_not_a_stall()
     # blocked instead of computing: a stall (find_stall's), never a straggler
     views, now = beats(*[waiting] * 15, ("POST /train_step", "", 0, 0.0, 6))
     assert find_straggler(views, 3.0, now) is None and find_stall(views, 3.0, now).missing == 15
+    # the first ranks in have waited 3.5 s, most of them far less: ranks still arriving, not a straggler
+    spread = [("POST /train_step", "all_reduce(grads)", 1.0 - 0.2 * r, 0.0, 6) for r in range(15)]
+    views, now = beats(*spread, ("POST /train_step", "", 0, 1.0, 6))
+    assert find_straggler(views, 3.0, now) is None
     # three of 16 computing while the rest wait: more than an eighth of the world, a slow stage, not one straggler
     views, now = beats(*[waiting] * 13, *[("POST /train_step", "", 0, 1.0, 6)] * 3)
     assert find_straggler(views, 3.0, now) is None

@@ -159,6 +159,10 @@ class EnvConfig:
     """The python tool: CPU seconds a run may use (RLIMIT_CPU)."""
     sandbox_memory_mb: int = 512
     """The python tool: the address space a run may map, MB (RLIMIT_AS)."""
+    max_processes: int = 512
+    """env-0 and everything it starts (a helper server, a browser, a shell, however it detaches: setsid, a double fork) live in a cgroup of their own, killed with it when env-0 stops, dies or is started again; at most this many processes in it (cgroup pids.max; 0: no limit). Without cgroups (not root) env-0 keeps its orphans as a child subreaper and stops them as it exits, and says so."""
+    memory_mb: float = 0.0
+    """The memory env-0 and everything it starts may use together, MB (cgroup memory.max; 0: no limit)."""
 
     def __post_init__(self) -> None:
         _positive("env.max_turns", self.max_turns)
@@ -171,6 +175,8 @@ class EnvConfig:
         _positive("env.sandbox_timeout_s", self.sandbox_timeout_s)
         _positive("env.sandbox_cpu_s", self.sandbox_cpu_s)
         _positive("env.sandbox_memory_mb", self.sandbox_memory_mb)
+        _positive("env.max_processes", self.max_processes, allow_zero=True)
+        _positive("env.memory_mb", self.memory_mb, allow_zero=True)
         if self.path == "tool_calls" and not self.tools:
             raise ConfigError("env.tools: env.path tool_calls needs the file or module of its tools "
                               "(e.g. --env.tools examples/envs/calculator.py)")

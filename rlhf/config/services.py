@@ -91,7 +91,7 @@ class TimeoutsConfig:
     model's own timeouts are in their sections)."""
 
     rpc_s: float = 600.0
-    """Default timeout of one controller → train worker call."""
+    """Default timeout of one controller → train worker call. The SFT warm start is judged by its progress instead: it runs as long as a rank's heartbeat moves (its SFT step, its CPU time) and fails (NoProgress, naming the rank) once none has for this long."""
     rollout_s: float = 600.0
     """Timeout of one /generate call."""
     event_s: float = 30.0

@@ -118,7 +118,8 @@ class Controller(RunLifecycle):
         if found is None:
             self.where.update(step=-1, stage="sft warm start")
             with tracing.span("sft", stage="sft"):  # a stage of its own in the trace (and for rlhf diagnose)
-                (result, _), *_ = self.workers.call("sft_warm_start", stage="sft")
+                # judged by its progress (the ranks' SFT steps), not cut at timeouts.rpc_s: a real model's takes hours
+                (result, _), *_ = self.workers.call("sft_warm_start", stage="sft", progress_s=self.cfg.timeouts.rpc_s)
             self.sft_result = result
             self.workers.call("begin_grpo", {"save_reference": True})
             if result["sft_stopped"] != "skipped":

@@ -131,7 +131,8 @@ class RolloutServices(SglangJobs):
         cmd = [sys.executable, "-m", module, "--run-dir", self.run_dir,
                "--config", os.path.join(self.run_dir, "config.yaml"), "--ready-file", ready]
         env = {"RLHF_TOKEN": self.token, "RLHF_REWARD_THREADS": "1", "PYTHONPATH": pythonpath()}
-        self.scheduler.submit(name, name.split("-")[0], cmd, env)
+        contain = {"pids_max": self.cfg.env.max_processes, "memory_mb": self.cfg.env.memory_mb}  # env: one cgroup
+        self.scheduler.submit(name, name.split("-")[0], cmd, env, contain=contain if name.startswith("env-") else None)
         return ready
 
     def _connect_service(self, name: str, ready: str, what: str, timeout_s: float) -> Client | None:

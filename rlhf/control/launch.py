@@ -166,6 +166,7 @@ def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
             def on_term(signum: int, frame: Any) -> None:
                 ended["reason"] = "received SIGTERM"
                 term_at.append(time.monotonic())
+                worker.stopping.set()  # a warm start in progress ends before its next step
 
             signal.signal(signal.SIGTERM, on_term)
             while not worker.shutdown.wait(0.2):
@@ -183,7 +184,9 @@ def run(cfg: Config, mode: str = "grpo") -> dict[str, Any] | None:
         # Ctrl-C: the user wants out, do not wait for a busy handler (an SFT warm start runs for minutes). Any
         # other end (a peer died, torchrun's SIGTERM) gives the handler time to fail and log why.
         interrupted = isinstance(sys.exc_info()[1], KeyboardInterrupt)
+        worker.stopping.set()  # a warm start still running ends before its next step: no 30 s wait for it
         server.stop(timeout_s=1.0 if busy and interrupted else worker.shutdown_grace_s)
+        busy = worker.service.inflight  # what is still running now that the server gave it its time
         worker.close()
         if not busy:
             shutdown_distributed()

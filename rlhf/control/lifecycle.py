@@ -23,14 +23,14 @@ import time
 import traceback
 from typing import Any
 
-from rlhf import clock, faults, stacks, tracing
+from rlhf import clock, contain, faults, stacks, tracing
 from rlhf.checkpoint import slots as ckpt
 from rlhf.config import Config
 from rlhf.control.reporting import FailureReports
 from rlhf.control.saves import CheckpointSaves
 from rlhf.control.watchdog import StallWatchdog
 from rlhf.control.workers import WorkerGroup
-from rlhf.errors import PreflightStraggler, SyncStall
+from rlhf.errors import NoProgress, PreflightStraggler, SyncStall
 from rlhf.procs import freeze_gc, second_sigterm_stops
 from rlhf.run_dir import StepsWriter, write_json
 from rlhf.stages import StageClock
@@ -196,7 +196,7 @@ class RunLifecycle(FailureReports, CheckpointSaves):
             self.interrupted = True  # the user's decision, not a failure: no ERROR, no ledger
             raise
         except BaseException as exc:
-            self.stalled = self.stalled or isinstance(exc, SyncStall)
+            self.stalled = self.stalled or isinstance(exc, (SyncStall, NoProgress))  # its request will not end
             step, stage = self.where["step"], self.where["stage"]
             self.first_failure = (f"step {step}, stage {stage}" if step >= 0 else stage) + f": {type(exc).__name__}: {exc}"
             log.error("run failed: %s", self.first_failure)
@@ -297,6 +297,10 @@ class RunLifecycle(FailureReports, CheckpointSaves):
                 errors.append(f"worker shutdown: {type(exc).__name__}: {exc}")
             faults.restore_all("run end")
             report = faults.audit(self.run_dir)  # what dead processes left behind: helpers, fill files
+            left = contain.sweep(contain.run_prefix(self.run_dir))  # a killed scheduler's contained jobs' leftovers
+            if left:
+                log.warning("cleanup: killed %d process(es) left in this run's cgroups: %s", len(left),
+                            ", ".join(left[:8]))
             if report["unrestored"] and report["cleaned"]:
                 log.warning("fault audit: %d injection(s) not restored by their process; cleaned up after them: %s",
                             len(report["unrestored"]), "; ".join(report["cleaned"]))

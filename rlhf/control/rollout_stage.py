@@ -29,6 +29,7 @@ from rlhf.control.reward_stage import RewardStage
 from rlhf.control.rollout_fanout import RolloutFanout
 from rlhf.control.survival import RolloutSurvival
 from rlhf.data import PromptSampler
+from rlhf.errors import RpcConnectionError
 from rlhf.faults import afault_point
 from rlhf.stages import StageClock
 
@@ -111,20 +112,34 @@ class RolloutStage:
         after it (sglang's /pause_generation and /continue_generation)."""
         with clock.stage("weights_update"):
             if self.pipeline is not None:
-                self._every_server(step, "/pause_generation", {"mode": self.cfg.interrupt}, "rollout.pause")
+                self._every_server(step, "/pause_generation", {"mode": self.cfg.interrupt}, "rollout.pause", row)
             self.survival.survive(step, row, "the weights update", lambda: self.update_weights(step, row))
             if self.pipeline is not None:
-                self._every_server(step, "/continue_generation", {}, "rollout.continue")
+                self._every_server(step, "/continue_generation", {}, "rollout.continue", row,
+                                   resync=lambda: self.update_weights(step, row))
         if self.pipeline is not None:
             self.pipeline.loaded(step)
 
-    def _every_server(self, step: int, route: str, body: dict[str, Any], point: str) -> None:
-        """One call on every rollout server at once (fault point `point` before each, peer rollout-R)."""
+    def _every_server(self, step: int, route: str, body: dict[str, Any], point: str, row: dict[str, Any],
+                      resync: Callable[[], Any] | None = None) -> None:
+        """One call on every rollout server at once (fault point `point` before each, peer rollout-R). A server found
+        gone (restart_rollout) is started again and left out: a new server has nothing to pause or continue; the
+        update that follows a pause gives it the step's weights with the others, `resync` after a continue."""
         async def one(r: int, client: Any) -> Any:
             await afault_point(point, step=step, peer=f"rollout-{r}")
             return await client.call(route, body, stage="weights_update", step=step)
 
-        self.fanout.loop.gather(*[one(r, c) for r, c in enumerate(self.fanout.services.rollout)])
+        results = self.fanout.loop.gather(*[one(r, c) for r, c in enumerate(self.fanout.services.rollout)],
+                                          return_exceptions=True)
+        failed = [e for e in results if isinstance(e, BaseException)]
+        if not failed:
+            return
+        lost = [e for e in failed if isinstance(e, RpcConnectionError) and e.peer.startswith("rollout-")]
+        if len(lost) < len(failed) or not self.survival.revived(step, row, lost[0], f"its {route}",
+                                                                  "left out of it"):
+            raise failed[0]
+        if resync is not None:  # the update is over: the new server gets the step's weights now
+            resync()
 
     def _produce(self, step: int, row: dict[str, Any], clock: Any, draw: Callable[[], list[Any]]) -> Produced:
         """Step `step`'s batch: its prompts' rollout, then, with algorithm.resample_rounds (dynamic sampling), its

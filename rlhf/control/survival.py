@@ -78,13 +78,13 @@ class RolloutSurvival:
                 row["rollout_restarts"] = (row.get("rollout_restarts") or 0) + restarted
                 return call()
             then = "generating the step's prompts again" if resync else "updating again"
-            if not self._revived(step, row, exc, during, then):
+            if not self.revived(step, row, exc, during, then):
                 raise
             if resync is not None:
                 resync()
             return call()
 
-    def _revived(self, step: int, row: dict[str, Any], exc: RpcConnectionError, during: str, then: str) -> bool:
+    def revived(self, step: int, row: dict[str, Any], exc: RpcConnectionError, during: str, then: str) -> bool:
         """restart_rollout for a rollout server lost in the middle of a stage: start the dead ones again. False: not
         a rollout server's loss, or none was down."""
         if not (self.policy.restart_rollout and exc.peer.startswith("rollout-")):

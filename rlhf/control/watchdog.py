@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
@@ -125,23 +126,28 @@ def find_stall(views: list[RankView], stall_s: float, now: float, answered: dict
 
 
 def find_straggler(views: list[RankView], stall_s: float, now: float) -> Finding | None:
-    """A rank that keeps the others waiting while it computes (slow, not stuck): most of the world has been inside
-    one collective for >= stall_s, and every rank not in it (at most an eighth of the world, at least one) was seen
-    working in its last two heartbeats. None when there is none, or when a missing rank is blocked or silent (a
+    """A rank that keeps the others waiting while it computes (slow, not stuck): most of the world (three quarters or
+    more) has been inside one collective, their median for >= stall_s, and every rank that answered and is not in it
+    (at most an eighth of the world, at least one) was seen working in its last two heartbeats. A rank whose
+    heartbeat did not answer is unknown, neither. None when there is none, or when a missing rank is blocked (a
     stall's, find_stall)."""
-    inside = [v for v in views if v.beat and v.beat.get("collective") and v.beat["collective_s"] >= stall_s]
+    known = [v for v in views if v.beat and not v.silent]  # a rank whose heartbeat did not answer: unknown
+    inside = [v for v in known if v.beat.get("collective") and v.beat["collective_s"] >= stall_s]
     if not inside:
         return None
     waiter = max(inside, key=lambda v: v.beat["collective_s"])
     what, w = waiter.beat["collective"], waiter.beat
-    missing = [v for v in views if not v.beat or v.beat.get("collective") != what]
-    if not missing or len(missing) > max(1, len(views) // 8):
+    waiting = [v for v in known if v.beat.get("collective") == what]
+    missing = [v for v in known if v.beat.get("collective") != what]
+    if not missing or len(missing) > max(1, len(views) // 8) or len(waiting) < 3 * len(views) // 4:
         return None
-    if any(v.silent or not v.beat or v.beat.get("collective") or not v.working for v in missing):
+    if statistics.median(v.beat["collective_s"] for v in waiting) < stall_s:  # most have waited, not the first few
+        return None
+    if any(v.beat.get("collective") or not v.working for v in missing):
         return None
     m = missing[0]
     others = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-    return Finding.of(f"train-{m.rank} is a straggler{others}: {len(views) - len(missing)} of {len(views)} ranks "
+    return Finding.of(f"train-{m.rank} is a straggler{others}: {len(waiting)} of {len(views)} ranks "
                       f"have waited in {what} for up to {w['collective_s']:.1f} s at step {w.get('step', -1)}, while "
                       f"train-{m.rank} is in {m.where(now)}", m.rank)
 

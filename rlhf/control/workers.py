@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from rlhf.control.watchdog import StallWatchdog
+from rlhf.control.watchdog import BLOCKED_CORES, StallWatchdog
+from rlhf.errors import NoProgress
 from rlhf.train.parallel import Layout
 from rlhf.transport import fanout
 from rlhf.transport.client import Client, LoopThread
+
+LONG_CALL_S = 30 * 24 * 3600.0  # a call judged by its progress has no fixed timeout of its own (a month)
 
 
 class WorkerGroup:
@@ -90,14 +93,58 @@ class WorkerGroup:
 
     async def acall(self, method: str, args: Any = None, tensors: list[dict] | None = None, step: int = -1,
                     stage: str = "", timeout_s: float | None = None, ranks: list[int] | None = None,
-                    **options: Any) -> list[tuple[Any, dict]]:
+                    progress_s: float = 0.0, **options: Any) -> list[tuple[Any, dict]]:
         """`method` on every rank (or on `ranks`), concurrently; the replies in rank order. A call on every rank runs
         under the stall watchdog (a rank inside a collective the others wait for is named in seconds); `options`
-        go to Client.call (method, points, traced)."""
+        go to Client.call (method, points, traced). progress_s: a long call judged by its progress, not a fixed
+        timeout: it runs as long as some rank's heartbeat moves (its step, its CPU time), and fails with NoProgress
+        once none has for progress_s."""
+        if progress_s:
+            timeout_s = LONG_CALL_S
         ranks, calls = self._start(method, args, tensors, step, stage, timeout_s, ranks, **options)
         if self.watchdog is None or stage == "cleanup" or len(ranks) != len(self.clients):
-            return list(await asyncio.gather(*calls))
-        return list(await self.watchdog.supervise(calls, f"/{method}", step, stage))
+            waited = asyncio.gather(*calls)
+        else:
+            waited = asyncio.ensure_future(self.watchdog.supervise(calls, f"/{method}", step, stage))
+        if not progress_s:
+            return list(await waited)
+        watch = asyncio.ensure_future(self._progress(ranks, method, progress_s))
+        try:
+            await asyncio.wait([waited, watch], return_when=asyncio.FIRST_COMPLETED)
+            if not waited.done():
+                waited.cancel()
+                for c in calls:
+                    c.cancel()
+                watch.result()  # raises NoProgress
+            return list(waited.result())
+        finally:
+            watch.cancel()
+
+    async def _progress(self, ranks: list[int], method: str, progress_s: float) -> None:
+        """Until no rank has moved for progress_s: then NoProgress naming the first rank and what its heartbeat says.
+        A rank moves when its heartbeat's phase or step changes, or when it used a quarter of a core or more since
+        the last read (a long step that computes; a blocked rank's background threads use far less)."""
+        last: dict[int, tuple[Any, float]] = {}  # rank -> ((phase, step), CPU seconds) at the last read
+        loop = asyncio.get_running_loop()
+        moved = read_at = loop.time()
+        while True:
+            await asyncio.sleep(min(5.0, progress_s / 4))  # a heartbeat read's period: the condition is their change
+            beats = await self.heartbeats()
+            now = loop.time()
+            for r in ranks:
+                beat = beats[r]
+                if beat is None:
+                    continue
+                seen, cpu = (beat.get("phase"), beat.get("step")), float(beat.get("cpu_s", 0.0))
+                before = last.get(r)
+                if before is None or seen != before[0] or cpu - before[1] >= BLOCKED_CORES * (now - read_at):
+                    moved = now
+                last[r] = seen, cpu
+            read_at = now
+            if now - moved > progress_s:
+                r = ranks[0]
+                what = f"{last[r][0][0]} at step {last[r][0][1]}, {last[r][1]:.1f} CPU s" if r in last else "none read"
+                raise NoProgress(self.clients[r].base_url + f"/{method}", progress_s, f"train-{r}", what)
 
     def start(self, method: str, args: Any = None, tensors: list[dict] | None = None, step: int = -1,
               stage: str = "", timeout_s: float | None = None, ranks: list[int] | None = None,
@@ -108,8 +155,9 @@ class WorkerGroup:
         return self._start(method, args, tensors, step, stage, timeout_s, ranks, **options)[1]
 
     def call(self, method: str, args: Any = None, tensors: list[dict] | None = None, step: int = -1, stage: str = "",
-             timeout_s: float | None = None, ranks: list[int] | None = None, **options: Any) -> list[tuple[Any, dict]]:
-        return self.loop.run(self.acall(method, args, tensors, step, stage, timeout_s, ranks, **options))
+             timeout_s: float | None = None, ranks: list[int] | None = None, progress_s: float = 0.0,
+             **options: Any) -> list[tuple[Any, dict]]:
+        return self.loop.run(self.acall(method, args, tensors, step, stage, timeout_s, ranks, progress_s, **options))
 
 
 TRAIN_COLUMNS = ("kl", "clip_fraction", "entropy", "response_length", "loss", "grad_norm", "ratio_mean",

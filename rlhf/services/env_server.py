@@ -39,6 +39,7 @@ import threading
 import time
 from typing import Any
 
+from rlhf import contain
 from rlhf.envs import InfraError, build_env, sandbox
 from rlhf.errors import BadRequest
 from rlhf.faults import fault_point
@@ -190,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = service_parser(__doc__, rank=False, config=True)
     args = parser.parse_args(argv)
     token, cfg = boot(parser, args, "env", 0)  # the scheduler records its exit status
+    contain.keep_orphans()  # what the environment starts and detaches (setsid) stays ours, to stop as we exit
     sandbox.LIMITS = sandbox.Limits(cfg.env.sandbox_timeout_s, cfg.env.sandbox_cpu_s, cfg.env.sandbox_memory_mb)
     server = EnvServer(cfg.env.path, env_options(cfg), token, cfg.resilience, cfg.env.on_infra_error == "drop_group",
                        cfg.env.parallel_calls)
@@ -204,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         await serve_forever(server.service, args.host, args.port, ready)
 
     code = run_process_loop(serve, stop_process_telemetry)
+    left = contain.stop_descendants()  # the scheduler's cgroup kill covers a SIGKILL of this process too
+    if left:
+        log.info("stopped %d process(es) the environment left running: %s", len(left), ", ".join(left[:8]))
     if code:  # a step still on the service's thread is not waited for
         exit_now(code)
     return 0

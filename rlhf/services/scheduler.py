@@ -2,7 +2,8 @@
 
     python -m rlhf.services.scheduler --run-dir D --ready-file F --lease-s 10   (token in RLHF_TOKEN)
 
-    POST   /jobs        {name, role, command: [...], env: {...}, colocate_with}  -> {name, pid}
+    POST   /jobs        {name, role, command: [...], env: {...}, colocate_with, contain: {pids_max, memory_mb}}
+                        -> {name, pid}     (contain: the job and all it starts in a cgroup of their own, rlhf.contain)
     GET    /jobs        every job with its state
     GET    /jobs/<name> one job
     DELETE /jobs/<name> stop it (SIGTERM to its process group, SIGKILL after a grace period)
@@ -11,7 +12,9 @@
 
 Jobs are started from the event-loop (main) thread with PDEATHSIG, so they die with the
 scheduler; the scheduler dies with the controller (PDEATHSIG too) and, should the controller
-hang instead, stops every job once `lease_s` passes without a heartbeat. No orphans.
+hang instead, stops every job once `lease_s` passes without a heartbeat. No orphans: a contained job's cgroup is
+killed whenever the job stops or dies (what it started that detached from its process group goes with it), and a
+scheduler kills what its killed predecessor's cgroups still hold as it starts.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from aiohttp import web
 from rlhf import exits, tracing
 from rlhf.config import Config, build_config
 from rlhf.config.resilience import HARDENED, Policy
+from rlhf.contain import Cgroup, run_prefix, sweep
 from rlhf.procs import spawn, stop_group, wait_for_file
 from rlhf.services.boot import announce, boot, service_parser
 from rlhf.tracing.setup import stop_process_telemetry
@@ -51,6 +55,7 @@ class Job:
     started_at: float = field(default_factory=time.time)
     stopped: bool = False
     stopping: bool = False  # we asked it to stop: its exit is expected, not a death to report
+    box: Cgroup | None = None  # contained: its cgroup
 
     def describe(self) -> dict[str, Any]:
         code = self.proc.poll() if self.proc is not None else None
@@ -66,6 +71,10 @@ class Scheduler:
         self.last_renewal = time.monotonic()
         self.service = Service("scheduler", rank, token, policy)
         self.name = f"scheduler-{rank}"
+        # this run's cgroups: rlhf-<run>-<job>-<n> (a job started again gets a fresh one)
+        self.prefix = run_prefix(run_dir)
+        self.boxes = 0
+        self.contain_warned = False
         self.service.untraced_paths.add("/lease")  # a heartbeat every few seconds; not worth a trace each
         route = self.service.raw_route  # behind the same auth, spans and typed errors as every service
         route("POST", "/jobs", self._submit)
@@ -83,13 +92,36 @@ class Scheduler:
         job = Job(name, body.get("role", ""), list(body["command"]), dict(body.get("env") or {}),
                   body.get("colocate_with", ""))
         os.makedirs(os.path.join(self.run_dir, "logs"), exist_ok=True)
+        if body.get("contain") is not None:
+            job.box = self._box(name, body["contain"])
         with tracing.span("scheduler.start_job", job=name, job_role=job.role) as sp:
             job.proc = spawn(job.command, env={**os.environ, **job.env},
-                             log_path=os.path.join(self.run_dir, "logs", f"{name}.stdout"))
+                             log_path=os.path.join(self.run_dir, "logs", f"{name}.stdout"),
+                             join=job.box.join if job.box is not None else None)
             sp.set_attribute("rlhf.job_pid", job.proc.pid)
         self.jobs[name] = job
         log.info("started job %s (role %s) pid %d", name, job.role, job.proc.pid)
         return web.json_response(job.describe())
+
+    def _box(self, name: str, limits: dict[str, Any]) -> Cgroup | None:
+        """A cgroup for job `name` with its limits; None (a WARNING, once) where there are no cgroups."""
+        self.boxes += 1
+        box = Cgroup.make(f"{self.prefix}{name}-{self.boxes}", int(limits.get("pids_max") or 0),
+                          float(limits.get("memory_mb") or 0))
+        if box is None and not self.contain_warned:
+            self.contain_warned = True
+            log.warning("job %s is not contained: %s; it stops what it started as it exits (a child subreaper), and "
+                        "what it started outlives a SIGKILL of it", name, Cgroup.why)
+        return box
+
+    def _release(self, job: Job) -> None:
+        """The job has ended: kill what its cgroup still holds (what it started and left running) and remove it."""
+        if job.box is None:
+            return
+        left, job.box = job.box.kill(), None
+        if left:
+            log.warning("job %s left %d process(es) running (%s): killed with its cgroup", job.name, len(left),
+                        ", ".join(left[:8]))
 
     async def _gone(self, job: Job, grace_s: float = 2.0) -> bool:
         """Whether `job` has ended. A process killed by SIGKILL closes its sockets before its exit shows: a caller
@@ -124,6 +156,7 @@ class Scheduler:
         with tracing.span("scheduler.stop_job", job=job.name, job_pid=job.proc.pid) as sp:
             code = await asyncio.get_running_loop().run_in_executor(None, stop_group, job.proc)
             sp.set_attribute("rlhf.exit_code", code if code is not None else -1)
+            await asyncio.get_running_loop().run_in_executor(None, self._release, job)
         self._ended(job, code, expected=not died)
         log.info("stopped job %s (exit %s)", job.name, code)
         return web.json_response(job.describe())
@@ -148,6 +181,7 @@ class Scheduler:
                 died = job.proc.poll() is not None
                 job.stopping = True
                 self._ended(job, stop_group(job.proc, grace_s=2.0), expected=not died)
+            self._release(job)
 
     async def watch_jobs(self, period_s: float = 0.2) -> None:
         """A job that exits on its own is an error the moment it happens, with its exit status (a signal too)."""
@@ -162,6 +196,7 @@ class Scheduler:
         if code is not None:
             log.error("job %s (role %s, pid %d) died: %s", job.name, job.role, job.proc.pid, exits.describe(code))
             self._ended(job, code, expected=False)
+            self._release(job)
 
     async def watch_lease(self) -> None:
         while True:
@@ -193,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
                       deathsig=signal.SIGTERM, compute=False)
     scheduler = Scheduler(args.run_dir, token, args.lease_s, cfg.resilience if cfg is not None else HARDENED,
                           args.rank)
+    left = sweep(scheduler.prefix)  # a killed predecessor's contained jobs left these running
+    if left:
+        log.warning("killed %d process(es) a previous scheduler's jobs left in their cgroups: %s", len(left),
+                    ", ".join(left[:8]))
 
     def on_term(signum: int, frame: Any) -> None:
         scheduler.stop_all(f"scheduler got signal {signum}")
@@ -235,9 +274,12 @@ class _Jobs:
     client: Client
     loop: LoopThread
 
-    def submit(self, name: str, role: str, command: list[str], env: dict[str, str], colocate_with: str = "") -> dict:
-        return self.loop.run(self.client.call("/jobs", {"name": name, "role": role, "command": command, "env": env,
-                                                        "colocate_with": colocate_with}))[0]
+    def submit(self, name: str, role: str, command: list[str], env: dict[str, str], colocate_with: str = "",
+               contain: dict[str, Any] | None = None) -> dict:
+        """contain: {pids_max, memory_mb}: the job and everything it starts in a cgroup of their own."""
+        body = {"name": name, "role": role, "command": command, "env": env, "colocate_with": colocate_with}
+        return self.loop.run(self.client.call("/jobs", {**body, **({"contain": contain} if contain is not None
+                                                                    else {})}))[0]
 
     def jobs(self) -> list[dict]:
         return self.loop.run(self.ajobs())

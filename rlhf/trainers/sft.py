@@ -10,6 +10,7 @@ past `sft.band_high`. Baseline mode runs `sft.max_steps` steps.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -38,10 +39,12 @@ def run_sft(
     dp: Any = None,
     examples_per_rank: slice | None = None,
     show_progress: bool = True,
+    stop: threading.Event | None = None,
 ) -> dict[str, Any]:
     """Train `model` in place with SFT. Returns where it stopped and the last val accuracy.
 
     show_progress: a progress line on this process's terminal (only one rank should show it).
+    stop: set when the process is ending (SIGTERM): the loop ends before its next step, sft_stopped "interrupted".
     """
     sft = cfg.sft
     if sft.max_steps == 0:  # a pretrained model that already answers: GRPO starts from it as it is
@@ -64,6 +67,10 @@ def run_sft(
     history = []
     progress = Progress("sft warm start", sft.max_steps, log, tty=None if show_progress else False)
     for step in range(1, sft.max_steps + 1):
+        if stop is not None and stop.is_set():
+            step, stopped = step - 1, "interrupted"
+            log.warning("warm start interrupted after sft step %d: this process is ending", step)
+            break
         t_step = time.perf_counter()
         fault_point("sft.step", step=step)
         examples = sampler.next(sft.batch_size)

@@ -27,9 +27,17 @@ class SftAndPreflight:
         self._require_device("sft")
         cfg = self.cfg
         per_rank = slice(self.dp_rank, None, self.layout.dp)  # a TP group's ranks take the same examples
-        result = run_sft(cfg, self.model, self.tokenizer, build_task(cfg.task), scorer_of(cfg.reward),
-                         dp=self.dp, examples_per_rank=per_rank, show_progress=self.rank == 0)
-        return result
+
+        def progressed(row: dict) -> None:  # the heartbeat shows the step: the controller judges the call by it
+            self.loop_step = row["step"]
+
+        self.loop_phase, self.loop_step = "sft warm start", 0
+        try:
+            return run_sft(cfg, self.model, self.tokenizer, build_task(cfg.task), scorer_of(cfg.reward),
+                           on_step=progressed, dp=self.dp, examples_per_rank=per_rank, show_progress=self.rank == 0,
+                           stop=self.stopping)
+        finally:
+            self.loop_phase = "idle"
 
     def sft_begin(self, args: dict, tensors: dict) -> dict:
         self._require_device("sft")

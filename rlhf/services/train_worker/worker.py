@@ -65,6 +65,7 @@ class TrainWorker(SftAndPreflight, WeightsAndCheckpoints, KeptRows):
         self.engine: TrainEngine | None = None
         self.policy: Any = None  # train.engine megatron: the GPTModel the engine trains (self.model: its HF twin)
         self.shutdown = threading.Event()
+        self.stopping = threading.Event()  # the process is ending (SIGTERM, the run failed): long loops end early
         self.lease = DeviceLease(run_dir, rank, f"train-{rank}") if cfg.runtime.colocate else None
         self.device = device_name("train", rank, cfg.runtime.colocate)
         self.model: torch.nn.Module
