@@ -28,7 +28,7 @@ from rlhf.control.workers import TRAIN_COLUMNS, WorkerGroup, logprob_diff, merge
 from rlhf.faults import fault_point
 
 log = logging.getLogger("rlhf.controller")
-SLOW = 1.5  # rebalance_stragglers: a share this many times the median's compute a token is cut
+SLOW = 2.0  # rebalance_stragglers: a share this many times the median's compute a token is cut (noise stays under)
 
 
 class TrainStage:
