@@ -112,7 +112,7 @@ def test_a_finding_stands_only_when_the_next_heartbeat_read_finds_it_again(monke
         read, reads = reader(flicker)
         dog = StallWatchdog([None, None], 0.04, True, read_beats=read)
         calls = [asyncio.get_running_loop().create_future() for _ in range(2)]
-        asyncio.get_running_loop().call_later(2.0, lambda: [c.set_result(({}, {})) for c in calls])
+        asyncio.get_running_loop().call_later(5.0, lambda: [c.set_result(({}, {})) for c in calls])
         try:
             return await dog.supervise(calls, "/train_step", 2, "train"), reads
         except SyncStall as exc:
@@ -120,7 +120,7 @@ def test_a_finding_stands_only_when_the_next_heartbeat_read_finds_it_again(monke
 
     found, reads = asyncio.run(supervise(flicker=False))
     assert isinstance(found, SyncStall) and "train-1 is missing from all_reduce(grads)" in str(found)
-    assert len(reads) < 90  # named well before the call's end (2 s of 0.02 s reads)
+    assert len(reads) < 150  # named well before the call's end (5 s of 0.02 s reads)
     flickering, _ = asyncio.run(supervise(flicker=True))  # every other read has rank 1 inside it too: no stall
     assert not isinstance(flickering, SyncStall), flickering
 

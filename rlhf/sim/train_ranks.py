@@ -66,16 +66,6 @@ class SimTrainHost:
         self._lock = threading.Lock()
         self._nudge = next(p for p in model.parameters() if p.dim() == 1)  # a norm's weight: the EMULATED optimizer
         self.fetcher: RowFetcher | None = None  # rollout.data_plane store: one loop and pool for the host's ranks
-        self._disk_wait = (float("-inf"), 0)  # (when read, threads in disk wait)
-
-    def disk_wait(self) -> int:
-        """This process's threads in disk wait (the heartbeats' evidence), read at most every 0.25 s: it is the same for
-        every rank of the process, and reading /proc for each of its 64 ranks' heartbeats would cost the process
-        (and the watchdog's read) a second a round at (1,024, 256)."""
-        now = time.monotonic()
-        if now - self._disk_wait[0] > 0.25:
-            self._disk_wait = (now, disk_wait_threads())
-        return self._disk_wait[1]
 
     def row_fetcher(self) -> RowFetcher:
         with self._lock:
@@ -148,7 +138,7 @@ class SimTrainRank(WeightsAndCheckpoints, KeptRows):
         return {"rank": self.rank, "phase": running[0] if running else "idle", "step": running[1] if running else 0,
                 "collective": inside[0] if inside else "", "collective_s": now - inside[1] if inside else 0.0,
                 "cpu_s": self.emulated_s + (now - busy if busy is not None else 0.0),
-                "disk_wait_threads": self.host.disk_wait(), "simulated": EMULATED}
+                "disk_wait_threads": disk_wait_threads(), "simulated": EMULATED}
 
     def sft_warm_start(self, args: dict, tensors: dict) -> dict:
         return {"sft_stopped": "skipped", "sft_steps": 0, "sft_val_accuracy": 0.0, "simulated": EMULATED}
