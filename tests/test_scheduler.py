@@ -150,7 +150,10 @@ def test_a_contained_job_takes_what_it_detached_with_it_when_stopped_or_killed(s
     helper = _helper(tmp_path / "b")
     os.kill(job["pid"], signal.SIGKILL)  # its helper would be re-parented to init and live on
     assert _gone(helper)
-    log = (tmp_path / "logs" / "scheduler-0.log").read_text()
+    log_path, deadline = tmp_path / "logs" / "scheduler-0.log", time.monotonic() + 10
+    while "job env-1 left" not in log_path.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)  # the cgroup is killed before the line that reports it is written
+    log = log_path.read_text()
     assert "job env-1 left 1 process(es) running" in log and "sleep" in log
     import glob
 
