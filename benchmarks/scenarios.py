@@ -65,6 +65,15 @@ SEED_EXPECTED = {
 }
 
 
+def seed_expected(n: str) -> str:
+    """The seed plan's expected result for scenario n; a simulated copy of a seed scenario (2_sim) expects the same."""
+    if n in SEED_EXPECTED or not n.endswith("_sim"):
+        return SEED_EXPECTED.get(n, "")
+    base = SEED_EXPECTED.get(n.removesuffix("_sim"), "")
+    return f"as scenario {n.removesuffix('_sim')}, at its own size (32 train ranks, 16 rollout servers)" + \
+        (f": {base}" if base else "")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -145,7 +154,7 @@ def run_one(n: str, mode: str, resilience: str, out_dir: str) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: a kept one would resume, and mix old logs in
     t0 = time.perf_counter()
     codes = []
-    for _ in range(2 if n in RESTART and mode == "rl" and resilience == "faithful" else 1):
+    for _ in range(2 if n.removesuffix("_sim") in RESTART and mode == "rl" and resilience == "faithful" else 1):
         if codes and codes[-1] == 0:
             break  # nothing crashed: no restart to make
         if codes:
@@ -154,7 +163,7 @@ def run_one(n: str, mode: str, resilience: str, out_dir: str) -> dict:
         codes.append(subprocess.run(run, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
                                     timeout=600).returncode)
     row = {"scenario": n, "mode": mode, "resilience": resilience, **measure_run(run_dir, codes[-1]),
-           "wall_s": round(time.perf_counter() - t0, 1), "seed_expected": SEED_EXPECTED.get(n, ""), **named(run_dir)}
+           "wall_s": round(time.perf_counter() - t0, 1), "seed_expected": seed_expected(n), **named(run_dir)}
     if len(codes) == 2:
         row["run_outcome"] = f"crashed (exit {codes[0]}); restart {row['run_outcome']}"
     print(f"[scenarios]   fault in {row['fault_stage']}, surfaced in {row['error_stage'] or '-'} after "
@@ -191,7 +200,7 @@ def main() -> None:
     lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
     lines += ["| " + " | ".join(str(r[c]) for c in shown) + " |" for r in rows]
     lines += ["", "The seed plan's expected result (seeds/000; its timeouts, not the scaled ones):", ""]
-    lines += [f"- scenario {n}: {SEED_EXPECTED[n]}" for n in args.scenarios if n in SEED_EXPECTED]
+    lines += [f"- scenario {n}: {seed_expected(n)}" for n in args.scenarios if seed_expected(n)]
     lines += ["", "Last error line of the controller's log:", ""]
     lines += [f"- scenario {r['scenario']} {r['mode']} ({r['resilience']}): `{r['last_error_line'] or '(no error)'}`"
               for r in rows]

@@ -31,6 +31,26 @@ def export_state(model: torch.nn.Module, dtype: torch.dtype | None = None) -> di
 
 
 @torch.no_grad()
+def weights_by_name(model: torch.nn.Module, args: dict, dtype: torch.dtype | None = None) -> list:
+    """sglang's /get_weights_by_name: parameter args['name']'s first args['truncate_size'] (100) entries along its
+    first dimension, as (nested) lists of floats, cast to `dtype` first (the dtype the rollout side holds)."""
+    from rlhf.errors import BadRequest
+
+    params = dict(model.named_parameters())
+    name, size = args.get("name"), args.get("truncate_size", 100)
+    if name not in params:
+        near = [n for n in params if str(name).split(".")[-1] in n][:3] or list(params)[:3]
+        raise BadRequest(f"get_weights_by_name: no parameter {name!r}; e.g. {', '.join(near)}")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise BadRequest(f"get_weights_by_name: truncate_size must be a positive integer, got {size!r}")
+    p = params[name]
+    if is_dtensor(p):
+        raise BadRequest(f"get_weights_by_name: {name} is laid out in pieces on this rank (a sharded layout)")
+    t = p.detach()[:size]
+    return (t.to(dtype) if dtype is not None else t).float().cpu().tolist()
+
+
+@torch.no_grad()
 def import_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """Copy whole tensors into the model's parameters; names and shapes must match exactly. A parameter laid out in
     pieces (a DTensor: FSDP, tensor parallel) keeps this rank's piece of its tensor, cut here (no communication)."""

@@ -258,3 +258,22 @@ def test_a_rollout_server_killed_mid_batch_is_left_out_of_the_pause_and_started_
     assert sum(int(r["rollout_restarts"] or 0) for r in rows) == 1
     log = (tmp_path / "run" / "logs" / "controller-0.log").read_text()
     assert "rollout-0 went down during its /pause_generation" in log and "left out of it" in log, log[-3000:]
+
+
+def test_silently_stale_weights_are_named_when_rollouts_overlap(tmp_path):
+    """Async K = 1, 2 servers, weights.verify off (a real sglang server has no checksum route): rollout-0 answers
+    step 3's weights update and keeps its old weights (scenario 13's fault). The logprob difference cannot show it
+    (the trainer is a version ahead at every step), but the spot check after each update (sglang's
+    /get_weights_by_name, the trainer's values beside each server's) names rollout-0 at step 3 only: no false
+    finding at the other steps, whose servers hold the trainer's weights; `rlhf diagnose` names it too."""
+    from rlhf.diagnosis import diagnose
+
+    rows, _ = _run(tmp_path, "run", "--steps", "4", "--rollout.mode", "async", "--rollout.servers", "2",
+                   "--weights.verify", "false", "--faults", f"{ROOT}/examples/faults/scenario13.yaml",
+                   "--resilience", "hardened")
+    assert [int(r["weights_stale"]) for r in rows] == [0, 0, 1, 0]
+    assert all(float(r["rollout_train_logprob_diff"]) > 1e-4 for r in rows[1:])  # what the drift check cannot read
+    log = (tmp_path / "run" / "logs" / "controller-0.log").read_text()
+    assert "step 3: rollout-0's weights are not the trainer's version 3" in log, log[-3000:]
+    root = diagnose(str(tmp_path / "run")).root
+    assert (root.process, root.category, root.step) == ("rollout-0", "weights_drift", 3), root

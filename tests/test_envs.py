@@ -170,12 +170,16 @@ def test_a_killed_environment_server_fails_the_step_and_is_named(tmp_path):
         d.render()
 
 
-def test_hardened_starts_a_killed_environment_server_again_and_runs_the_steps_episodes_again(tmp_path):
+@pytest.mark.parametrize("mode", [pytest.param("sync", marks=pytest.mark.slow), "async"])  # the suite's time
+def test_hardened_starts_a_killed_environment_server_again_and_runs_the_steps_episodes_again(tmp_path, mode):
     """Hardened (restart_rollout): the same kill; env-0 starts again, step 2's episodes run again from their reset
-    on it, and the run finishes; steps.csv counts the restart at step 2 and env-0's log shows two starts."""
+    on it, and the run finishes; steps.csv counts the restart at step 2 and env-0's log shows two starts. Async
+    (K = 1): env-0 dies under the producer, generating batch 2 while step 1 trains; the producer starts it again
+    and runs the batch's episodes again, and no step sees the producer's error."""
     run_dir = tmp_path / "run"
+    flags = ["--rollout.mode", "async", "--rollout.max_staleness", "1"] if mode == "async" else []
     out = subprocess.run([sys.executable, f"{ROOT}/examples/grpo_trainer.py", "--faults",
-                          f"{ROOT}/examples/faults/scenario16.yaml", "--run-dir", str(run_dir)],
+                          f"{ROOT}/examples/faults/scenario16.yaml", "--run-dir", str(run_dir), *flags],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     with open(run_dir / "steps.csv") as fh:

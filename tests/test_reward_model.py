@@ -67,23 +67,28 @@ def test_a_directory_that_is_no_reward_model_is_refused_before_anything_starts(t
     assert not (tmp_path / "run").exists()  # nothing started
 
 
-def test_grpo_adds_the_reward_models_score_and_a_killed_reward_server_is_named(tmp_path, rm_dir):
+def test_grpo_adds_the_reward_models_score_and_a_killed_reward_server_is_started_again_and_named(tmp_path, rm_dir):
     """Steps 1-3 score with reward-0 (each step's reward = exact match + 0.5 x the model's score, the model's mean
-    in steps.csv and in a span of reward-0); at step 4 reward-0 is killed inside /score: the run fails in the
-    reward stage and `rlhf diagnose` names reward-0, killed by SIGKILL."""
+    in steps.csv and in a span of reward-0); at step 4 reward-0 is killed inside /score: hardened (restart_rollout)
+    starts it again and scores the batch again, the run finishes, and `rlhf diagnose` names reward-0, killed by
+    SIGKILL, in the reward stage."""
     run_dir, out = faulted_run(tmp_path, "kill-reward-server", "process_kill",
                                "{step: 4, max_hits: 1}\n    params: {signal: KILL}", "--steps", "4",
                                "--reward_model.path", rm_dir, "--reward_model.weight", "0.5")
-    assert out.returncode != 0 and "step 4, stage reward" in out.stderr, out.stderr[-3000:]
+    assert out.returncode == 0, out.stderr[-3000:]
     with open(run_dir / "steps.csv") as fh:
         rows = list(csv.DictReader(fh))
-    assert [r["step"] for r in rows] == ["1", "2", "3"]
+    assert [r["step"] for r in rows] == ["1", "2", "3", "4"]
+    assert [int(r["rollout_restarts"] or 0) for r in rows] == [0, 0, 0, 1]
     for r in rows:
         model, rule = float(r["reward_model"]), float(r["reward_exact_match"])
         assert model != 0.0 and float(r["reward_mean"]) == pytest.approx(rule + 0.5 * model, abs=1e-6)
     scores = [s for s in load_spans(str(run_dir)).spans if s.service == "reward-0" and s.name == "POST /score"]
-    assert len(scores) >= 3 and {s.attributes.get("rlhf.step") for s in scores} >= {1, 2, 3}
-    assert "scored 16 completions" in (run_dir / "logs" / "reward-0.log").read_text()
+    assert len(scores) >= 4 and {s.attributes.get("rlhf.step") for s in scores} >= {1, 2, 3, 4}
+    log = (run_dir / "logs" / "reward-0.log").read_text()
+    assert "scored 16 completions" in log and log.count("reward server") >= 2, log[-2000:]
+    assert "reward-0 is down (lost during the reward model's scores" in out.stderr + \
+        (run_dir / "logs" / "controller-0.log").read_text()
     root = diagnose(str(run_dir)).root
     assert root.process == "reward-0" and root.stage == "reward" and "SIGKILL" in root.exit, root
 

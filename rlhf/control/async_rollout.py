@@ -31,6 +31,7 @@ from rlhf.faults import fault_point
 
 log = logging.getLogger("rlhf.controller")
 
+PRODUCER = "rollout-producer"  # the producer thread's name
 ASYNC_COLUMNS = ("staleness_mean", "staleness_max", "off_policy_fraction", "buffer_groups", "rollout_idle_s",
                  "train_idle_s")
 
@@ -67,7 +68,7 @@ class RolloutPipeline:
 
     def start(self, first_batch: int, version: int) -> None:
         self.version = version
-        self.thread = threading.Thread(target=self._run, args=(first_batch,), name="rollout-producer", daemon=True)
+        self.thread = threading.Thread(target=self._run, args=(first_batch,), name=PRODUCER, daemon=True)
         self.thread.start()
 
     def loaded(self, version: int) -> None:
@@ -115,6 +116,19 @@ class RolloutPipeline:
             waits = {"train_idle_s": time.perf_counter() - t0, "rollout_idle_s": idle,
                      "buffer_groups": sum(len(p.batch) for p in self.ready.values()) // self.group_size}
         return produced, waits
+
+    def restart(self, batch: int, restore: Callable[[dict], None]) -> None:
+        """After the producer failed on `batch` and the train side survived what failed it (the services started
+        again, the step's weights on them): the producer starts again at `batch`, its prompts drawn again from the
+        sampler's state before they were (`restore(state)`), so the batch is the one it would have been."""
+        if self.thread is not None:
+            self.thread.join()  # it ended on the error
+        with self.cond:
+            assert self.error is not None and self.error[0] == batch, (self.error, batch)
+            self.error = None
+            if batch in self.drawn:
+                restore(self.drawn[batch])
+        self.start(batch, self.version if self.version is not None else batch - 1)
 
     def close(self, wait_s: float = 0.0) -> None:
         """No batch starts after this; a batch in flight ends with its calls (the services' stop ends them)."""

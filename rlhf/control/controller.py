@@ -87,7 +87,7 @@ class Controller(RunLifecycle):
                                             cfg.resilience)
         self.survival = RolloutSurvival(cfg.resilience, self.services)
         self.rewards = RewardStage(cfg.reward, cfg.reward_model, cfg.rollout.group_size, cfg.algorithm.resample_rounds,
-                                   self.loop, self.services)
+                                   self.loop, self.services, self.survival)
         self.trainer = TrainStage(cfg.algorithm, cfg.rollout.group_size, cfg.train.mini_batches, self.workers,
                                   pad_token_id(None, self.tokenizer),
                                   self.services.stores if cfg.data_plane == "store" else None,
@@ -194,6 +194,7 @@ class Controller(RunLifecycle):
         row["weights_fallback"] = self.weights.fell_back
         if self.cfg.weights.verify:
             row["weights_verified"] = self.weights.verify(str(step), step)
+        row["weights_stale"] = self.weights.spot_check(str(step), step)
 
     def after_step(self, step: int, row: dict[str, Any]) -> None:
         if self.cfg.eval_every and step % self.cfg.eval_every == 0 and step < self.cfg.steps:

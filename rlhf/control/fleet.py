@@ -7,7 +7,7 @@
                      (sglang's launch flags in a 0600 YAML file: the API key never shows in `ps`)
     RewardServer     with reward_model.path: job reward-0 on this node (rlhf.services.reward_server)
     EnvServer        with env.path: job env-0 on this node (rlhf.services.env_server), the episodes' environments
-                     (either one not started again when it dies: the step fails)
+                     (either one started again when it dies, or its scheduler does, with restart_rollout)
 """
 
 from __future__ import annotations
@@ -18,11 +18,13 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
 from rlhf import exits
 from rlhf.config import Config
+from rlhf.control.service_jobs import ServiceJobs
 from rlhf.control.sglang_jobs import SglangJobs, free_port, pythonpath  # noqa: F401 (free_port: this module's API too)
 from rlhf.control.workers import WorkerGroup
 from rlhf.devices import rollout_device
@@ -36,7 +38,7 @@ from rlhf.transport.fanout import HostRelay, RelayedClient
 log = logging.getLogger("rlhf.controller")
 
 
-class RolloutServices(SglangJobs):
+class RolloutServices(SglangJobs, ServiceJobs):
     def __init__(self, cfg: Config, run_dir: str, token: str, loop: LoopThread, train_ranks: int,
                  nodes: list[int] | None = None, workers: WorkerGroup | None = None) -> None:
         self.cfg, self.run_dir, self.token, self.loop, self.train_ranks = cfg, run_dir, token, loop, train_ranks
@@ -52,6 +54,8 @@ class RolloutServices(SglangJobs):
         self.jobs: list[tuple[list[str], dict[str, str], str]] = []  # rollout server r's (command, env, ready file)
         self.job_of: list[str] = []  # rollout server r's scheduler job: rollout-r, or in a simulated world its host's
         self.relays: dict[str, HostRelay] = {}  # a simulated host's agent, by job (sim.fanout)
+        self.revive_lock = threading.RLock()  # async: the producer and the train side may both start a service again
+        self.starts: dict[str, int] = {}  # how many times env-0 / reward-0 were started again
 
     @property
     def shm_dir(self) -> str:
@@ -120,47 +124,6 @@ class RolloutServices(SglangJobs):
             time.sleep(0.1)  # a poll interval: the condition is the ready file (or the job's end)
         return wait_for_file(ready, 1.0)
 
-    def _submit_service(self, name: str, module: str, wanted: bool) -> str:
-        """Submit job `name` (reward-0: reward_model.path; env-0: env.path) to this node's scheduler, the run's
-        config as its own; returns its ready file ("" when not wanted). It loads while the rollout servers load."""
-        if not wanted:
-            return ""
-        assert self.scheduler is not None
-        ready = os.path.join(self.run_dir, f"{name}.url")
-        os.path.exists(ready) and os.remove(ready)
-        cmd = [sys.executable, "-m", module, "--run-dir", self.run_dir,
-               "--config", os.path.join(self.run_dir, "config.yaml"), "--ready-file", ready]
-        env = {"RLHF_TOKEN": self.token, "RLHF_REWARD_THREADS": "1", "PYTHONPATH": pythonpath()}
-        contain = {"pids_max": self.cfg.env.max_processes, "memory_mb": self.cfg.env.memory_mb}  # env: one cgroup
-        self.scheduler.submit(name, name.split("-")[0], cmd, env, contain=contain if name.startswith("env-") else None)
-        return ready
-
-    def _connect_service(self, name: str, ready: str, what: str, timeout_s: float) -> Client | None:
-        """Until the job's ready file appears; a job that ended first (a model or an environment it cannot load)
-        fails at once, with where its error is."""
-        if not ready:
-            return None
-        deadline = time.monotonic() + self.cfg.timeouts.startup_s
-        while not (os.path.exists(ready) and os.path.getsize(ready) > 0):
-            self._still_starting(name, what, "its ready file", deadline, f"{self.run_dir}/logs/{name}.log")
-            time.sleep(0.1)  # a poll interval: the condition is the ready file (or the job's end)
-        url = wait_for_file(ready, 1.0)
-        return Client(url, self.token, timeout_s, peer=name, retries=self.cfg.resilience.retry_idempotent)
-
-    def restart_env(self) -> None:
-        """env-0 started again (resilience.restart_rollout), the episodes' client pointed at it."""
-        ready = self._submit_service("env-0", "rlhf.services.env_server", True)
-        old, self.env = self.env, self._connect_service("env-0", ready, f"env.path {self.cfg.env.path}",
-                                                        self.cfg.timeouts.rollout_s)
-        if old is not None:
-            self.loop.run(old.close())
-
-    def _connect_services(self, ready: dict[str, str]) -> None:
-        cfg = self.cfg
-        self.reward = self._connect_service("reward-0", ready["reward-0"], f"reward_model.path {cfg.reward_model.path}",
-                                            cfg.reward_model.timeout_s)
-        self.env = self._connect_service("env-0", ready["env-0"], f"env.path {cfg.env.path}", cfg.timeouts.rollout_s)
-
     def _start_scheduler(self) -> SchedulerClient:
         cfg = self.cfg
         scheduler = SchedulerClient(self.run_dir, self.token, cfg.timeouts.scheduler_lease_s,
@@ -189,6 +152,9 @@ class RolloutServices(SglangJobs):
                     "scheduler (resilience.restart_rollout)", step, dead.proc.pid, exits.describe(dead.proc.returncode))
         dead.close()
         self.scheduler = self._start_scheduler()
+        for name in [n for n in ("env-0", "reward-0") if self.service(n) is not None]:  # they went with it too
+            log.warning("step %d: %s went with scheduler-0; starting it again on the new scheduler", step, name)
+            self.restart_service(name)
 
     def node_of(self, r: int) -> int:
         """Rollout server r's node: that of train rank r (mod the train ranks), so a colocated pair shares a host."""
@@ -290,6 +256,10 @@ class RolloutServices(SglangJobs):
         """The policy's restart_rollout: every rollout server whose job has ended, or that does not answer
         GET /health within 2 s, is (stopped and) started again; returns their names. Native, not colocated
         servers only (an sglang server's launch file is gone; a colocated one would need its lease handed over)."""
+        with self.revive_lock:
+            return self._revive(step)
+
+    def _revive(self, step: int) -> list[str]:
         cfg = self.cfg
         if self.scheduler is None or not self.jobs or not self._revivable():
             return []

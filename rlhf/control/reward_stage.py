@@ -1,7 +1,8 @@
 """The reward stage: every sample's reward from the task's reward functions and the reward model's score, and
 dynamic sampling's swap of the groups that carry no advantage (algorithm.resample_rounds, DAPO's).
 
-    stage = RewardStage(cfg.reward, cfg.reward_model, cfg.rollout.group_size, cfg.algorithm.resample_rounds, loop, fleet)
+    stage = RewardStage(cfg.reward, cfg.reward_model, cfg.rollout.group_size, cfg.algorithm.resample_rounds, loop, fleet,
+                        survival)   # survival: reward-0 lost in a /score starts again (restart_rollout)
     batch["rewards"] = stage.score(step, batch, row)
     batch = stage.resample(step, batch, row, draw, generate, clock)   # before rollout_end
 """
@@ -17,6 +18,7 @@ from rlhf.algorithms.grpo import equal_groups
 from rlhf.batch import StepBatch
 from rlhf.config import RewardConfig, RewardModelConfig
 from rlhf.control.fleet import RolloutServices
+from rlhf.control.survival import RolloutSurvival
 from rlhf.faults import fault_point
 from rlhf.tasks.scoring import row_fields, scorer_of
 from rlhf.transport.client import LoopThread
@@ -24,11 +26,11 @@ from rlhf.transport.client import LoopThread
 
 class RewardStage:
     def __init__(self, reward_cfg: RewardConfig, model_cfg: RewardModelConfig, group_size: int, resample_rounds: int,
-                 loop: LoopThread, fleet: RolloutServices) -> None:
+                 loop: LoopThread, fleet: RolloutServices, survival: RolloutSurvival | None = None) -> None:
         self.reward = scorer_of(reward_cfg)  # the run's rewards, weighted (rlhf.tasks.scoring)
         self.model_weight = model_cfg.weight
         self.group_size, self.resample_rounds = group_size, resample_rounds
-        self.loop, self.fleet = loop, fleet
+        self.loop, self.fleet, self.survival = loop, fleet, survival
         # steps.csv: what dynamic sampling did, then each reward function's mean (and the reward model's)
         self.columns = ["resampled_groups", "resample_prompts", "equal_groups_trained", *self.reward.labels,
                         *(["reward_model"] if model_cfg.path else [])]
@@ -50,7 +52,11 @@ class RewardStage:
             rewards = rewards + env_reward
             means["reward_env"] = float(env_reward.mean())
         if self.fleet.reward is not None:
-            scores = self._reward_model_scores(step, batch["prompts"], batch["completions"])
+            def scores_of() -> torch.Tensor:
+                return self._reward_model_scores(step, batch["prompts"], batch["completions"])
+
+            scores = scores_of() if self.survival is None else self.survival.survive_service(
+                step, row if row is not None else {}, "the reward model's scores", scores_of)
             rewards = rewards + self.model_weight * scores
             means["reward_model"] = float(scores.mean())
         if row is not None:

@@ -65,14 +65,33 @@ class RolloutStage:
         if pipeline is None:  # while the rollout servers hold the device (colocated: the lease)
             produced = self._produce(step, row, clock, lambda: self.sampler.next(self.cfg.prompts_per_step))
         else:
-            with clock.stage("rollout"):
-                produced, waits = pipeline.take(step, self._starving(step))
+            produced, waits, updated = self._take(step, row, clock)
             row.update(produced.row, **waits)
+            ahead = ahead and not updated
         if ahead:
             self._weights(step, row, clock)
         with clock.stage("events"):
             row["rollout_release_mb"] = freed_mb(self.events.notify("rollout_end", step), "rollout")
         return produced
+
+    def _take(self, step: int, row: dict[str, Any], clock: Any) -> tuple[Produced, dict[str, float], bool]:
+        """The producer's batch for `step`. When the producer failed on it with a loss it could not survive where it
+        happened (no rollout server left to migrate to, their scheduler gone: restart_rollout), the services start
+        again here, get this step's weights, and the producer makes the batch again; True then (the step's weights
+        are out)."""
+        assert self.pipeline is not None
+        with clock.stage("rollout"):
+            try:
+                return (*self.pipeline.take(step, self._starving(step)), False)
+            except RpcConnectionError as exc:
+                if not self.survival.recover(step, row, exc, f"the producer's batch {step}"):
+                    raise
+        self._weights(step, row, clock)  # the new servers' weights (the others' too: this step's)
+        log.warning("step %d: the producer makes batch %d again, with step %d's weights", step, step, step)
+        self.pipeline.restart(step, self.sampler.load_state_dict)
+        with clock.stage("rollout"):
+            produced, waits = self.pipeline.take(step, self._starving(step))
+        return produced, waits, True
 
     def _starving(self, step: int) -> Callable[[float], None]:
         """The starvation watchdog of a step waiting for its batch: once past runtime.watchdog_stall_s, one WARNING
@@ -165,13 +184,13 @@ class RolloutStage:
         return produced
 
     def _generate(self, step: int, row: dict[str, Any], examples: list[Any]) -> Any:
-        """The rollout of `examples` (group_size samples each), surviving a lost rollout server (sync; async: the
-        step that takes the batch fails); the samples it moved to another server add up in rollout_migrated."""
+        """The rollout of `examples` (group_size samples each), surviving a lost rollout server (sync) or env-0 (both
+        modes; async: a lost server the fanout cannot migrate from fails the step that takes the batch); the samples it moved to another server add up in rollout_migrated."""
         if self.pipeline is None:
             batch = self.survival.survive(step, row, "the rollout", lambda: self.fanout.generate(step, examples),
                                           resync=lambda: self.update_weights(step, row))
-        else:
-            batch = self.fanout.generate(step, examples)
+        else:  # the producer: a lost env-0 starts again and the episodes run again (a lost server's samples migrate)
+            batch = self.survival.survive_service(step, row, "the rollout", lambda: self.fanout.generate(step, examples))
         row["rollout_migrated"] = row.get("rollout_migrated", 0) + self.fanout.migrated
         if self.fanout.episodes is not None:  # groups an infrastructure failure took out (env.on_infra_error)
             row["dropped_groups"] = row.get("dropped_groups", 0) + self.fanout.episodes.dropped

@@ -14,13 +14,17 @@ step's episodes run again from their reset (an episode's state died with it).
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, Callable
 
 from rlhf.config.resilience import Policy
+from rlhf.control.async_rollout import PRODUCER
 from rlhf.control.fleet import RolloutServices
 from rlhf.errors import HTTPStatusError, RpcConnectionError, RpcTimeout
 
 log = logging.getLogger("rlhf.controller")
+
+SERVICES = ("env-0", "reward-0")  # the jobs beside the rollout servers that restart_rollout starts again
 
 
 class RolloutSurvival:
@@ -30,35 +34,45 @@ class RolloutSurvival:
         self.policy, self.services = policy, services
 
     def revive_dead(self, step: int) -> int | None:
-        """restart_rollout: the rollout servers found dead before the step start again (they get this step's weights
-        in its weights update); how many, or None with restart_rollout off (steps.csv leaves the column empty)."""
+        """restart_rollout: the rollout servers (and env-0, reward-0) found dead before the step start again (the
+        servers get this step's weights in its weights update); how many, or None with restart_rollout off (steps.csv
+        leaves the column empty)."""
         if not self.policy.restart_rollout:
             return None
-        return len(self.services.revive(step)) + self._revive_env(step)
+        return len(self.services.revive(step)) + sum(self._revive_service(step, n) for n in SERVICES)
 
-    def _revive_env(self, step: int, why: str = "") -> int:
-        """env-0 started again when its job has ended or it does not answer GET /health within 2 s (or `why` says
-        it was lost); 1 when it was, else 0."""
+    def _revive_service(self, step: int, name: str, why: str = "") -> int:
+        """env-0 or reward-0 started again when its job has ended or it does not answer GET /health within 2 s (or
+        `why` says it was lost); 1 when it was, else 0."""
         services = self.services
-        if services.env is None or services.scheduler is None:
+        if services.service(name) is None or services.scheduler is None:
             return 0
-        why = why or self._env_down(step)
-        if not why:
-            return 0
-        log.warning("step %d: env-0 is down (%s); starting it again (resilience.restart_rollout); the step's episodes "
-                    "start from their reset", step, why)
-        services.restart_env()
+        with services.revive_lock:
+            why = why or self._service_down(step, name)
+            if not why:
+                return 0
+            log.warning("step %d: %s is down (%s); starting it again (resilience.restart_rollout); %s", step, name, why,
+                        "the step's episodes start from their reset" if name == "env-0" else "the batch is scored again")
+            services.restart_service(name)
         return 1
 
-    def _env_down(self, step: int) -> str:
+    def _service_down(self, step: int, name: str) -> str:
         services = self.services
-        state = {j["name"]: j["state"] for j in services.scheduler.jobs()}.get("env-0", "gone")
+        try:
+            jobs = services.scheduler.jobs()
+        except (RpcConnectionError, RpcTimeout):
+            # its scheduler died, and the service with it: the train side starts the scheduler again and what it
+            # owned (async's producer leaves that to the step that takes its batch: the servers need the weights)
+            if threading.current_thread().name == PRODUCER or not services.revive(step):
+                raise
+            return ""  # started again with the new scheduler (RolloutServices._restart_scheduler)
+        state = {j["name"]: j["state"] for j in jobs}.get(name, "gone")
         if state != "running":
             return f"its job is {state}"
         try:
-            services.loop.run(services.env.call("/health", method="GET", timeout_s=2.0, traced=False))
+            services.loop.run(services.service(name).call("/health", method="GET", timeout_s=2.0, traced=False))
         except (RpcConnectionError, RpcTimeout, HTTPStatusError) as exc:
-            services.loop.run(services.scheduler.stop_job("env-0", services.cfg.timeouts.cleanup_s, step))
+            services.loop.run(services.scheduler.stop_job(name, services.cfg.timeouts.cleanup_s, step))
             return f"it does not answer /health ({type(exc).__name__})"
         return ""
 
@@ -68,14 +82,13 @@ class RolloutSurvival:
         restart_rollout starts it again, `call` runs once more: after `resync` (the revived servers first get this
         step's weights), when no server was left to migrate the work to (their scheduler died, and they with it).
         Any other failure, or with restart_rollout off, is raised."""
+        starts = dict(self.services.starts)
         try:
             return call()
         except RpcConnectionError as exc:
-            if exc.peer == "env-0" and self.policy.restart_rollout:  # the episodes' environments died with it
-                restarted = self._revive_env(step, f"lost during {during}: {exc}")
-                if not restarted:
+            if exc.peer in SERVICES and self.policy.restart_rollout:  # the episodes' environments died with env-0
+                if not self._service_lost(step, row, exc.peer, starts, f"lost during {during}: {exc}"):
                     raise
-                row["rollout_restarts"] = (row.get("rollout_restarts") or 0) + restarted
                 return call()
             then = "generating the step's prompts again" if resync else "updating again"
             if not self.revived(step, row, exc, during, then):
@@ -83,6 +96,48 @@ class RolloutSurvival:
             if resync is not None:
                 resync()
             return call()
+
+    def survive_service(self, step: int, row: dict[str, Any], during: str, call: Callable[[], Any]) -> Any:
+        """call(), needing env-0 or reward-0 (async's producer, the reward model's scores): the one lost in its middle
+        starts again and `call` runs once more (episodes from their reset, the batch scored again). A rollout server's
+        loss is not handled here: its samples migrate to the others; when none is left, the step that takes the batch
+        starts them again (RolloutStage)."""
+        starts = dict(self.services.starts)
+        try:
+            return call()
+        except RpcConnectionError as exc:
+            if not (exc.peer in SERVICES and self.policy.restart_rollout
+                    and self._service_lost(step, row, exc.peer, starts, f"lost during {during}: {exc}")):
+                raise
+            return call()
+
+    def _service_lost(self, step: int, row: dict[str, Any], name: str, starts: dict[str, int], why: str) -> bool:
+        """`name` failed a call made when it had been started as often as `starts` says: started again, unless
+        another caller already did (the new one is the one to call again); False when it cannot be."""
+        with self.services.revive_lock:
+            if self.services.starts.get(name, 0) != starts.get(name, 0):
+                return True
+            restarted = self._revive_service(step, name, why)
+        row["rollout_restarts"] = (row.get("rollout_restarts") or 0) + restarted
+        return bool(restarted) or self.services.starts.get(name, 0) != starts.get(name, 0)
+
+    def recover(self, step: int, row: dict[str, Any], exc: RpcConnectionError, during: str) -> bool:
+        """restart_rollout after a loss the caller could not survive where it happened (async's producer: no rollout
+        server left to migrate to, or their scheduler gone): every service found down starts again (a dead scheduler
+        first, then what it owned); what is found up was started again since (the step's revive_dead). False: not a
+        loss of a rollout server, env-0, reward-0 or a scheduler, or restart_rollout is off."""
+        if not (self.policy.restart_rollout and (exc.peer.startswith("rollout-") or exc.peer in SERVICES
+                                                 or exc.peer.startswith("scheduler"))):
+            return False
+        restarted = self.services.revive(step)
+        restarted += [n for n in SERVICES if self._revive_service(step, n)]
+        if restarted:
+            log.warning("step %d: %s went down during %s (%s); started again", step, ", ".join(restarted), during, exc)
+        else:  # the step's own check found it down first (revive_dead): what failed is up again
+            log.warning("step %d: %s was lost during %s (%s) and has been started again since", step, exc.peer,
+                        during, exc)
+        row["rollout_restarts"] = (row.get("rollout_restarts") or 0) + len(restarted)
+        return True
 
     def revived(self, step: int, row: dict[str, Any], exc: RpcConnectionError, during: str, then: str) -> bool:
         """restart_rollout for a rollout server lost in the middle of a stage: start the dead ones again. False: not

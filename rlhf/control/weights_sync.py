@@ -37,12 +37,28 @@ from rlhf.transport.client import LoopThread
 
 log = logging.getLogger("rlhf.controller")
 
+SPOT = 4  # parameters a spot check of the rollout servers' weights reads (WeightSync.spot_check)
+
+
+def _differing(a: list, b: list) -> int:
+    """How many entries of two (nested) lists of floats differ (a length or shape that differs: all of them)."""
+    flat_a, flat_b = _flat(a), _flat(b)
+    if len(flat_a) != len(flat_b):
+        return max(len(flat_a), len(flat_b))
+    return sum(x != y for x, y in zip(flat_a, flat_b))
+
+
+def _flat(x: Any) -> list:
+    return [v for item in x for v in _flat(item)] if isinstance(x, list) else [x]
+
+
 class WeightsMismatch(RuntimeError):
     """A rollout server's weights or version differ from the trainer's after a weights update."""
 
 
 class WeightSync(BroadcastUpdate):
-    columns = ("upload_s_max", "update_s_max", "weights_verified", "weights_fallback", "weights_drift")  # steps.csv
+    columns = ("upload_s_max", "update_s_max", "weights_verified", "weights_fallback", "weights_drift",
+               "weights_stale")  # steps.csv
     def __init__(self, cfg: Config, run_dir: str, token: str, loop: LoopThread, workers: WorkerGroup,
                  services: RolloutServices) -> None:
         self.cfg, self.run_dir, self.token, self.loop = cfg, run_dir, token, loop
@@ -179,6 +195,36 @@ class WeightSync(BroadcastUpdate):
                     "version %d (weights.drift_threshold %g): %s; the next weights update replaces them (stage "
                     "weights_update)", step, diff, top or 0.0, step, threshold, why)
         return 1
+
+    def spot_check(self, version: str, step: int) -> int | None:
+        """resilience.detect_weights_drift with weights.verify off (a real sglang server has no checksum route):
+        after the update, every rollout server's /get_weights_by_name (sglang's route) of SPOT parameters (the first,
+        the last and some drawn by the step) against the trainer's, cast as they were sent. A server whose values
+        differ while it reports the version holds silently stale weights: a WARNING naming it. Returns how many
+        servers did (steps.csv weights_stale), None when not checked (a simulated world holds no weights; a sharded
+        trainer's rank holds only its pieces)."""
+        cfg = self.cfg
+        if not cfg.resilience.detect_weights_drift or cfg.weights.verify or cfg.sim.enabled \
+                or self.workers.layout.sharded:
+            return None
+        [(picked, _)] = self.workers.call("get_weights_by_name", {"spot": SPOT, "seed": step, "truncate_size": 64},
+                                          stage="weights_update", step=step, ranks=[self.source])
+        calls = [c.call("/get_weights_by_name", {"name": p["name"], "truncate_size": 64}, stage="weights_update",
+                        step=step) for c in self.services.rollout for p in picked]
+        replies = self.loop.gather(*calls)
+        stale = 0
+        for r in range(len(self.services.rollout)):
+            mine = [reply for reply, _ in replies[r * len(picked):(r + 1) * len(picked)]]
+            differ = [(p["name"], _differing(p["values"], v)) for p, v in zip(picked, mine)]
+            differ = [(name, n) for name, n in differ if n]
+            if differ:
+                stale += 1
+                name, n = differ[0]
+                log.warning("step %d: rollout-%d's weights are not the trainer's version %s, which it reports: %d of "
+                            "%d spot-checked parameters differ (%s: %d of its first values): silently stale weights "
+                            "(resilience.detect_weights_drift, sglang's /get_weights_by_name); the next weights "
+                            "update sends them again", step, r, version, len(differ), len(picked), name, n)
+        return stale
 
     def _verify_pieces(self, version: str, step: int) -> int:
         """A sharded layout, piece by piece: every train rank gives a digest of each piece it holds (nothing is

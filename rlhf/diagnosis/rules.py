@@ -26,7 +26,7 @@ _RULES = [  # first match wins; applied to the message and its traceback's last 
     ("disk", r"No space left|ENOSPC|Errno 28|Disk quota|Read-only file system|Input/output error|SafetensorError|"
              r"incomplete metadata|not fully covered|IncompleteCheckpoint|never finished"),
     ("hang", r"SyncStall|has been inside|has been in tool|\bstuck\b|lease lapsed|never left"),
-    ("weights_drift", r"logprobs differ by|rollout_train_logprob_diff"),
+    ("weights_drift", r"logprobs differ by|rollout_train_logprob_diff|silently stale weights"),
     ("data_mismatch", r"Mismatch|InvalidTensorShape|CorruptPayload|must match the size|has shape|checksum"),
     ("timeout", r"RpcTimeout|timed out|no reply from|within [\d.]+ ?s\b|TimeoutError|HTTP 504|\"incomplete\""),
     ("network", r"cannot reach|Connect call failed|Connection reset|[Ss]erver ?[Dd]isconnected|Connection refused|"
@@ -38,7 +38,7 @@ LOG_LINE = re.compile(  # one line of logs/<role>-<rank>.log
     r"(?P<logger>[\w.]+): (?P<msg>.*)$")
 _PROC = re.compile(r"\b(train|rollout|reward|env|scheduler|metaserver|controller)-(\d+)\b")
 _FAILURE_WARNING = re.compile(r"failed|is a straggler|, a straggler;|^clock: |timed out|not delivered|\bdied\b|lapsed|cannot reach|unreachable|[Ee]rror|^retrying |: migrating |falling back to disk|"
-                              r"logprobs differ by")
+                              r"logprobs differ by|silently stale weights")
 _NOT_EVIDENCE = re.compile(r"^first failure of this run|^diagnosis failed|^fault \S+ never fired|^fault audit:|^stopping job|still running|^removed shared-memory|"
                            r"^interrupted ")
 _EXC_LINE = re.compile(r"^(?:[\w.]+\.)?(?P<cls>[A-Z]\w*(?:Error|Exception|Mismatch|Timeout|Stall|Payload|Released|"

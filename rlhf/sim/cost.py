@@ -53,34 +53,51 @@ class StoreBarrier:
         self._arrived: dict[int, int] = {}
         self._done: dict[int, threading.Event] = {}
         self._count: dict[int, int] = {}  # each local rank's collectives so far
+        self._sums: dict[int, int] = {}  # each collective's local sum, then the world's
 
-    def wait(self, rank: int, what: str, inside: Callable[[str | None], None], stop: threading.Event) -> None:
+    def wait(self, rank: int, what: str, inside: Callable[[str | None], None], stop: threading.Event,
+             value: int | None = None) -> int:
         """Join this rank's next collective `what`; `inside(what)` before, `inside(None)` once every rank is in. A rank
         whose process is shutting down (`stop`) leaves it with an error, as a real rank's collective fails when its
-        process group is torn down."""
+        process group is torn down. With a `value`, returns the sum of every rank's (an all-reduce of an integer: a
+        batch's rows, through the store); without, 0 (a barrier: the gradients' all-reduce, whose bytes are EMULATED)."""
         with self._lock:
             seq = self._count.get(rank, 0)
             self._count[rank] = seq + 1
             done = self._done.setdefault(seq, threading.Event())
             self._arrived[seq] = self._arrived.get(seq, 0) + 1
+            self._sums[seq] = self._sums.get(seq, 0) + int(value or 0)
             last = self._arrived[seq] == self.local_ranks
         inside(what)
         try:
             if last:  # this process's ranks are all in: meet the other processes
                 key = f"sim/collective/{seq}"
+                with self._lock:
+                    local = self._sums[seq]
+                if value is not None:
+                    self.store.add(key + "/sum", local)
                 if self.store.add(key, 1) == self.processes:
                     self.store.set(key + "/done", "1")
                 while not self.store.check([key + "/done"]):
                     if stop.wait(0.005):
                         raise CollectiveAborted(f"{what}: this process is shutting down inside it")
+                total = self.store.add(key + "/sum", 0) if value is not None else 0
                 with self._lock:
                     self._arrived.pop(seq, None)
                     self._done.pop(seq, None)
+                    self._sums[seq] = total
                 done.set()
             else:
                 while not done.wait(0.2):
                     if stop.is_set():
                         raise CollectiveAborted(f"{what}: this process is shutting down inside it")
+            with self._lock:
+                total = self._sums[seq]
+                self._arrived[seq] = self._arrived.get(seq, 0) + 1  # the readers, counted again to free the sum
+                if self._arrived[seq] == self.local_ranks:
+                    self._arrived.pop(seq, None)
+                    self._sums.pop(seq, None)
+            return total
         finally:
             inside(None)
 

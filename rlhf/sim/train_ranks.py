@@ -18,6 +18,7 @@ so the stall watchdog tells a rank that computes from one that is blocked, as it
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ import torch
 from aiohttp import web
 
 from rlhf import exits
+from rlhf.batch import BatchSizeMismatch
 from rlhf.batch.client import RowFetcher
 from rlhf.faults import fault_point
 from rlhf.faults.kinds import compute_slowdown
@@ -123,12 +125,12 @@ class SimTrainRank(WeightsAndCheckpoints, KeptRows):
         finally:
             self.busy_since = None
 
-    def _collective(self, what: str) -> None:
+    def _collective(self, what: str, value: int | None = None) -> int:
         def inside(name: str | None) -> None:
             self.inside = (name, time.monotonic()) if name else None
 
         fault_point("collective.all_reduce", peer=what)
-        self.host.barrier.wait(self.rank, what, inside, self.host.stopping)
+        return self.host.barrier.wait(self.rank, what, inside, self.host.stopping, value)
 
     # ------------------------------------------------------------------ the train worker's routes
 
@@ -169,6 +171,7 @@ class SimTrainRank(WeightsAndCheckpoints, KeptRows):
         tensors = self.rows_batch(args, tensors, "train", int(args.get("step", -1)))
         self.drop_rows()
         response = tensors["response_mask"]
+        self._check_global_batch(int(response.shape[0]), args.get("rows"))
         minis = tensors.get("mini_batch")
         count = self.cfg.train.mini_batches
         tokens = float(response.sum())
@@ -186,16 +189,43 @@ class SimTrainRank(WeightsAndCheckpoints, KeptRows):
                 "rank": self.rank,
                 "simulated": EMULATED}
 
+    def _check_global_batch(self, rows: int, rows_sent: int | None) -> None:
+        """As a real rank does (the train worker's): the world's rows, all-reduced, must be the configured global
+        batch (or the rows the controller says it sends)."""
+        total = self._collective("all_reduce(rows)", rows)
+        expected = int(rows_sent) if rows_sent else self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size
+        if total != expected:
+            raise BatchSizeMismatch({"global_rows": total, "this_rank_rows": rows, "expected_global_batch": expected},
+                                    "train step (rollout.prompts_per_step x rollout.group_size)")
+
     def save(self, args: dict, tensors: dict) -> dict:
-        """A rank's checkpoint file: its counters (EMULATED: no model or optimizer state), written and fsynced."""
-        fault_point("checkpoint.write", path=args["directory"])
+        """A rank's checkpoint file: its counters (EMULATED: no model or optimizer state), written and fsynced;
+        background (checkpoint.periodic_async), as a real rank: on a writer thread, the reply at once (files: {}),
+        so a write that hangs blocks nothing and the slot's meta.json does not wait for it."""
         name = f"rank{self.rank:05d}.sim.json"
-        path = os.path.join(args["directory"], name)
-        with open(path, "w", encoding="utf-8") as fh:
-            json.dump({"rank": self.rank, "optimizer_steps": self.optimizer_steps, "simulated": EMULATED}, fh)
-            if args.get("fsync", True):
-                fh.flush()
-                os.fsync(fh.fileno())
+        state = {"rank": self.rank, "optimizer_steps": self.optimizer_steps, "simulated": EMULATED}
+
+        def write() -> None:
+            fault_point("checkpoint.write", path=args["directory"])
+            with open(os.path.join(args["directory"], name), "w", encoding="utf-8") as fh:
+                json.dump(state, fh)
+                if args.get("fsync", True):
+                    fh.flush()
+                    os.fsync(fh.fileno())
+
+        if args.get("background"):
+            ctx = contextvars.copy_context()
+
+            def run() -> None:
+                try:
+                    write()
+                except Exception as exc:  # nobody waits for this thread: the log is the only trace
+                    log.error("train-%d: background checkpoint write to %s failed: %s: %s", self.rank,
+                              args["directory"], type(exc).__name__, exc)
+
+            threading.Thread(target=ctx.run, args=(run,), name=f"ckpt-writer-{self.rank}", daemon=True).start()
+            return {"rank": self.rank, "files": {}, "pending": 1, "seconds": 0.0}
+        write()
         return {"rank": self.rank, "files": {name: "sim"}, "seconds": 0.0}
 
     def load(self, args: dict, tensors: dict) -> dict:

@@ -39,6 +39,7 @@ from rlhf.services.rollout_server.memory import WeightsAndMemory
 from rlhf.services.rollout_server.rows import RowRoutes, keep_rows_in, row_store
 from rlhf.tracing.setup import stop_process_telemetry
 from rlhf.transport.http import DEFAULT_HOST, Service, exit_now, run_process_loop, serve_forever
+from rlhf.weights import weights_by_name
 
 log = logging.getLogger("rlhf.rollout_server")
 
@@ -96,6 +97,7 @@ class RolloutServer(GenerateRoutes, RowRoutes, WeightsAndMemory, DistributedWeig
           method="GET", inline=True)
         r("/health_generate", self.health_generate, method="GET")
         r("/ready", self.ready, method="GET", inline=True)
+        r("/get_weights_by_name", self.get_weights_by_name)
         for path in ("/model_info", "/get_model_info"):
             r(path, self.model_info, method="GET", inline=True)
         for path in ("/server_info", "/get_server_info"):
@@ -166,6 +168,13 @@ class RolloutServer(GenerateRoutes, RowRoutes, WeightsAndMemory, DistributedWeig
             return {"ok": True, "skipped": "device lease held by the train side"}
         self.engine.generate([[self.engine.eos_token_id or 1]], {"max_new_tokens": 1})
         return {"ok": True}
+
+    def get_weights_by_name(self, args: dict, tensors: dict) -> list:
+        """sglang's /get_weights_by_name {"name", "truncate_size"}: a parameter's first entries as the engine holds
+        them (what a spot check of the weights reads; a real sglang server answers it too)."""
+        if not any(True for _ in self.engine.model.parameters()) or getattr(self.engine, "simulated", False):
+            raise BadRequest(f"rollout-{self.rank} holds no weights to read (EMULATED: a simulated server)")
+        return weights_by_name(self.engine.model, args)
 
     def model_info(self, args: dict, tensors: dict) -> dict:
         """sglang's /model_info (GetModelInfoResponse's fields, plus model_type and architectures as sglang adds)."""

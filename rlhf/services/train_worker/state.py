@@ -8,6 +8,7 @@ import contextvars
 import json
 import logging
 import os
+import random
 import shutil
 import threading
 import time
@@ -29,7 +30,16 @@ from rlhf.transport import cuda_ipc
 from rlhf.transport import weights_group as wg
 from rlhf.transport.client import Client, LoopThread
 from rlhf.transport.http import DEFAULT_HOST
-from rlhf.weights import PIECES, checksum, encode_shard, export_state, import_state, save_state_dir, write_shard
+from rlhf.weights import (
+    PIECES,
+    checksum,
+    encode_shard,
+    export_state,
+    import_state,
+    save_state_dir,
+    weights_by_name,
+    write_shard,
+)
 
 log = logging.getLogger("rlhf.train_worker")
 
@@ -94,6 +104,18 @@ class WeightsAndCheckpoints:
             return {"pieces": {key: {**where[key], "shape": list(t.shape), "digest": digests[key]}
                                for key, t in part.items()}}
         return {"checksum": checksum(export_state(self.model, self.wire_dtype), self.cfg.weights.verify_checksum)}
+
+    def get_weights_by_name(self, args: dict, tensors: dict) -> list:
+        """sglang's /get_weights_by_name on the trainer's side: a parameter's first entries as the rollout servers
+        get them (cast to the wire dtype), for the spot check that compares the two (a replicated layout)."""
+        if args.get("spot"):  # our extension: the names too, drawn here (the controller holds no model)
+            names = [n for n, _ in self.model.named_parameters()]
+            rest = random.Random(int(args.get("seed", 0))).sample(names[1:-1], min(int(args["spot"]) - 2,
+                                                                                  max(len(names) - 2, 0)))
+            picked = list(dict.fromkeys([names[0], *rest, names[-1]]))
+            return [{"name": n, "values": weights_by_name(self.model, {**args, "name": n}, self.wire_dtype)}
+                    for n in picked]
+        return weights_by_name(self.model, args, self.wire_dtype)
 
     def upload_weights(self, args: dict, tensors: dict) -> dict:
         """Send this rank's shard of the weights to the MetaServer as version args['version'].

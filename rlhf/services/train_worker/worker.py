@@ -76,7 +76,8 @@ class TrainWorker(SftAndPreflight, WeightsAndCheckpoints, KeptRows):
         self.built = self.service.executor.submit(self._build, device)
         for name in ("sft_warm_start", "begin_grpo", "compute_logprobs", "train_step", "upload_weights",
                      "save_weights_dir", "save", "load", "events", "sft_begin", "sft_step", "sft_eval",
-                     "sft_run_for", "preflight", "weights_checksum", "weights_group", "broadcast_weights"):
+                     "sft_run_for", "preflight", "weights_checksum", "weights_group", "broadcast_weights",
+                     "get_weights_by_name"):
             self.service.route(f"/{name}", self._once_built(getattr(self, name)))
         self.service.route("/health", lambda a, t: {"ok": True, "rank": self.rank, "pid": os.getpid()},
                            method="GET", inline=True)
