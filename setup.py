@@ -36,7 +36,8 @@ setup(
         # tests/test_docs.py builds the docs site (mkdocs build --strict)
         "test": ["pytest>=8", "hypothesis>=6", "ruff>=0.5", "requests>=2.28", "msgspec>=0.18", "pybase64>=1.3",
                  "ipython>=8", "pyarrow>=14", "datasets>=2.16", "math-verify>=0.7", "megatron-core>=0.16",
-                 "mkdocs>=1.6", "tensorboard>=2.14", "wandb>=0.19", "mlflow-skinny>=2.14"],
+                 "mkdocs>=1.6", "tensorboard>=2.14", "wandb>=0.19", "mlflow-skinny>=2.14",
+                 "openai>=1.40"],  # openai: tests/test_openai_contract.py drives the /v1 routes with its client
         # Never installed by the default commands: GPU-only and multi-GB.
         "gpu": ["sglang", "megatron-core>=0.16", "nvidia-ml-py"],
     },

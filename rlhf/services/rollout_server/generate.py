@@ -48,6 +48,16 @@ class GenerateRoutes:
         if not self.sglang_only and args.get("rlhf_rows") is not None:  # rollout.data_plane store (rows.py)
             self.check_rows(args["rlhf_rows"], call)
             call.rows = args["rlhf_rows"]
+        self._admit(call)
+        try:
+            return await self._serve_call(request, call)
+        finally:
+            with self._state:
+                self.calls -= 1
+
+    def _admit(self, call: GenerateCall) -> None:
+        """The call joins the queue for the engine (the caller takes it out of `calls` when it is answered);
+        Overloaded (503 + Retry-After) while draining or past rollout.max_queued_requests."""
         if self.draining:
             raise Overloaded(f"rollout-{self.rank} is draining (SIGTERM): it takes no new calls", 1.0)
         with self._state:
@@ -59,27 +69,28 @@ class GenerateRoutes:
                                  f"{self.max_queued}); retry later", waiting * self.call_seconds)
             self.queued.append(call)
             self.calls += 1
-        try:
-            return await self._serve_call(request, call)
-        finally:
-            with self._state:
-                self.calls -= 1
 
     async def _serve_call(self, request: web.Request, call: GenerateCall) -> web.StreamResponse:
+        if not call.stream:
+            outputs = await self._outputs(call)
+            return web.json_response(outputs if call.batch else outputs[0])
+        await self.unpaused.wait()  # /pause_generation: new calls wait for /continue_generation
+        return await self._stream(request, call, asyncio.get_running_loop(), contextvars.copy_context())
+
+    async def _outputs(self, call: GenerateCall) -> list[dict]:
+        """An admitted call's outputs in sglang's shape, once it ran (after a pause, and retracted: resumed)."""
         await self.unpaused.wait()  # /pause_generation: new calls wait for /continue_generation
         loop = asyncio.get_running_loop()
         ctx = contextvars.copy_context()  # the server span follows the work onto the engine thread
-        if not call.stream:
-            outputs = await loop.run_in_executor(self.service.executor, ctx.run, self._run_call, call, None)
-            while call.retracted:  # /pause_generation retract: back in the queue, on from its tokens after the pause
-                await self.unpaused.wait()
-                with self._state:
-                    self.queued.append(call)
-                outputs = await loop.run_in_executor(self.service.executor, ctx.run, self._resume_call, call, outputs)
-            if call.rows is not None:  # kept here, scored here: the reply carries metadata only
-                outputs = await loop.run_in_executor(self.service.executor, ctx.run, self.keep_rows, call, outputs)
-            return web.json_response(outputs if call.batch else outputs[0])
-        return await self._stream(request, call, loop, ctx)
+        outputs = await loop.run_in_executor(self.service.executor, ctx.run, self._run_call, call, None)
+        while call.retracted:  # /pause_generation retract: back in the queue, on from its tokens after the pause
+            await self.unpaused.wait()
+            with self._state:
+                self.queued.append(call)
+            outputs = await loop.run_in_executor(self.service.executor, ctx.run, self._resume_call, call, outputs)
+        if call.rows is not None:  # kept here, scored here: the reply carries metadata only
+            outputs = await loop.run_in_executor(self.service.executor, ctx.run, self.keep_rows, call, outputs)
+        return outputs
 
     async def _stream(self, request: web.Request, call: GenerateCall, loop: asyncio.AbstractEventLoop,
                       ctx: contextvars.Context) -> web.StreamResponse:

@@ -5,7 +5,8 @@
 
 sglang paths and fields: /generate, /update_weights_from_disk, /init_weights_update_group,
 /update_weights_from_distributed, /destroy_weights_update_group (rollout_server.distributed), /release_memory_occupation,
-/resume_memory_occupation, /health, /health_generate, /abort_request, /model_info; our
+/resume_memory_occupation, /health, /health_generate, /abort_request, /model_info, /get_weights_by_name, and OpenAI's
+/v1/models, /v1/completions, /v1/chat/completions (openai_routes.py); our
 extensions: /update_weights_from_meta (pull a version from the MetaServer), /events
 (colocation), /weights_checksum. In colocated mode /generate needs the device lease.
 """
@@ -36,6 +37,7 @@ from rlhf.services.colocation import DeviceLease, device_name
 from rlhf.services.rollout_server.distributed import DistributedWeights
 from rlhf.services.rollout_server.generate import GenerateRoutes
 from rlhf.services.rollout_server.memory import WeightsAndMemory
+from rlhf.services.rollout_server.openai_routes import OpenAIRoutes
 from rlhf.services.rollout_server.rows import RowRoutes, keep_rows_in, row_store
 from rlhf.tracing.setup import stop_process_telemetry
 from rlhf.transport.http import DEFAULT_HOST, Service, exit_now, run_process_loop, serve_forever
@@ -44,7 +46,7 @@ from rlhf.weights import weights_by_name
 log = logging.getLogger("rlhf.rollout_server")
 
 
-class RolloutServer(GenerateRoutes, RowRoutes, WeightsAndMemory, DistributedWeights):
+class RolloutServer(GenerateRoutes, RowRoutes, WeightsAndMemory, DistributedWeights, OpenAIRoutes):
     """sglang's native API over the native engine (`sglang_only`: none of our extensions, as a real sglang)."""
 
     def __init__(self, engine: Any, rank: int, token: str, policy: Policy = HARDENED,
@@ -98,6 +100,7 @@ class RolloutServer(GenerateRoutes, RowRoutes, WeightsAndMemory, DistributedWeig
         r("/health_generate", self.health_generate, method="GET")
         r("/ready", self.ready, method="GET", inline=True)
         r("/get_weights_by_name", self.get_weights_by_name)
+        self.openai_routes()  # /v1/models, /v1/completions, /v1/chat/completions (sglang serves them too)
         for path in ("/model_info", "/get_model_info"):
             r(path, self.model_info, method="GET", inline=True)
         for path in ("/server_info", "/get_server_info"):
