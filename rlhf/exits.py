@@ -116,4 +116,12 @@ def all_lives(run_dir: str) -> list[dict[str, Any]]:
         if life["end"] is None or (by_parent and not life["signal"]):
             life.update(end=life["end"] or r.get("time"), exit_code=r.get("exit_code"), signal=r.get("signal", ""),
                         by=r.get("by", ""), expected=r.get("expected"), reason=r.get("reason", "") or life["reason"])
+    # one process that serves several (a simulated host's rollout servers or train ranks): its scheduler records the
+    # job's exit under the job's name (rollout-4); the others of that pid ended with it
+    ended = {life["pid"]: life for life in out if life["end"] is not None and life["pid"] is not None}
+    for life in out:
+        other = ended.get(life["pid"])
+        if life["end"] is None and other is not None and (other["start"] or 0.0) <= (life["start"] or 0.0) \
+                <= other["end"]:
+            life.update({k: other[k] for k in ("end", "exit_code", "signal", "by", "expected", "reason")})
     return out

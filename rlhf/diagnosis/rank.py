@@ -72,8 +72,12 @@ def diagnose(run_dir: str) -> Diagnosis:
                 elif b.subject == r.subject and b.category == "timeout":  # the watchdog saw it blocked: a hang
                     b.category = "hang"
         evidence += busy
+    # a process that died, vanished or was killed (SIGKILL at the run's end too) took the spans it had not written
+    # yet: their absence there says nothing
+    gone = {x.subject for x in evidence if x.kind in ("exit", "vanished")} | {
+        life["process"] for life in lives if life["signal"] == "SIGKILL"}
     for e in evidence:
-        if _never_arrived(e, servers, metrics):
+        if e.subject not in gone and _never_arrived(e, servers, metrics):
             e.subject, e.local = e.reporter, True
             e.message += f" [the request left no trace at {_PROC.search(e.message).group(0) if _PROC.search(e.message) else 'its peer'}: it never arrived]"  # noqa: E501
     verdict = "failed" if surfaced is not None else ("finished with errors" if evidence and finished else

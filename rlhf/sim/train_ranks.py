@@ -172,6 +172,9 @@ class SimTrainRank(WeightsAndCheckpoints, KeptRows):
         self.drop_rows()
         response = tensors["response_mask"]
         self._check_global_batch(int(response.shape[0]), args.get("rows"))
+        for key in ("old_logprobs", "ref_logprobs"):  # the loss's token-wise terms (EMULATED), on the real tensors
+            if key in tensors:
+                (tensors[key] * response).sum()  # a tensor that came short fails here as in the KL term
         minis = tensors.get("mini_batch")
         count = self.cfg.train.mini_batches
         tokens = float(response.sum())
