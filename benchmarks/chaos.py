@@ -11,7 +11,8 @@ exists in every mode but env-0 (env modes only). Victims: a rollout server (eith
 scheduler (its jobs die with it: PDEATHSIG) and the train rank.
 
 A run: the victim and its step are drawn from --seed; once steps.csv has the step before it, the victim is killed
-a random fraction of the previous step's seconds later (inside the step, in any stage). Its pid is read where the
+a random fraction of the previous step's seconds later (inside the step, in any stage); a kill that would land
+after the last step (in the run's cleanup) is not made ("no kill"). Its pid is read where the
 run writes it (the scheduler's log: its own and its jobs'; train-0's log). What is read afterwards:
     outcome    survived (every step, exit 0), or ended (exit != 0) then resumed (the same command again finishes:
                checkpoint.resume), or hang (no exit within --timeout; killed)
@@ -51,7 +52,8 @@ SURVIVABLE = ("rollout", "env", "reward", "scheduler")  # hardened survives thes
 
 def trainer(run_dir: str, mode: str, steps: int, rm_dir: str, preset: str) -> list[str]:
     return [sys.executable, os.path.join(ROOT, "examples", "grpo_trainer.py"), "--preset", "smoke", "--steps",
-            str(steps), "--sft.max_steps", "0", "--rollout.servers", "2", "--reward_model.path", rm_dir,
+            str(steps), "--sft.max_steps", "0", "--rollout.servers", "2", "--rollout.prompts_per_step", "16",
+            "--reward_model.path", rm_dir,
             "--reward_model.weight", "0.5", "--resilience.preset", preset, "--run-dir", run_dir, *MODES[mode]]
 
 
@@ -120,8 +122,8 @@ def one_run(n: int, mode: str, victim: str, step: int, fraction: float, args: ar
                     time.sleep(0.05)  # the moment inside the step drawn for the kill
                 name, pid = victim_pid(run_dir, victim, rng)
                 record["process"] = name
-                if pid is None or proc.poll() is not None:
-                    break
+                if pid is None or proc.poll() is not None or len(rows(run_dir)) >= args.steps:
+                    break  # nothing to kill, or the run is past its last step (its cleanup): not a kill mid-run
                 try:
                     os.kill(pid, signal.SIGKILL)
                     killed_at = time.monotonic()
@@ -188,14 +190,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1, help="draws each run's mode, victim, step and moment")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--victims", nargs="+", default=list(VICTIMS), choices=VICTIMS)
-    parser.add_argument("--steps", type=int, default=4, help="GRPO steps a run (the kill lands in steps 2..steps)")
+    parser.add_argument("--steps", type=int, default=5,
+                        help="GRPO steps a run (the kill lands in steps 2..steps-1, and the run has a step after it)")
     parser.add_argument("--preset", default="hardened", choices=["hardened", "faithful"])
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a run counts as a hang")
     parser.add_argument("--json", help="write every run's record to this file")
     parser.add_argument("--keep", action="store_true", help="keep the run directories (printed)")
     args = parser.parse_args(argv)
-    if args.runs < 1 or args.steps < 2:
-        parser.error("--runs: at least 1; --steps: at least 2 (the kill lands after step 1)")
+    if args.runs < 1 or args.steps < 3:
+        parser.error("--runs: at least 1; --steps: at least 3 (the kill lands after step 1, before the last)")
     pairs = [(m, v) for m in args.modes for v in args.victims if v != "env" or "env" in m]
     if not pairs:
         parser.error(f"no victim of {args.victims} runs in modes {args.modes} (env-0 only in env modes)")
@@ -209,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     try:
         for n, (mode, victim) in enumerate(plan, 1):
-            step, fraction = rng.randint(2, args.steps), rng.random()
+            step, fraction = rng.randint(2, args.steps - 1), rng.random()
             print(f"[chaos] run {n}/{len(plan)}: {mode}, kill {victim} in step {step} at {fraction:.2f} of a step",
                   file=sys.stderr, flush=True)
             record = one_run(n, mode, victim, step, fraction, args, rm_dir, base, rng)

@@ -56,6 +56,7 @@ class RolloutServices(SglangJobs, ServiceJobs):
         self.relays: dict[str, HostRelay] = {}  # a simulated host's agent, by job (sim.fanout)
         self.revive_lock = threading.RLock()  # async: the producer and the train side may both start a service again
         self.starts: dict[str, int] = {}  # how many times env-0 / reward-0 were started again
+        self.revivals = 0  # rollout servers started again, all told (they need the step's weights)
 
     @property
     def shm_dir(self) -> str:
@@ -284,6 +285,7 @@ class RolloutServices(SglangJobs, ServiceJobs):
             url = wait_for_file(self.jobs[r][2], cfg.timeouts.startup_s)
             self.loop.run(self.rollout[r].close())
             self.rollout[r] = self._rollout_client(r, url)
+        self.revivals += len(restarted)
         return [f"rollout-{r}" for r in restarted]
 
     def rng_states(self) -> list[str | None]:

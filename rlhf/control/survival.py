@@ -53,7 +53,13 @@ class RolloutSurvival:
                 return 0
             log.warning("step %d: %s is down (%s); starting it again (resilience.restart_rollout); %s", step, name, why,
                         "the step's episodes start from their reset" if name == "env-0" else "the batch is scored again")
-            services.restart_service(name)
+            try:
+                services.restart_service(name)
+            except (RpcConnectionError, RpcTimeout):
+                # its scheduler died with it: the train side starts the scheduler again and everything it owned
+                if threading.current_thread().name == PRODUCER or not services._scheduler_ended():
+                    raise
+                services.revive(step)
         return 1
 
     def _service_down(self, step: int, name: str) -> str:
@@ -82,13 +88,15 @@ class RolloutSurvival:
         restart_rollout starts it again, `call` runs once more: after `resync` (the revived servers first get this
         step's weights), when no server was left to migrate the work to (their scheduler died, and they with it).
         Any other failure, or with restart_rollout off, is raised."""
-        starts = dict(self.services.starts)
+        starts, revivals = dict(self.services.starts), self.services.revivals
         try:
             return call()
         except RpcConnectionError as exc:
             if exc.peer in SERVICES and self.policy.restart_rollout:  # the episodes' environments died with env-0
                 if not self._service_lost(step, row, exc.peer, starts, f"lost during {during}: {exc}"):
                     raise
+                if resync is not None and self.services.revivals != revivals:  # their scheduler too: new servers
+                    resync()
                 return call()
             then = "generating the step's prompts again" if resync else "updating again"
             if not self.revived(step, row, exc, during, then):

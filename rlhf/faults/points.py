@@ -72,15 +72,17 @@ ROUTES: dict[str, tuple[str, ...]] = {
     "train": ("/sft_warm_start", "/begin_grpo", "/compute_logprobs", "/train_step", "/upload_weights",
               "/save_weights_dir", "/save", "/load", "/events", "/sft_begin", "/sft_step", "/sft_eval", "/sft_run_for",
               "/health", "/weights_checksum", "/heartbeat", "/shutdown", "/preflight", "/start_scheduler",
-              "/weights_group", "/broadcast_weights"),
-    # sglang's routes, then our extensions (/update_weights_from_meta, /events, /weights_checksum, /rng_state, /rows)
+              "/weights_group", "/broadcast_weights", "/get_weights_by_name"),
+    # sglang's routes (OpenAI's /v1 among them), then our extensions (/update_weights_from_meta, /events,
+    # /weights_checksum, /rng_state, /rows)
     "rollout": ("/generate", "/update_weights_from_disk", "/init_weights_update_group",
                 "/update_weights_from_distributed", "/destroy_weights_update_group", "/update_weight_version",
                 "/release_memory_occupation",
                 "/resume_memory_occupation", "/abort_request", "/pause_generation", "/continue_generation",
                 "/flush_cache", "/health", "/health_generate", "/ready", "/model_info", "/get_model_info",
-                "/server_info", "/get_server_info", "/update_weights_from_meta", "/events", "/weights_checksum",
-                "/rng_state", "/rows"),
+                "/server_info", "/get_server_info", "/get_weights_by_name", "/v1/models", "/v1/completions",
+                "/v1/chat/completions", "/update_weights_from_meta", "/events", "/weights_checksum", "/rng_state",
+                "/rows"),
     "metaserver": ("/versions", "/weights/{version}/{shard}", "/weights/{version}/manifest", "/weights/{version}",
                    "/health"),
     "scheduler": ("/jobs", "/jobs/{name}", "/lease", "/health"),
@@ -96,10 +98,11 @@ ROUTES: dict[str, tuple[str, ...]] = {
 #   /rng_state          sets the sampling generator to the state it carries
 #   /start_scheduler    starts this node's scheduler once; again, it answers with the one running
 #   /score              the reward server's scores: a pure function of the reward model and the texts
+#   /get_weights_by_name  reads a parameter's first values (the spot check of stale weights)
 # Never retried blindly: /train_step, /sft_step (an optimizer step each), /generate (new samples; migration is
 # its own behaviour), /upload_weights, /save, /load, /update_weights_* (they move state), /events (the policy's
 # acked_events delivers them, versioned, with its own attempts), /jobs (starts a process), /lease (its own loop).
-IDEMPOTENT_POSTS = frozenset({"/compute_logprobs", "/rng_state", "/start_scheduler", "/score"})
+IDEMPOTENT_POSTS = frozenset({"/compute_logprobs", "/rng_state", "/start_scheduler", "/score", "/get_weights_by_name"})
 
 
 def idempotent(method: str, path: str) -> bool:
