@@ -37,7 +37,9 @@ setup(
         "test": ["pytest>=8", "hypothesis>=6", "ruff>=0.5", "requests>=2.28", "msgspec>=0.18", "pybase64>=1.3",
                  "ipython>=8", "pyarrow>=14", "datasets>=2.16", "math-verify>=0.7", "megatron-core>=0.16",
                  "mkdocs>=1.6", "tensorboard>=2.14", "wandb>=0.19", "mlflow-skinny>=2.14",
-                 "openai>=1.40"],  # openai: tests/test_openai_contract.py drives the /v1 routes with its client
+                 "openai>=1.40", "skyrl-gym>=0.4"],
+        # openai: tests/test_openai_contract.py drives the /v1 routes with its client; skyrl-gym: its environments
+        # run unchanged (tests/test_env_adapters.py)
         # Never installed by the default commands: GPU-only and multi-GB.
         "gpu": ["sglang", "megatron-core>=0.16", "nvidia-ml-py"],
     },

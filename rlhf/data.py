@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from rlhf.models.tokenizer import CharTokenizer, has_chat
 from rlhf.tasks import Example
 
 
@@ -56,7 +57,7 @@ def encode_prompts(tokenizer: Any, prompts: list[Any], chat_template: bool = Fal
     chats = any(isinstance(p, list) for p in prompts)  # a dataset's prompts as chat messages
     if not chat_template and not chats:
         return [tokenizer.encode(p, add_special_tokens=True) for p in prompts]
-    if not getattr(tokenizer, "chat_template", None):
+    if not (has_chat(tokenizer) if chats and not chat_template else getattr(tokenizer, "chat_template", None)):
         raise ValueError(("task.chat_template is on" if chat_template else "the dataset's prompts are chat messages")
                          + " but the tokenizer has no chat template (tokenizer_config.json 'chat_template')"
                          + ("; turn it off for this model" if chat_template else "; give prompts as strings"))
@@ -64,6 +65,9 @@ def encode_prompts(tokenizer: Any, prompts: list[Any], chat_template: bool = Fal
     bos = getattr(tokenizer, "bos_token_id", None)
     for p in prompts:
         messages = p if isinstance(p, list) else [{"role": "user", "content": p}]
+        if isinstance(tokenizer, CharTokenizer):  # its own rendering: the contents in order, after its BOS
+            out.append(tokenizer.apply_chat_template(messages, tokenize=True))
+            continue
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = tokenizer.encode(text, add_special_tokens=False)
         while bos is not None and len(ids) > 1 and ids[0] == ids[1] == bos:

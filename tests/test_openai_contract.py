@@ -70,15 +70,15 @@ def test_tool_calls_are_parsed_from_the_hermes_format_and_rendered_back():
     assert json.loads(calls[0]["function"]["arguments"]) == {"a": 3, "b": 4} and calls[0]["type"] == "function"
     assert parse_tool_calls("no call <tool_call>not json</tool_call>") == ("no call <tool_call>not json</tool_call>", [])
 
-    class Chars:  # a tokenizer without a chat template (the tiny default model's kind)
-        def encode(self, s):
-            return [ord(c) for c in s]
+    from rlhf.models.tokenizer import CharTokenizer
 
+    tok = CharTokenizer()  # the tiny default model's: its template is the contents one after the other
     history = [{"role": "user", "content": "3*4? "},
                {"role": "assistant", "content": "", "tool_calls": calls},
                {"role": "tool", "tool_call_id": calls[0]["id"], "content": "12"}]
-    rendered = "".join(map(chr, render_chat(history, None, Chars())))
+    rendered = tok.decode(render_chat(history, None, tok))
     assert rendered == '3*4? <tool_call>{"name": "multiply", "arguments": {"a": 3, "b": 4}}</tool_call>12'
+    assert tok.decode(render_chat([{"role": "user", "content": "12+34="}], None, tok)) == "12+34="
 
 
 def test_a_chat_with_tools_answers_in_openais_shape(client):

@@ -291,6 +291,12 @@ def _hypothesis(name: str, evs: list[Evidence], pids: dict[str, int], spans: lis
     if not stage or step < 0:
         c_stage, c_step = _controller_stage_at(first.onset, spans)
         stage, step = stage or c_stage, step if step >= 0 else c_step
+    if death is not None and decisive.category == "process_death" and not name.startswith("train-"):
+        # a service's death (env, reward, rollout, scheduler) comes when the run is where the controller is, which
+        # its own last heartbeat (an earlier step's work) does not say; in async, the producer's stage is the later
+        c_stage, c_step = _controller_stage_at(death.onset, spans)
+        if c_step > step and c_stage not in ("", "cleanup"):
+            stage, step = c_stage, c_step
     pid = decisive.pid or (death.pid if death is not None else None) or pids.get(name)
     return Hypothesis(name, pid, stage or "?", step, first.onset, decisive.category, decisive.message[:300],
                       decisive.source, evs)

@@ -61,6 +61,14 @@ class CharTokenizer:
     def batch_decode(self, batch: Any, skip_special_tokens: bool = True) -> list[str]:
         return [self.decode(ids, skip_special_tokens) for ids in batch]
 
+    chat_template = None  # no template of HF's kind (a reward model's chat mode refuses it); has_chat() below
+
+    def apply_chat_template(self, conversation: list[dict[str, Any]], tools: Any = None, tokenize: bool = True,
+                            add_generation_prompt: bool = False, **_: Any) -> Any:
+        """The tiny model's chat rendering (it has no role tokens): chat_contents(conversation)."""
+        text = chat_contents(conversation)
+        return self.encode(text) if tokenize else text
+
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         return [self._tok[i] for i in ids]
 
@@ -101,3 +109,27 @@ class CharTokenizer:
         if data.get("specials") != SPECIALS:
             raise ValueError(f"{directory}: char tokenizer file has unexpected specials {data.get('specials')}")
         return cls(alphabet=data["alphabet"])
+
+
+def has_chat(tokenizer: Any) -> bool:
+    """Whether chat messages can be rendered for this tokenizer: an HF chat template, or the character
+    tokenizer's own rendering (CharTokenizer.apply_chat_template)."""
+    return bool(getattr(tokenizer, "chat_template", None)) or isinstance(tokenizer, CharTokenizer)
+
+
+def chat_contents(conversation: list[dict[str, Any]]) -> str:
+    """Chat messages for a model without role tokens: their contents one after the other, an assistant's tool calls
+    written back in the Hermes format (<tool_call>{"name", "arguments"}</tool_call>); a single user message is its
+    plain text, as a task's prompt."""
+    parts = []
+    for m in conversation:
+        content = m.get("content")
+        parts.append("".join(p.get("text", "") for p in content if isinstance(p, dict))
+                     if isinstance(content, list) else str(content or ""))
+        for call in m.get("tool_calls") or []:
+            fn = call.get("function") or {}
+            args = fn.get("arguments")
+            parts.append("<tool_call>" + json.dumps({"name": fn.get("name"), "arguments": json.loads(args) if
+                                                     isinstance(args, str) and args else args or {}}) + "</tool_call>")
+    return "".join(parts)
+

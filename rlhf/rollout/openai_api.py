@@ -179,33 +179,21 @@ def _meta(body: dict, kind: str, logprobs: bool, top: int) -> dict[str, Any]:
             "id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time())}
 
 
-def _text(content: Any) -> str:
-    if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    return content or ""
-
-
 def render_chat(messages: list[dict], tools: list[dict] | None, tokenizer: Any) -> list[int]:
-    """The messages (and tools) through the model's chat template, as token ids with the assistant turn opened.
-    A tokenizer without a template (the tiny default model's) gets the messages' contents one after the other, an
-    assistant's tool calls in the Hermes format, no role markers: a single user message is the plain prompt."""
-    if getattr(tokenizer, "chat_template", None):
-        try:
-            ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
-        except Exception as exc:  # noqa: BLE001 — a template's own complaint is the client's error
-            raise OpenAIBadRequest(f"the chat template cannot render these messages: {type(exc).__name__}: {exc}",
-                                   "messages") from None
-        ids = ids["input_ids"] if isinstance(ids, dict) else ids
-        return [int(i) for i in ids]
-    parts = []
-    for m in messages:
-        parts.append(_text(m.get("content")))
-        for call in m.get("tool_calls") or []:
-            fn = call.get("function") or {}
-            args = fn.get("arguments")
-            parts.append("<tool_call>" + json.dumps({"name": fn.get("name"), "arguments": json.loads(args) if
-                                                     isinstance(args, str) and args else args or {}}) + "</tool_call>")
-    return list(tokenizer.encode("".join(parts)))
+    """The messages (and tools) through the model's chat template, as token ids with the assistant turn opened; a
+    tokenizer without one (the tiny default model's) gets the messages' contents one after the other
+    (rlhf.models.tokenizer.chat_contents)."""
+    from rlhf.models.tokenizer import chat_contents, has_chat
+
+    if not has_chat(tokenizer):  # no template (the tiny model's tokenizer as sglang reads it): the contents in order
+        return [int(i) for i in tokenizer.encode(chat_contents(messages))]
+    try:
+        ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+    except Exception as exc:  # noqa: BLE001 — a template's own complaint is the client's error
+        raise OpenAIBadRequest(f"the chat template cannot render these messages: {type(exc).__name__}: {exc}",
+                               "messages") from None
+    ids = ids["input_ids"] if isinstance(ids, dict) else ids
+    return [int(i) for i in ids]
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:

@@ -52,11 +52,12 @@ log = logging.getLogger("rlhf.env_server")
 
 class EnvServer:
     def __init__(self, spec: str, options: dict[str, Any], token: str, policy: Any, drop_on_infra: bool = False,
-                 parallel: int = 1) -> None:
+                 parallel: int = 1, tokenizer: Any = None) -> None:
         """drop_on_infra (env.on_infra_error drop_group): an episode whose step raises InfraError ends with the error
         in its result (`infra_error`), for the controller to drop its group; otherwise /step fails with it.
-        parallel (env.parallel_calls): episodes a /step steps at once."""
-        self.spec, self.make, self.drop_on_infra = spec, build_env(spec, options), drop_on_infra
+        parallel (env.parallel_calls): episodes a /step steps at once. tokenizer: the model's, whose chat template
+        renders the chat-message observations of another trainer's environment (rlhf.envs.adapters)."""
+        self.spec, self.make, self.drop_on_infra = spec, build_env(spec, options, tokenizer), drop_on_infra
         self.stop = list(getattr(self.make(), "stop", None) or [])
         self.envs: dict[str, Any] = {}  # the open episodes, by id
         self.busy: dict[str, tuple[Any, float]] = {}  # the episodes stepping now: (their environment, since)
@@ -168,10 +169,13 @@ class EnvServer:
 
     def close(self, args: dict, tensors: dict) -> dict:
         ids = [str(i) for i in args.get("ids") or []]
-        closed = sum(self.envs.pop(i, None) is not None for i in ids)
+        envs = [self.envs.pop(i, None) for i in ids]
         for i in ids:
             self.stepping.pop(i, None)
-        return {"closed": closed}
+        for env in envs:  # an environment with a close() (SkyRL's, gymnasium's) releases what it holds
+            if env is not None and callable(getattr(env, "close", None)):
+                env.close()
+        return {"closed": sum(env is not None for env in envs)}
 
 
 def env_options(cfg: Any) -> dict[str, Any]:
@@ -193,8 +197,13 @@ def main(argv: list[str] | None = None) -> int:
     token, cfg = boot(parser, args, "env", 0)  # the scheduler records its exit status
     contain.keep_orphans()  # what the environment starts and detaches (setsid) stays ours, to stop as we exit
     sandbox.LIMITS = sandbox.Limits(cfg.env.sandbox_timeout_s, cfg.env.sandbox_cpu_s, cfg.env.sandbox_memory_mb)
+    tokenizer = None  # another trainer's environment answers in chat messages: the model's template renders them
+    if ":" in cfg.env.path and cfg.model.path:
+        from rlhf.models import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.model.path)
     server = EnvServer(cfg.env.path, env_options(cfg), token, cfg.resilience, cfg.env.on_infra_error == "drop_group",
-                       cfg.env.parallel_calls)
+                       cfg.env.parallel_calls, tokenizer)
     log.info("environment server: %s%s", cfg.env.path, f" (tools {cfg.env.tools})" if cfg.env.tools else "")
     ready = announce(args.ready_file, args.host, "environment server", log)
 

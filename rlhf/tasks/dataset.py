@@ -3,7 +3,9 @@ or a Hugging Face datasets directory (`save_to_disk`; `--task.split` picks a spl
 
 Each row's prompt is column task.prompt_key (a string, or a list of chat messages {role, content}, rendered by the
 tokenizer's chat template) and its answer column task.answer_key (a string, or a number written as text); every other
-column is kept and reaches the reward functions as a keyword argument. A file that cannot be read, or a row without
+column is kept and reaches the reward functions (and an environment's reset) as a keyword argument. A SkyRL-format
+row (a `prompt` of chat messages, `env_class`, `reward_spec`, `extra_info`) loads as it is: without an answer column,
+the answer is its reward_spec's ground_truth. A file that cannot be read, or a row without
 a usable prompt or answer, is one error naming the file, the row (its line in a JSONL or CSV file) and the field.
 """
 
@@ -117,6 +119,9 @@ class DatasetTask(Task):
         examples = []
         pk, ak = cfg.prompt_key, cfg.answer_key
         for where, row in read_rows(cfg.path, cfg.split):
+            spec = row.get("reward_spec")
+            if ak not in row and isinstance(spec, dict) and "ground_truth" in spec:  # SkyRL's format, as it is
+                row = {**row, ak: spec["ground_truth"]}
             if pk not in row or ak not in row:
                 missing = [k for k in (pk, ak) if k not in row]
                 raise ValueError(f"{where}: field(s) {missing} missing (its fields: {', '.join(map(str, row))}; "
