@@ -43,8 +43,8 @@ def test_a_bad_environment_is_one_error_naming_what_and_where(tmp_path):
     envs.write_text("class Half:\n    def reset(self, row):\n        return ''\n\ndef helper():\n    pass\n")
     with pytest.raises(EnvError, match="has no 'Game' \\(its classes: Half\\)"):
         build_env(f"{envs}:Game")
-    with pytest.raises(EnvError, match=rf"{envs}:1\): an environment is a class with reset\(row\) and step\(action\); "
-                                       "it lacks step"):
+    with pytest.raises(EnvError, match=rf"{envs}:1\): an environment is a class with reset\(row\) and step\(action\) "
+                                       r"\(this project's Env\), .*; it lacks step"):
         build_env(f"{envs}:Half")
     (tmp_path / "none.py").write_text("X = 1\n")
     with pytest.raises(EnvError, match="env.tools: .*none.py defines no public function"):

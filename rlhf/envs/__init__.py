@@ -5,7 +5,9 @@
                                          # text to put after the prompt, or "" (nothing)
     result = env.step(action)            # the model's text of this turn -> StepResult(observation, reward, done, info)
 
-base.py        Env, StepResult, build_env (a built-in name or the user's class, checked with the file and the line)
+base.py        Env, StepResult, the registry of built-in environments
+loading.py     build_env (a built-in name or the user's class, checked with the file and the line)
+adapters.py    SkyRL-gym's and gymnasium's environments behind the Env interface, unchanged
 tool_calls.py  ToolCallsEnv (`tool_calls`): the model writes Hermes-style <tool_call>{"name": ..., "arguments": {...}}
                </tool_call>; the tools are the Python functions of env.tools (a file or a module); each call's
                output comes back as <tool_response>...</tool_response>
@@ -16,6 +18,7 @@ The environments run in the environment server (rlhf.services.env_server, job en
 """
 
 from rlhf.envs import tool_calls  # noqa: F401  (registers the built-in environments)
-from rlhf.envs.base import ENVS, Env, EnvError, InfraError, StepResult, build_env, register_env
+from rlhf.envs.base import ENVS, Env, EnvError, InfraError, StepResult, register_env
+from rlhf.envs.loading import build_env
 
 __all__ = ["ENVS", "Env", "EnvError", "InfraError", "StepResult", "build_env", "register_env"]
