@@ -56,22 +56,28 @@ class RolloutSurvival:
             try:
                 services.restart_service(name)
             except (RpcConnectionError, RpcTimeout):
-                # its scheduler died with it: the train side starts the scheduler again and everything it owned
-                if threading.current_thread().name == PRODUCER or not services._scheduler_ended():
+                if not self._scheduler_lost(step):
                     raise
-                services.revive(step)
         return 1
+
+    def _scheduler_lost(self, step: int) -> bool:
+        """The scheduler did not answer: when it has ended (and what it owned with it), the train side starts it
+        again with every job it owned (RolloutServices._restart_scheduler); True then. False on async's producer,
+        which leaves that to the step that takes its batch (the new servers need the step's weights), or when the
+        scheduler is alive (the caller's error stands)."""
+        if threading.current_thread().name == PRODUCER or not self.services._scheduler_ended():
+            return False
+        self.services.revive(step)
+        return True
 
     def _service_down(self, step: int, name: str) -> str:
         services = self.services
         try:
             jobs = services.scheduler.jobs()
         except (RpcConnectionError, RpcTimeout):
-            # its scheduler died, and the service with it: the train side starts the scheduler again and what it
-            # owned (async's producer leaves that to the step that takes its batch: the servers need the weights)
-            if threading.current_thread().name == PRODUCER or not services.revive(step):
+            if not self._scheduler_lost(step):  # the service died with its scheduler
                 raise
-            return ""  # started again with the new scheduler (RolloutServices._restart_scheduler)
+            return ""  # started again with the new scheduler
         state = {j["name"]: j["state"] for j in jobs}.get(name, "gone")
         if state != "running":
             return f"its job is {state}"
@@ -83,7 +89,7 @@ class RolloutSurvival:
         return ""
 
     def survive(self, step: int, row: dict[str, Any], during: str, call: Callable[[], Any],
-                resync: Callable[[], Any] | None = None) -> Any:
+                resync: Callable[[], Any] | None = None, services_only: bool = False) -> Any:
         """call(); when a rollout server it needed went down meanwhile (RpcConnectionError naming it) and
         restart_rollout starts it again, `call` runs once more: after `resync` (the revived servers first get this
         step's weights), when no server was left to migrate the work to (their scheduler died, and they with it).
@@ -98,6 +104,8 @@ class RolloutSurvival:
                 if resync is not None and self.services.revivals != revivals:  # their scheduler too: new servers
                     resync()
                 return call()
+            if services_only:
+                raise
             then = "generating the step's prompts again" if resync else "updating again"
             if not self.revived(step, row, exc, during, then):
                 raise
@@ -110,14 +118,7 @@ class RolloutSurvival:
         starts again and `call` runs once more (episodes from their reset, the batch scored again). A rollout server's
         loss is not handled here: its samples migrate to the others; when none is left, the step that takes the batch
         starts them again (RolloutStage)."""
-        starts = dict(self.services.starts)
-        try:
-            return call()
-        except RpcConnectionError as exc:
-            if not (exc.peer in SERVICES and self.policy.restart_rollout
-                    and self._service_lost(step, row, exc.peer, starts, f"lost during {during}: {exc}")):
-                raise
-            return call()
+        return self.survive(step, row, during, call, services_only=True)
 
     def _service_lost(self, step: int, row: dict[str, Any], name: str, starts: dict[str, int], why: str) -> bool:
         """`name` failed a call made when it had been started as often as `starts` says: started again, unless
