@@ -268,5 +268,13 @@ def load_state_dir(directory: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def load_model_dir(model_path: str) -> dict[str, torch.Tensor]:
+    """The weights a rollout server loads from a directory: an HF model directory's *.safetensors, or in a parity
+    checkpoint slot (meta.json or optimizer.json beside it) its model.safetensors only."""
+    if os.path.exists(os.path.join(model_path, "meta.json")) or os.path.exists(os.path.join(model_path, "optimizer.json")):
+        return load_file(os.path.join(model_path, "model.safetensors"))
+    return load_state_dir(model_path)
+
+
 def save_tensors_file(tensors: dict[str, torch.Tensor], path: str) -> None:
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, path)

@@ -69,13 +69,13 @@ def test_a_simulated_world_runs_the_real_controller_its_faults_fire_and_the_diag
     assert _span_names(run_dir / "traces" / "metaserver-0.jsonl").count("metaserver.merge") >= 2
 
 
+def _spans(path):
+    return [s for line in path.read_text().splitlines() for resource in json.loads(line)["resourceSpans"]
+            for scope in resource["scopeSpans"] for s in scope["spans"]]
+
+
 def _span_names(path):
-    names = []
-    for line in path.read_text().splitlines():
-        for resource in json.loads(line)["resourceSpans"]:
-            for scope in resource["scopeSpans"]:
-                names += [s["name"] for s in scope["spans"]]
-    return names
+    return [s["name"] for s in _spans(path)]
 
 
 def test_a_rank_failure_relayed_by_its_host_agent_is_the_rank_own():
@@ -99,10 +99,15 @@ def test_the_cost_model_and_the_config_checks():
     jittered = CostModel(1.0, jitter=0.5, seed=3)
     draws = [jittered.seconds(1) for _ in range(200)]
     assert min(draws) < 1.0 < max(draws)
-    with pytest.raises(ConfigError, match="sim.train_ranks"):
-        build_config(["--sim.train_ranks", "4", "--weights.mode", "disk"])
+    with pytest.raises(ConfigError, match="sim.train_ranks: a simulated world runs native rollout servers and "
+                       "weights.mode meta or disk; this run has rollout.backend 'native', weights.mode 'distributed'"):
+        build_config(dotted=[("sim.train_ranks", "4"), ("weights.mode", "distributed")])
+    with pytest.raises(ConfigError, match="sim.train_ranks: a simulated world has no environment"):
+        build_config(dotted=[("sim.train_ranks", "4"), ("env.path", "tool_calls"), ("env.tools", "examples/envs/calculator.py")])
     with pytest.raises(ConfigError, match="sim.jitter"):
-        build_config(["--sim.jitter", "-1"])
+        build_config(dotted=[("sim.jitter", "-1")])
+    # colocation and weights by disk are simulated (scenarios 4-6 at 32 x 16)
+    assert build_config(dotted=[("sim.train_ranks", "4"), ("weights.mode", "disk"), ("runtime.colocate", "true")]).sim.enabled
 
 
 def test_a_straggler_and_a_host_clock_ahead_are_named_in_seconds_and_the_run_goes_on(tmp_path):
@@ -184,3 +189,22 @@ def test_compute_slowdown_holds_one_rank_and_real_compute_is_stretched():
     with pytest.raises(Exception, match="target.role must be train"):
         parse_fault_dicts([{"name": "s", "kind": "compute_slowdown", "point": "rollout.generate",
                             "target": {"role": "rollout", "rank": 0}}])
+
+
+def test_colocated_pairs_and_weights_by_disk_in_a_simulated_world(tmp_path):
+    """runtime.colocate and weights.mode disk, as the seed plan's scenarios 4-6 need them at 32 x 16: train rank r and
+    rollout server r (r < 4) take turns on device r through the real lease and the controller's events (ranks 4-7
+    have no peer); in faithful mode the servers load the newest parity checkpoint, whose model.safetensors rank 0
+    wrote with the weights' real bytes, and each server's checksum after the load is the trainer's."""
+    run_dir, out = _run(tmp_path, "--steps", "3", "--runtime.colocate", "true", "--weights.mode", "disk",
+                        "--resilience.preset", "faithful", "--rollout.data_plane", "controller")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = list(csv.DictReader((run_dir / "steps.csv").open()))
+    assert len(rows) == 3 and all(r["weights_verified"] == "1" for r in rows), rows
+    assert sorted(p.name for p in (run_dir / "devices").glob("device-*.lock")) == \
+        [f"device-{r}.lock" for r in range(4)]
+    events = [s for s in _spans(run_dir / "traces" / "train-0.jsonl") if s["name"] == "POST /events"]
+    assert len(events) >= 2 * 3  # rollout_start and rollout_end, every step (and around the evaluations)
+    assert not [s for s in _spans(run_dir / "traces" / "train-5.jsonl") if s["name"] == "POST /events"]
+    loads = [s for s in _spans(run_dir / "traces" / "rollout-2.jsonl") if s["name"] == "POST /update_weights_from_disk"]
+    assert len(loads) >= 2 and (run_dir / "checkpoints" / "latest_odd" / "model.safetensors").exists()

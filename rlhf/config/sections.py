@@ -93,9 +93,10 @@ class Config:
             raise ConfigError("rollout.mode: 'async' generates while the train ranks train; runtime.colocate makes "
                               "them take turns on one device (choose rollout.mode sync, or leave runtime.colocate off)")
         if self.sim.enabled:
-            if self.rollout.backend != "native" or self.weights.mode != "meta" or self.runtime.colocate:
-                raise ConfigError("sim.train_ranks: a simulated world runs native rollout servers, weights.mode meta and "
-                                  "no colocation (set rollout.backend native, weights.mode meta, runtime.colocate false)")
+            if self.rollout.backend != "native" or self.weights.mode not in ("meta", "disk"):
+                raise ConfigError("sim.train_ranks: a simulated world runs native rollout servers and weights.mode meta "
+                                  f"or disk; this run has rollout.backend {self.rollout.backend!r}, weights.mode "
+                                  f"{self.weights.mode!r} (set rollout.backend native, weights.mode meta or disk)")
             if self.env.path or self.reward_model.path:
                 raise ConfigError("sim.train_ranks: a simulated world has no environment or reward model server yet "
                                   "(leave env.path and reward_model.path empty)")

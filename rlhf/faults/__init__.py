@@ -251,9 +251,11 @@ def _earlier_hits(run_dir: str) -> dict[str, dict[tuple[str, int], list[int | No
     return hits
 
 
-def restore_all(reason: str = "run end") -> None:
-    """Restore every fault of this process that still holds something."""
+def restore_all(reason: str = "run end", keep: tuple[str, ...] = ()) -> None:
+    """Restore every fault of this process that still holds something (but those of the kinds in `keep`)."""
     for armed in list(_ALL):
+        if armed.spec.kind in keep:
+            continue
         try:
             _restore(armed, reason)
         except Exception as exc:  # restoring one fault must not stop the others; recorded, not swallowed

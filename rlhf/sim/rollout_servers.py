@@ -30,14 +30,15 @@ from rlhf.pieces import assemble
 from rlhf.procs import write_atomic
 from rlhf.rollout.engine.sampling import SamplingParams
 from rlhf.services.boot import boot
+from rlhf.services.colocation import DeviceLease
 from rlhf.services.rollout_server.rows import keep_rows_in, row_store
 from rlhf.services.rollout_server.server import RolloutServer
 from rlhf.sim import host_parser
 from rlhf.sim.cost import EMULATED, CostModel
 from rlhf.tracing.setup import stop_process_telemetry
 from rlhf.transport.fanout import FanoutAgent
-from rlhf.transport.http import listen
-from rlhf.weights import checksum, export_state, load_state_dir
+from rlhf.transport.http import exit_now, listen, run_process_loop
+from rlhf.weights import checksum, export_state, load_model_dir
 
 log = logging.getLogger("rlhf.sim")
 
@@ -85,7 +86,7 @@ class SimEngine:
             self.checksum, self.weight_version = checksum(tensors, self.algorithm), str(weight_version)
 
     def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
-        self.update_weights_from_tensors(load_state_dir(model_path), weight_version)
+        self.update_weights_from_tensors(load_model_dir(model_path), weight_version)
 
     def generate(self, input_ids: list[list[int]], sampling_params: Any = None, return_logprob: bool = False,
                  top_logprobs_num: int = 0, control: Any = None, detokenize: bool = True) -> list[dict[str, Any]]:
@@ -142,7 +143,18 @@ async def _serve(servers: list[RolloutServer], host: str, ready_dir: str, ready_
     write_atomic(ready_file, json.dumps({"agent": f"http://{host}:{port}", "pid": os.getpid()}))
     log.info("simulated rollout servers %d-%d listening (pid %d, %s generation)", servers[0].rank, servers[-1].rank,
              os.getpid(), EMULATED)
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    loop = asyncio.get_running_loop()
+
+    async def drain_all() -> None:
+        await asyncio.gather(*(s.drain(asyncio.Event(), cfg.timeouts.drain_s) for s in servers))
+        stop.set()
+
+    def on_term() -> None:  # as a real server's process (rollout_server.serve): drain, or exit at once
+        if not cfg.resilience.graceful_drain or servers[0].draining:
+            raise SystemExit(128 + signal.SIGTERM)
+        loop.create_task(drain_all())
+
+    loop.add_signal_handler(signal.SIGTERM, on_term)
     try:
         await stop.wait()
     finally:
@@ -164,22 +176,27 @@ def main(argv: list[str] | None = None) -> int:
         seed = (cfg.sampling.seed if cfg.sampling.seed >= 0 else cfg.seed + 17) + 1000 * r
         engine = SimEngine(model, tokenizer, seed, CostModel(cfg.sim.rollout_s_per_token, cfg.sim.jitter, seed),
                            cfg.weights.verify_checksum, answer)
-        servers.append(RolloutServer(engine, r, token, cfg.resilience, None, cfg.timeouts.lease_s, args.run_dir,
+        # runtime.colocate: server r shares device r with train rank r (the same flock lease as a real pair)
+        lease = DeviceLease(args.run_dir, r, f"rollout-{r}") if cfg.runtime.colocate and r < cfg.sim.train_ranks \
+            else None
+        servers.append(RolloutServer(engine, r, token, cfg.resilience, lease, cfg.timeouts.lease_s, args.run_dir,
                                      cfg.weights.verify_checksum, model_path=cfg.model.name,
                                      max_queued=cfg.rollout.max_queued_requests))
         keep_rows_in(servers[-1], cfg, store)
     del model  # each engine keeps its checksum, not the weights
-    code = 0
+    code, stopped = 1, False  # stopped: the loop ended on SIGTERM (at once, or drained), as its scheduler asked
     try:
-        asyncio.run(_serve(servers, args.host, args.ready_dir, args.ready_file, asyncio.Event(), cfg))
-    except BaseException:
-        code = 1
-        raise
+        code = run_process_loop(lambda: _serve(servers, args.host, args.ready_dir, args.ready_file, asyncio.Event(),
+                                               cfg), lambda: None)
+        stopped = True
+        code = code or int(any(s.drain_left for s in servers))
     finally:
         for server in servers[1:]:  # the first is the job itself: its scheduler records its end
             exits.record_exit(args.run_dir, f"rollout-{server.rank}", os.getpid(), code, by=f"rollout-{args.first}",
-                              expected=not code)
+                              expected=stopped)
         stop_process_telemetry()
+    if code:  # as the default disposition would: a call still on an engine thread is not waited for
+        exit_now(code)
     return code
 
 

@@ -30,15 +30,16 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from rlhf import exits
+from rlhf import exits, faults
 from rlhf.batch import BatchSizeMismatch
 from rlhf.batch.client import RowFetcher
+from rlhf.checkpoint import slots as ckpt
 from rlhf.faults import fault_point
 from rlhf.faults.kinds import compute_slowdown
 from rlhf.models import build_model_and_tokenizer, torch_dtype
 from rlhf.procs import write_atomic
 from rlhf.services.boot import boot
-from rlhf.services.colocation import device_name
+from rlhf.services.colocation import DeviceLease, device_name
 from rlhf.services.train_worker.rows import KeptRows
 from rlhf.services.train_worker.state import WeightsAndCheckpoints
 from rlhf.sim import host_parser
@@ -50,6 +51,7 @@ from rlhf.train.parallel import make_layout
 from rlhf.transport.client import LoopThread
 from rlhf.transport.fanout import FanoutAgent
 from rlhf.transport.http import Service, listen
+from rlhf.weights import export_state
 
 log = logging.getLogger("rlhf.sim")
 
@@ -65,12 +67,12 @@ class SimTrainHost:
         self.layout = make_layout(cfg.parallel.layout, cfg.parallel.tp_size, self.world)
         self.optimizer_steps = 0
         self.stopping = threading.Event()  # the process is ending: a rank inside the collective leaves it
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
         self._nudge = next(p for p in model.parameters() if p.dim() == 1)  # a norm's weight: the EMULATED optimizer
         self.fetcher: RowFetcher | None = None  # rollout.data_plane store: one loop and pool for the host's ranks
 
     def row_fetcher(self) -> RowFetcher:
-        with self._lock:
+        with self.lock:
             if self.fetcher is None:
                 # the host's ranks fetch together: one POST /rows per rollout host and step (a 10 ms window)
                 self.fetcher = RowFetcher(self.token, LoopThread("rows"), self.cfg.timeouts.rpc_s, self.cfg.resilience,
@@ -79,7 +81,7 @@ class SimTrainHost:
 
     def optimizer_step(self, steps_done: int) -> None:
         """The weights after `steps_done` optimizer steps (every rank of the process reaches it; the first applies)."""
-        with self._lock, torch.no_grad():
+        with self.lock, torch.no_grad():
             while self.optimizer_steps < steps_done:
                 self._nudge.add_(1e-3)
                 self.optimizer_steps += 1
@@ -93,7 +95,13 @@ class SimTrainRank(WeightsAndCheckpoints, KeptRows):
         self.host, self.cfg, self.run_dir, self.token = host, cfg, host.run_dir, host.token
         self.rank, self.world_size, self.layout = rank, host.world, host.layout
         self.model, self.tokenizer, self.wire_dtype = host.model, host.tokenizer, torch_dtype(cfg.model.dtype)
-        self.device = device_name("train", rank, False)
+        self.device = device_name("train", rank, cfg.runtime.colocate)
+        # runtime.colocate: rank r shares device r with rollout server r (the same flock lease as a real pair), held
+        # from the start as a real rank holds it once its model is built
+        self.lease = DeviceLease(host.run_dir, rank, f"train-{rank}") \
+            if cfg.runtime.colocate and rank < cfg.rollout.servers else None
+        if self.lease is not None:
+            self.lease.acquire(cfg.timeouts.lease_s)
         self._ipc_buffers: dict[str, torch.Tensor] = {}
         self.service = Service("train", rank, host.token, cfg.resilience)
         self.train_cost = CostModel(cfg.sim.train_s_per_token, cfg.sim.jitter, seed=cfg.seed * 100003 + rank)
@@ -151,8 +159,14 @@ class SimTrainRank(WeightsAndCheckpoints, KeptRows):
     def row_fetcher(self) -> RowFetcher:
         return self.host.row_fetcher()
 
+    def _require_device(self, what: str) -> None:
+        if self.lease is not None and not self.lease.held:
+            self.lease.acquire(self.cfg.timeouts.lease_s)  # waits for rollout_end's release, as a real rank
+            log.info("train-%d: device lease reacquired for %s", self.rank, what)
+
     def compute_logprobs(self, args: dict, tensors: dict) -> tuple[dict, dict]:
         which = args.get("which", "reference")
+        self._require_device("compute_logprobs")
         batch = self.rows_batch(args, tensors, "reference", int(args.get("step", -1)))  # data_plane store: fetched
         mask = batch["attention_mask"]
         outs = {}
@@ -167,6 +181,7 @@ class SimTrainRank(WeightsAndCheckpoints, KeptRows):
 
     def train_step(self, args: dict, tensors: dict) -> dict:
         t0 = time.perf_counter()
+        self._require_device("train_step")
         fault_point("train.step")
         tensors = self.rows_batch(args, tensors, "train", int(args.get("step", -1)))
         self.drop_rows()
@@ -202,19 +217,21 @@ class SimTrainRank(WeightsAndCheckpoints, KeptRows):
                                     "train step (rollout.prompts_per_step x rollout.group_size)")
 
     def save(self, args: dict, tensors: dict) -> dict:
-        """A rank's checkpoint file: its counters (EMULATED: no model or optimizer state), written and fsynced;
-        background (checkpoint.periodic_async), as a real rank: on a writer thread, the reply at once (files: {}),
-        so a write that hangs blocks nothing and the slot's meta.json does not wait for it."""
-        name = f"rank{self.rank:05d}.sim.json"
-        state = {"rank": self.rank, "optimizer_steps": self.optimizer_steps, "simulated": EMULATED}
+        """A rank's checkpoint files, written in place and fsynced: its counters (EMULATED: no optimizer state), and
+        on rank 0 the weights (model.safetensors, real bytes: what a disk-mode rollout server loads from the newest
+        slot), with the checkpoint.write point half-way through it as on a real rank (a full disk truncates it).
+        background (checkpoint.periodic_async), as a real rank: on a writer thread, the reply at once (files: {}), so
+        a write that hangs blocks nothing and the slot's meta.json does not wait for it."""
+        items: list[tuple[str, Any]] = [(f"rank{self.rank:05d}.sim.json", {
+            "rank": self.rank, "optimizer_steps": self.optimizer_steps, "simulated": EMULATED})]
+        if self.rank == 0:
+            with self.host.lock:  # a copy: the host's next optimizer step must not reach a background write
+                items.insert(0, ("model.safetensors", {k: v.clone() for k, v in export_state(self.model).items()}))
 
-        def write() -> None:
-            fault_point("checkpoint.write", path=args["directory"])
-            with open(os.path.join(args["directory"], name), "w", encoding="utf-8") as fh:
-                json.dump(state, fh)
-                if args.get("fsync", True):
-                    fh.flush()
-                    os.fsync(fh.fileno())
+        def write() -> dict[str, str]:
+            if self.rank != 0:  # rank 0's point is inside its tensor file's write
+                fault_point("checkpoint.write", path=args["directory"])
+            return ckpt.write_items(args["directory"], items, bool(args.get("fsync", True)))
 
         if args.get("background"):
             ctx = contextvars.copy_context()
@@ -228,8 +245,8 @@ class SimTrainRank(WeightsAndCheckpoints, KeptRows):
 
             threading.Thread(target=ctx.run, args=(run,), name=f"ckpt-writer-{self.rank}", daemon=True).start()
             return {"rank": self.rank, "files": {}, "pending": 1, "seconds": 0.0}
-        write()
-        return {"rank": self.rank, "files": {name: "sim"}, "seconds": 0.0}
+        t0 = time.perf_counter()
+        return {"rank": self.rank, "files": write(), "seconds": time.perf_counter() - t0}
 
     def load(self, args: dict, tensors: dict) -> dict:
         fault_point("checkpoint.load", path=args["path"])
@@ -239,11 +256,23 @@ class SimTrainRank(WeightsAndCheckpoints, KeptRows):
         return {"rank": self.rank, "loaded": args["path"]}
 
     def events(self, args: dict, tensors: dict) -> dict:
-        fault_point("events.handle", peer=str(args.get("event")), device=self.device)
-        return {"event": args.get("event"), "ack": True, "rank": self.rank}
+        """Colocation, as a real rank on CPU: rollout_start hands the device (its lease) to rollout server r,
+        rollout_end takes it back (waiting up to timeouts.lease_s)."""
+        event = args.get("event")
+        fault_point("events.handle", peer=str(event), device=self.device)
+        if self.lease is not None:
+            if event == "rollout_start":
+                self.lease.release()
+            elif event == "rollout_end":
+                self.lease.acquire(self.cfg.timeouts.lease_s)
+        return {"event": event, "ack": True, "rank": self.rank}
 
     def _shutdown(self, args: dict, tensors: dict) -> dict:
+        """The process's faults are restored before the reply (its helpers stopped, its files removed): the
+        controller's leftover audit runs as soon as the ranks have answered, before this process has exited. A host's
+        skewed clock stays until the process ends (its ranks' exit records are stamped by it)."""
         self.shutdown.set()
+        faults.restore_all("run end", keep=("clock_skew",))
         return {"ok": True}
 
 

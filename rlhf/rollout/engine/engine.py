@@ -67,7 +67,6 @@ import threading
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
 from rlhf.models import pad_token_id
 from rlhf.models import stop_token_ids as model_stop_ids
@@ -79,7 +78,7 @@ from rlhf.rollout.engine.forward import Forward
 from rlhf.rollout.engine.fused import FusedWeights
 from rlhf.rollout.engine.layout import LAYOUTS, StepControl
 from rlhf.rollout.engine.sampling import SamplingParams
-from rlhf.weights import checksum, export_state, import_state, load_state_dir
+from rlhf.weights import checksum, export_state, import_state, load_model_dir
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -162,13 +161,7 @@ class RolloutEngine(DecodeLoop, Forward, Attention, CudaGraphs, FusedWeights):
 
     def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
         """Load an HF model directory's *.safetensors (or, in a checkpoint slot, its model.safetensors)."""
-
-
-        single = os.path.join(model_path, "model.safetensors")
-        if os.path.exists(os.path.join(model_path, "meta.json")) or os.path.exists(os.path.join(model_path, "optimizer.json")):
-            tensors = load_file(single)  # a checkpoint slot: the model file only
-        else:
-            tensors = load_state_dir(model_path)
+        tensors = load_model_dir(model_path)
         self.update_weights_from_tensors(tensors, weight_version)
 
     def weights_checksum(self, algorithm: str = "sha256") -> str:
