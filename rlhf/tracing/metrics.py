@@ -167,6 +167,7 @@ class ResourceSampler:
         self.proc = psutil.Process()
         self._stop = threading.Event()
         self._children: dict[int, psutil.Process] = {}
+        self._services: set[int] = set()  # this process's children that are our services (_is_service)
         self._waits: dict[str, int] = {}
         self._waits_at = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"metrics-{role}-{rank}", daemon=True)
@@ -231,9 +232,14 @@ class ResourceSampler:
         Each process's children are read from its own /proc entry (_child_pids), not from the whole process table
         on every call as psutil's children() does: a simulated world's controller has 20 children."""
         total, seen = 0.0, set()
-        for pid in _child_pids(self.proc.pid):
+        direct = _child_pids(self.proc.pid)
+        self._services &= set(direct)  # those that ended go (a pid read again later is a new process)
+        for pid in direct:
+            if pid in self._services:
+                continue
             try:
-                if _is_service(self._children.get(pid) or psutil.Process(pid)):
+                if _is_service(psutil.Process(pid)):  # kept: its command line does not change (one read between a
+                    self._services.add(pid)         # fork and its exec is the parent's, so only a yes is kept)
                     continue
             except psutil.Error:
                 continue
