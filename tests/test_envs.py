@@ -496,3 +496,24 @@ def test_the_warm_starts_val_episodes_end_a_turn_at_the_environments_stop_string
         for r, how in control.step(t, [0, 1], [call[t], other[t % len(other)]]).items():
             ended.setdefault(r, (t, how))
     assert ended == {0: (len(call) - 1, {"type": "stop", "matched": "</tool_call>"})}
+
+
+def test_hardened_survives_the_environment_server_lost_during_an_evaluation(tmp_path):
+    """env-0 SIGKILLed at the first turn it answers, inside the evaluation before the first step (an evaluation's
+    episodes are run as a step's are): hardened starts env-0 again and the evaluation runs once more, from the
+    episodes' reset; the run finishes with the steps' rows untouched."""
+    faults = tmp_path / "faults.yaml"
+    faults.write_text("faults:\n  - name: env-killed-in-eval\n    kind: process_kill\n    point: env.step\n"
+                      "    target: {role: env}\n    when: {max_hits: 1}\n    params: {signal: KILL}\n")
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, f"{ROOT}/examples/grpo_trainer.py", "--env.path", "tool_calls",
+                          "--env.tools", "examples/envs/calculator.py", "--sft.max_steps", "0", "--steps", "1",
+                          "--rollout.prompts_per_step", "8", "--faults", str(faults), "--run-dir", str(run_dir)],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    log = (run_dir / "logs" / "controller-0.log").read_text()
+    assert "env-0 is down (lost during the evaluation: " in log and "starting it again" in log, log[-3000:]
+    assert (run_dir / "logs" / "env-0.log").read_text().count("environment server: tool_calls") == 2
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 1 and 0.0 <= summary["eval_accuracy_before"] <= 1.0
+    assert_none_left(run_dir)

@@ -203,18 +203,36 @@ class Controller(RunLifecycle):
                  row["kl"], row["clip_fraction"], row["response_length"], row["seconds"])
 
     def evaluate(self) -> float:
-        """Greedy accuracy on the eval split, spread over the rollout servers."""
+        """Greedy accuracy on the eval split, spread over the rollout servers; survived as a step's rollout is
+        (restart_rollout): a lost server's problems migrate to the others, and when none is left (their scheduler
+        died) or env-0 or reward-0 was lost, they start again and the evaluation runs once more."""
+        after = max(int(self.where.get("step", -1)), self.start_step)  # the last step done (the logs' step)
         self.where.update(step=-1, stage="evaluate")
         examples = self.task.split("eval")
         with tracing.span("evaluate", new_trace=True) as sp:
             self.events.notify("rollout_start", -1)
+            servers = list(self.services.rollout)
             try:
-                completions = self.fanout.greedy(examples)
+                completions = self.survival.survive(after, {}, "the evaluation", lambda: self.fanout.greedy(examples),
+                                                    resync=lambda: self._eval_weights(after, servers))
             finally:
                 self.events.notify("rollout_end", -1)
             score = accuracy(completions, examples, self.rewards.reward)
             sp.set_attribute("rlhf.eval_accuracy", score)
             return score
+
+    def _eval_weights(self, step: int, servers: list[Any]) -> None:
+        """The weights for rollout servers started again during an evaluation: the version the others hold, where it
+        is still kept; else every server gets the trainer's weights as they are now (a WARNING says so)."""
+        new = [r for r, client in enumerate(self.services.rollout) if r >= len(servers) or client is not servers[r]]
+        version = self.weights.catch_up(new, step) if new else ""
+        if version:
+            log.warning("step %d: the evaluation goes on with rollout-%s on weights version %s, the version the servers "
+                        "held (loaded again from where it is kept)", step, ",".join(map(str, new)), version)
+            return
+        log.warning("step %d: weights version %s is not kept where a new server could load it; the evaluation goes "
+                    "on with the trainer's weights as they are now on every rollout server", step, step)
+        self.weights.update(f"{step}-eval", step)
 
     def eval_note(self) -> str:
         return f" ({len(self.task.split('eval'))} problems, greedy)"

@@ -106,7 +106,8 @@ class RolloutSurvival:
                 return call()
             if services_only:
                 raise
-            then = "generating the step's prompts again" if resync else "updating again"
+            then = ("running it again" if during == "the evaluation" else "generating the step's prompts again") \
+                if resync else "updating again"
             if not self.revived(step, row, exc, during, then):
                 raise
             if resync is not None:

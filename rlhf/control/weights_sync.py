@@ -67,13 +67,16 @@ class WeightSync(BroadcastUpdate):
         self.source = 0  # the train rank whose weights verify compares with (the fallback's writer)
         self.fell_back = 0  # 1 when this step's meta update was done through disk (steps.csv weights_fallback)
         self.group: dict | None = None  # distributed mode: the weights update group's members and buckets
+        self.held = ("", "")  # the version the rollout servers hold and where it is still kept (catch_up)
 
     def update(self, version: str, step: int) -> dict[str, float]:
         """Push the train ranks' weights to every rollout server as `version`; upload and update seconds."""
         cfg = self.cfg
-        self.source, self.fell_back = 0, 0
+        self.source, self.fell_back, self.held = 0, 0, ("", "")
         if cfg.weights.mode == "meta":
-            return self.loop.run(self._update_meta(version, step))
+            times = self.loop.run(self._update_meta(version, step))
+            self.held = (version, "" if self.fell_back else "meta")
+            return times
         if cfg.weights.mode == "distributed":
             return self.loop.run(self._update_distributed(version, step))
         t0 = time.perf_counter()
@@ -85,7 +88,28 @@ class WeightSync(BroadcastUpdate):
         upload = time.perf_counter() - t0
         t1 = time.perf_counter()
         self.loop.gather(*self._load_from_disk(path, version, step))
+        self.held = (version, path if path.endswith(os.path.join("weights", "latest")) else "")  # a slot is rewritten
         return {"upload_s_max": upload, "update_s_max": time.perf_counter() - t1}
+
+    def catch_up(self, servers: list[int], step: int) -> str:
+        """Rollout servers started again after the last update (an evaluation's loss): the version the others hold,
+        from where it is still kept (meta: the MetaServer's copy; disk: the weights directory), not the trainer's
+        weights, which have moved on since. Returns that version; '' when it is not kept (the update fell back to
+        disk, a checkpoint slot, distributed mode), and nothing was sent."""
+        version, where = self.held
+        if not version or not where:
+            return ""
+        url = self.services.metaserver_url
+        calls = [self.services.rollout[r].call(
+            "/update_weights_from_meta", {"metaserver_url": url, "weight_version": version, "consumer": r,
+                                          "wait_s": self.cfg.weights.update_timeout_s,
+                                          "timeout_s": self.cfg.weights.update_timeout_s},
+            timeout_s=self.cfg.weights.update_timeout_s + OUTER_MARGIN_S, stage="weights_update", step=step)
+            if where == "meta" else self.services.rollout[r].call(
+                "/update_weights_from_disk", {"model_path": where, "weight_version": version},
+                timeout_s=self.cfg.weights.update_timeout_s, stage="weights_update", step=step) for r in servers]
+        self.loop.gather(*calls)
+        return version
 
     def _load_from_disk(self, path: str, version: str, step: int) -> list[Any]:
         return [c.call("/update_weights_from_disk", {"model_path": path, "weight_version": version},
