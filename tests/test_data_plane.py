@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
 
 REWARD = '''
@@ -45,3 +47,33 @@ def test_the_store_data_plane_trains_exactly_as_the_controller_plane(tmp_path):
         assert {k: a[k] for k in SAME} == {k: b[k] for k in SAME}
     assert _spans(store_dir / "traces" / "rollout-0.jsonl").count("rows.keep") >= 2
     assert _spans(store_dir / "traces" / "train-0.jsonl").count("batch.fetch") == 2  # once a step: kept for train
+
+
+@pytest.mark.parametrize("policy", [pytest.param("faithful", marks=pytest.mark.slow), "hardened"])  # the suite's time
+def test_a_rows_reply_changed_in_transit_fails_where_it_arrives_or_is_fetched_again(tmp_path, policy):
+    """rollout-0's /rows reply to the train rank cut 2 entries short at step 2 (as scenario 8 cuts a reference reply):
+    faithful, the rank's reference pass fails on the short tensor; hardened (stage_checksums), the reply fails its
+    sender's checksum where it arrives, naming rollout-0, and the rank fetches the rows again from the store (/rows
+    is a read): the run finishes and `rlhf diagnose` names rollout-0's reply."""
+    from rlhf.diagnosis import diagnose
+
+    faults = tmp_path / "faults.yaml"
+    faults.write_text("faults:\n  - name: rows-reply-cut-short\n    kind: network_loss\n    point: rpc.server.handle\n"
+                      "    target: {role: rollout, rank: 0, peer: /rows}\n    when: {step: 2, max_hits: 1}\n"
+                      "    params: {mode: truncate_tensor, cut: 2}\n")
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, f"{ROOT}/examples/grpo_trainer.py", "--preset", "smoke", "--steps", "3",
+                          "--sft.max_steps", "0", "--rollout.data_plane", "store", "--resilience.preset", policy,
+                          "--faults", str(faults), "--run-dir", str(run_dir)],
+                         capture_output=True, text=True, timeout=240, cwd=ROOT)
+    log = (run_dir / "logs" / "controller-0.log").read_text()
+    if policy == "faithful":
+        assert out.returncode != 0
+        assert "run failed: step 2, stage reference:" in log and "CorruptPayload" not in log, log[-3000:]
+        return
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "retrying POST /rows to rollout-0 (attempt 2 of 3; idempotent) after CorruptPayload: reply from rollout-0 " \
+           "to /rows" in log, log[-3000:]
+    assert len(list(csv.DictReader((run_dir / "steps.csv").open()))) == 3
+    root = diagnose(str(run_dir)).root
+    assert root is not None and (root.process, root.category, root.step) == ("rollout-0", "data_mismatch", 2)

@@ -99,10 +99,13 @@ ROUTES: dict[str, tuple[str, ...]] = {
 #   /start_scheduler    starts this node's scheduler once; again, it answers with the one running
 #   /score              the reward server's scores: a pure function of the reward model and the texts
 #   /get_weights_by_name  reads a parameter's first values (the spot check of stale weights)
+#   /rows               a train rank's rows from a rollout host's store (rollout.data_plane store): a read; a reply
+#                       whose checksum fails (stage_checksums) is fetched again from the rows the store still holds
 # Never retried blindly: /train_step, /sft_step (an optimizer step each), /generate (new samples; migration is
 # its own behaviour), /upload_weights, /save, /load, /update_weights_* (they move state), /events (the policy's
 # acked_events delivers them, versioned, with its own attempts), /jobs (starts a process), /lease (its own loop).
-IDEMPOTENT_POSTS = frozenset({"/compute_logprobs", "/rng_state", "/start_scheduler", "/score", "/get_weights_by_name"})
+IDEMPOTENT_POSTS = frozenset({"/compute_logprobs", "/rng_state", "/start_scheduler", "/score", "/get_weights_by_name",
+                              "/rows"})
 
 
 def idempotent(method: str, path: str) -> bool:
