@@ -8,6 +8,9 @@ Each (setup, mode) is a real run of the README's command, one after another on t
   modes   sync          the seeds' system: generate with the step's weights, then train
           async-k1      --rollout.mode async --rollout.max_staleness 1
           async-k2      --rollout.mode async --rollout.max_staleness 2
+          groups-k1     async-k1 with --rollout.buffer group (generated group by group; a step takes the first
+                        groups that end)
+          groups-k2     async-k2 with --rollout.buffer group
 
 It prints a table per run: trained samples per second over the GRPO steps (their batch sizes over their seconds),
 each side's busy fraction (1 - train_idle_s / seconds for the train ranks, 1 - rollout_idle_s / seconds for the
@@ -37,7 +40,9 @@ import tempfile
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 MODES = {"sync": [], "async-k1": ["--rollout.mode", "async", "--rollout.max_staleness", "1"],
-         "async-k2": ["--rollout.mode", "async", "--rollout.max_staleness", "2"]}
+         "async-k2": ["--rollout.mode", "async", "--rollout.max_staleness", "2"],
+         "groups-k1": ["--rollout.mode", "async", "--rollout.max_staleness", "1", "--rollout.buffer", "group"],
+         "groups-k2": ["--rollout.mode", "async", "--rollout.max_staleness", "2", "--rollout.buffer", "group"]}
 SETUPS = ("1+1", "2+2")
 
 

@@ -11,6 +11,10 @@ episode calls a remote tool at each of its first 3 turns and ends at the 4th; a 
           lockstep      --env.batch_wait_s 1000: every turn waits for the step's slowest call
           async         independent, and --rollout.mode async --rollout.max_staleness 1: the next step's episodes
                         run while this step trains (each token's weights version recorded)
+          async-k2      the same, --rollout.max_staleness 2
+          groups        async, and --rollout.buffer group: generated group by group, a step takes the first groups
+                        that end (a group held by a slow call joins a later batch while within the bound)
+          groups-k2     the same, --rollout.max_staleness 2
 
 It prints the median seconds a step (steps.csv seconds) and of its rollout stage (rollout_s: in async, what the
 trainer waited for the batch), the time the episodes spent at env-0 (env_s, summed over the step's episodes), turns
@@ -31,8 +35,11 @@ import sys
 import tempfile
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+ASYNC = ["--env.batch_wait_s", "0.05", "--rollout.mode", "async"]
 MODES = {"independent": ["--env.batch_wait_s", "0.05"], "lockstep": ["--env.batch_wait_s", "1000"],
-         "async": ["--env.batch_wait_s", "0.05", "--rollout.mode", "async", "--rollout.max_staleness", "1"]}
+         "async": [*ASYNC, "--rollout.max_staleness", "1"], "async-k2": [*ASYNC, "--rollout.max_staleness", "2"],
+         "groups": [*ASYNC, "--rollout.max_staleness", "1", "--rollout.buffer", "group"],
+         "groups-k2": [*ASYNC, "--rollout.max_staleness", "2", "--rollout.buffer", "group"]}
 
 
 def one(mode: str, work: str, args: argparse.Namespace, extra: list[str]) -> dict:
@@ -53,14 +60,15 @@ def one(mode: str, work: str, args: argparse.Namespace, extra: list[str]) -> dic
             "seconds": statistics.median(float(r["seconds"]) for r in rows),
             "staleness": statistics.median(float(r.get("staleness_mean") or 0) for r in rows),
             "env_s": statistics.median(float(r["env_s"]) for r in rows),
-            "turns": statistics.median(float(r["turns_mean"]) for r in rows), "steps": len(rows)}
+            "turns": statistics.median(float(r["turns_mean"]) for r in rows), "steps": len(rows),
+            "dropped": sum(int(r.get("groups_dropped") or 0) for r in rows)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog="arguments after -- go to every run (examples/grpo_trainer.py)")
     ap.add_argument("--modes", default="independent,lockstep,async",
-                    help="comma-separated: independent, lockstep, async")
+                    help=f"comma-separated, of: {', '.join(MODES)}")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--latency-s", type=float, default=0.05, help="a tool call's round trip")
     ap.add_argument("--tail-s", type=float, default=2.0, help="a slow call's round trip")
@@ -81,15 +89,16 @@ def main() -> None:
     base = next((r["seconds"] for r in rows if r["mode"] == "lockstep" and "error" not in r), None)
     print(f"tool call {args.latency_s:g} s, one in {args.tail_every} {args.tail_s:g} s (emulated); "
           f"steps after the first: {args.steps - 1}")
-    print("| mode | s/step | rollout s/step | env-0 s/step (all episodes) | turns/episode | staleness | vs lockstep |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| mode | s/step | rollout s/step | env-0 s/step (all episodes) | turns/episode | staleness | groups dropped "
+          "| vs lockstep |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['mode']} | failed: {r['error']} | | | | | |")
+            print(f"| {r['mode']} | failed: {r['error']} | | | | | | |")
             continue
         ratio = f"{base / r['seconds']:.2f}x" if base else ""
         print(f"| {r['mode']} | {r['seconds']:.2f} | {r['rollout_s']:.2f} | {r['env_s']:.1f} | {r['turns']:.2f} | "
-              f"{r['staleness']:.2f} | {ratio} |")
+              f"{r['staleness']:.2f} | {r['dropped']} | {ratio} |")
 
 
 if __name__ == "__main__":

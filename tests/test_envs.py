@@ -508,7 +508,7 @@ def test_hardened_survives_the_environment_server_lost_during_an_evaluation(tmp_
     run_dir = tmp_path / "run"
     out = subprocess.run([sys.executable, f"{ROOT}/examples/grpo_trainer.py", "--env.path", "tool_calls",
                           "--env.tools", "examples/envs/calculator.py", "--sft.max_steps", "0", "--steps", "1",
-                          "--rollout.prompts_per_step", "8", "--faults", str(faults), "--run-dir", str(run_dir)],
+                          "--rollout.prompts_per_step", "8", "--task.eval_size", "16", "--faults", str(faults), "--run-dir", str(run_dir)],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     log = (run_dir / "logs" / "controller-0.log").read_text()

@@ -114,8 +114,10 @@ def test_two_ranks_two_servers_finish_with_verified_weights_and_role_logs(tmp_pa
         assert img.shape[0] > 100 and img.shape[1] > 800 and img.std() > 0.05, name
 
 
-# disk mode (slow-marked, ~15 s): scenario 10 hardened runs the disk path to a verified finish by default
-@pytest.mark.parametrize("extra", [pytest.param(["--weights.mode", "disk"], marks=pytest.mark.slow), ["--colocate"]])
+# both slow-marked (~15 s each): scenario 10 hardened runs the disk path to a verified finish by default, scenario 6's
+# test a colocated pair, and tests/test_sim.py both in a simulated world
+@pytest.mark.parametrize("extra", [pytest.param(["--weights.mode", "disk"], marks=pytest.mark.slow),
+                                   pytest.param(["--colocate"], marks=pytest.mark.slow)])
 def test_disk_mode_and_colocation_runs_finish(tmp_path, extra):
     run_dir = tmp_path / "run"
     out = subprocess.run(torchrun(run_dir, "--steps", "2", *extra), capture_output=True, text=True, timeout=300,

@@ -50,6 +50,12 @@ class RolloutConfig:
     its own share by id (POST /rows) and keeps it from the reference pass to the train step, so no token passes
     through the controller (docs/scale.md). store needs the native backend, no env.path and no reward_model.path;
     aborted samples are not continued from their tokens there (they are generated again when migrated)."""
+    buffer: str = "batch"
+    """rollout.mode async: what the producer generates and the buffer holds. batch: whole batches, each generated
+    with one call per server and ready when its slowest sample is. group: group by group, each group's call on its own
+    (round robin over the servers), a group in the buffer as soon as it ends; a step takes the first groups that
+    fill its batch, each within rollout.max_staleness of the step by its oldest token, and a long-tail group joins a
+    later step's batch instead of holding this one (docs/async.md)."""
     max_queued_requests: int = 16
     """Calls a rollout server lets wait for its engine; with the policy's shed_load on, one more is answered 503
     with Retry-After and the client sends it again after that (sglang's --max-queued-requests); 0: no limit."""
@@ -68,6 +74,10 @@ class RolloutConfig:
         _positive("rollout.max_staleness", self.max_staleness, allow_zero=True)
         _choice("rollout.interrupt", self.interrupt, ("retract", "in_place", "abort"))
         _choice("rollout.data_plane", self.data_plane, ("auto", "controller", "store"))
+        _choice("rollout.buffer", self.buffer, ("batch", "group"))
+        if self.buffer == "group" and self.mode != "async":
+            raise ConfigError(f"rollout.buffer: 'group' is how the async producer generates; rollout.mode is "
+                              f"{self.mode!r} (set rollout.mode async, or leave rollout.buffer batch)")
         _positive("rollout.max_queued_requests", self.max_queued_requests, allow_zero=True)
 
 

@@ -31,7 +31,7 @@ from rlhf.faults import fault_point
 
 log = logging.getLogger("rlhf.controller")
 
-PRODUCER = "rollout-producer"  # the producer thread's name
+PRODUCER = "rollout-producer"  # the producer thread's name (rollout.buffer group: its workers', numbered)
 ASYNC_COLUMNS = ("staleness_mean", "staleness_max", "off_policy_fraction", "buffer_groups", "rollout_idle_s",
                  "train_idle_s")
 

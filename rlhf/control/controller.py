@@ -96,6 +96,7 @@ class Controller(RunLifecycle):
                         *(f"{stage}_s" for stage in STAGES if stage != "cleanup"), *WeightSync.columns,
                         *ColocationEvents.columns, *RolloutSurvival.columns, "saves_failed", "stragglers", "eval_accuracy",
                         *self.rewards.columns, *ASYNC_COLUMNS,
+                        *(("groups_dropped",) if cfg.rollout.buffer == "group" else ()),
                         *((*EPISODE_COLUMNS, "reward_env") if cfg.env.path else ())]
         # the train layout: a batch is cut in layout.dp shares; the ranks of one TP group get the same share
         self.layout = self.workers.layout

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from typing import Any
 
@@ -61,7 +62,7 @@ class Episodes:
         """stall_s: runtime.watchdog_stall_s (0: no watchdog); policy: resilience (stall_stops_run)."""
         self.cfg, self.fanout, self.services, self.stall_s, self.policy = cfg, fanout, services, stall_s, policy
         self.stop: list[str] | None = None  # strings that end a model turn (tool_calls: a call), from env-0's /health
-        self.dropped = 0  # groups the last batch lost to infrastructure failures (env.on_infra_error drop_group)
+        self._local = threading.local()  # what one call (one thread's) counts: rollout.buffer group runs several
 
     def _env(self, path: str, body: dict[str, Any], step: int) -> dict[str, Any]:
         """One call to the environment server (stage rollout: the episodes are the step's rollout)."""
@@ -242,27 +243,34 @@ class Episodes:
                 run.left -= 1
             changed.notify_all()
 
-    def generate(self, step: int, examples: list[Any]) -> DistributedBatchMemory:
-        """A GRPO batch: rollout.group_size episodes of every example, sampled."""
+    @property
+    def dropped(self) -> int:
+        """Groups this thread's last batch lost to infrastructure failures (env.on_infra_error drop_group)."""
+        return getattr(self._local, "dropped", 0)
+
+    def generate(self, step: int, examples: list[Any], tag: str = "") -> DistributedBatchMemory:
+        """A GRPO batch: rollout.group_size episodes of every example, sampled; tag: in its episodes' ids at env-0,
+        what tells them from another call's of the same step."""
         sp = self.fanout.sampling
         self.fanout.migrated = 0
         return self._run(step, examples, self.fanout.rollout.group_size, {
             "max_new_tokens": sp.max_new_tokens, "temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k,
-            "ignore_eos": sp.ignore_eos})
+            "ignore_eos": sp.ignore_eos}, tag)
 
     def greedy(self, examples: list[Any]) -> list[str]:
         """Evaluation: one greedy episode of every example; each one's answer (its last turn's text)."""
         return self._run(-1, examples, 1, {"max_new_tokens": self.fanout.sampling.max_new_tokens,
                                            "temperature": 0.0})["completions"]
 
-    def _run(self, step: int, examples: list[Any], g: int, sampling: dict[str, Any]) -> DistributedBatchMemory:
+    def _run(self, step: int, examples: list[Any], g: int, sampling: dict[str, Any], tag: str = ""
+             ) -> DistributedBatchMemory:
         fanout, tok = self.fanout, self.fanout.tokenizer
         prompt_ids = encode_prompts(tok, [e.prompt for e in examples], fanout.chat_template)
         k_example = [i for i in range(len(examples)) for _ in range(g)]  # episode k's example: a group adjacent
         if self.stop is None:
             self.stop = list(self.fanout.loop.run(self.services.env.call("/health", method="GET"))[0].get("stop") or [])
         n = len(k_example)
-        ids_of = [f"{step}-{k}" for k in range(n)]  # the episodes' ids at env-0 (step -1: an evaluation's)
+        ids_of = [f"{step}-{tag}{k}" for k in range(n)]  # the episodes' ids at env-0 (step -1: an evaluation's)
         t0 = time.perf_counter()
         firsts = self._env("/reset", {"episodes": [
             {"id": ids_of[k], "row": {"prompt": examples[i].prompt, "answer": examples[i].answer,
@@ -287,7 +295,7 @@ class Episodes:
             "infra_errors": run.infra, "infra_retries": run.retries, "env_s": run.env_s,
             **({"env_reward": run.reward} if run.rewarded else {}),
         }, g, strict=False)
-        self.dropped = len(dropped)
+        self._local.dropped = len(dropped)
         if not dropped:
             return memory
         if step < 0:  # evaluation: an example whose episode the infrastructure ended counts as not answered

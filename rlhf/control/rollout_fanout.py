@@ -16,6 +16,7 @@ When a server fails or times out, the policy decides:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -49,10 +50,25 @@ class RolloutFanout:
         self.rollout, self.sampling, self.chat_template, self.policy = rollout, sampling, chat_template, policy
         self.loop, self.services, self.tokenizer = loop, services, tokenizer
         self.episodes: Any = None  # control.episodes.Episodes with env.path: each sample a multi-turn episode
-        self.waiting_on: dict[str, float] = {}  # rollout-R -> since when its /generate call has not answered
-        self.migrated = 0  # samples of the last call generated (or continued) on another server than planned
+        self._waiting: dict[str, list[float]] = {}  # rollout-R -> since when each of its /generate calls waits
+        self._local = threading.local()  # what one call (one thread's) counts: rollout.buffer group runs several
         self.store = False  # rollout.data_plane store (set by the controller): rows stay in the rollout servers
         self.next_row = 0  # the next row id (rollout.data_plane store: unique in the run)
+        self._rows_lock = threading.Lock()
+
+    @property
+    def waiting_on(self) -> dict[str, float]:
+        """rollout-R -> since when its oldest unanswered /generate call has waited (the starvation watchdog's)."""
+        return {peer: min(since) for peer, since in list(self._waiting.items()) if since}
+
+    @property
+    def migrated(self) -> int:
+        """Samples of this thread's last call generated (or continued) on another server than planned."""
+        return getattr(self._local, "migrated", 0)
+
+    @migrated.setter
+    def migrated(self, value: int) -> None:
+        self._local.migrated = value
 
     async def generate_on(self, client: Client, step: int, input_ids: list[list[int]],
                           sampling: dict[str, Any] | list[dict[str, Any]], logprobs: bool,
@@ -64,11 +80,12 @@ class RolloutFanout:
             body["rlhf_rows"] = rows
         if logprobs and self.rollout.backend == "native":
             body["return_logprob_packed"] = True  # our servers' extension: float32 logprobs, a third of the JSON
-        self.waiting_on[client.peer] = time.monotonic()  # the starvation watchdog reads who has not answered
+        since = time.monotonic()
+        self._waiting.setdefault(client.peer, []).append(since)  # the starvation watchdog reads who has not answered
         try:
             out = (await client.call("/generate", body, stage="rollout", step=step))[0]
         finally:
-            self.waiting_on.pop(client.peer, None)
+            self._waiting[client.peer].remove(since)
         if logprobs:
             for res in out:
                 res["logprobs"] = output_logprobs(res)
@@ -76,15 +93,16 @@ class RolloutFanout:
         return out
 
     def _spread(self, step: int, prompt_ids: list[list[int]], params: dict[str, Any] | list[dict[str, Any]],
-                per: int, logprobs: bool, rows: Any = None
+                per: int, logprobs: bool, rows: Any = None, first: int = 0
                 ) -> tuple[dict[int, list[dict]], list[tuple[int, list[int], BaseException]]]:
-        """Prompt i's `per` results (n = per) by prompt index, spread over the servers in chunks; params: one
-        sampling_params for all, or one per prompt. With the policy's migrate_requests the chunks of servers that
-        failed go once more to those that answered. rows(prompt indices): the rlhf_rows of a chunk (data_plane
-        store; each result's rlhf_row then gets `at`, the server that holds it). Returns (results by prompt,
-        [(server, its prompts, error)] for what is still missing)."""
+        """Prompt i's `per` results (n = per) by prompt index, spread over the servers in chunks, the first chunk to
+        server `first`; params: one sampling_params for all, or one per prompt. With the policy's migrate_requests
+        the chunks of servers that failed go once more to those that answered. rows(prompt indices): the rlhf_rows
+        of a chunk (data_plane store; each result's rlhf_row then gets `at`, the server that holds it). Returns
+        (results by prompt, [(server, its prompts, error)] for what is still missing)."""
         servers = self.services.rollout
-        chunks = chunk(list(range(len(prompt_ids))), len(servers))
+        parts = chunk(list(range(len(prompt_ids))), len(servers))
+        chunks = [parts[(r - first) % len(servers)] for r in range(len(servers))]
         done: dict[int, list[dict]] = {}
 
         async def one(at: int, idx: list[int]) -> None:  # at: the server's index
@@ -163,11 +181,13 @@ class RolloutFanout:
                           "logprobs": head["logprobs"] + tail["logprobs"]}
             self.migrated += 1
 
-    def generate(self, step: int, examples: list[Any]) -> DistributedBatchMemory:
+    def generate(self, step: int, examples: list[Any], first: int = 0, tag: str = "") -> DistributedBatchMemory:
         """One GRPO batch: group_size samples of every example, with logprobs and decoded completions (with an
-        environment, each sample an episode: control/episodes.py)."""
+        environment, each sample an episode: control/episodes.py). first: the server the first prompts go to; tag:
+        what tells this call's episodes from another's of the same step (rollout.buffer group runs them side by
+        side)."""
         if self.episodes is not None:
-            return self.episodes.generate(step, examples)
+            return self.episodes.generate(step, examples, tag)
         g, sp = self.rollout.group_size, self.sampling
         self.migrated = 0
         prompt_ids = encode_prompts(self.tokenizer, [e.prompt for e in examples], self.chat_template)
@@ -175,12 +195,13 @@ class RolloutFanout:
                   "top_k": sp.top_k, "ignore_eos": sp.ignore_eos}
         base, rows = self.next_row, None
         if self.store:  # row ids: prompt i's samples are base + i * g + j, wherever they are generated
-            self.next_row += len(prompt_ids) * g
+            with self._rows_lock:
+                base, self.next_row = self.next_row, self.next_row + len(prompt_ids) * g
             rows = lambda idx: {  # noqa: E731
                 "step": step, "ids": [base + i * g + j for i in idx for j in range(g)],
                 "answers": [examples[i].answer for i in idx], "prompts": [examples[i].prompt for i in idx],
                 "fields": [examples[i].fields for i in idx]}
-        done, failed = self._spread(step, prompt_ids, params, g, True, rows)
+        done, failed = self._spread(step, prompt_ids, params, g, True, rows, first)
         if failed and self.policy.strict_rollout:
             raise failed[0][2]
         if self.policy.migrate_requests and not self.store:  # store: the tokens are not here to continue from

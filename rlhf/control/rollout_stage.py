@@ -18,13 +18,16 @@ batch is produced: in the step (sync) or in the producer (async), so a batch in 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any, Callable
 
 from rlhf import tracing
+from rlhf.algorithms.grpo import equal_groups
 from rlhf.config import RolloutConfig
 from rlhf.control.async_rollout import Produced, RolloutPipeline
 from rlhf.control.events import ColocationEvents, freed_mb
+from rlhf.control.group_rollout import GroupPipeline
 from rlhf.control.reward_stage import RewardStage
 from rlhf.control.rollout_fanout import RolloutFanout
 from rlhf.control.survival import RolloutSurvival
@@ -44,8 +47,16 @@ class RolloutStage:
         runtime.watchdog_stall_s (the starvation watchdog's; 0: off)."""
         self.cfg, self.sampler, self.fanout, self.survival = cfg, sampler, fanout, survival
         self.rewards, self.events, self.update_weights, self.stall_s = rewards, events, update_weights, stall_s
-        self.pipeline = RolloutPipeline(self._produce_ahead, cfg.max_staleness, steps, cfg.group_size,
-                                        sampler.state_dict) if cfg.mode == "async" else None
+        self._scoring = threading.Lock()
+        self.pipeline: RolloutPipeline | GroupPipeline | None = None
+        if cfg.mode == "async" and cfg.buffer == "group":
+            self.pipeline = GroupPipeline(self._produce_group, lambda: sampler.next(1)[0],
+                                          self._keep_group if rewards.resample_rounds else None, cfg.max_staleness,
+                                          steps, cfg.prompts_per_step, cfg.group_size, cfg.servers, sampler.state_dict,
+                                          rewards.resample_rounds)
+        elif cfg.mode == "async":
+            self.pipeline = RolloutPipeline(self._produce_ahead, cfg.max_staleness, steps, cfg.group_size,
+                                            sampler.state_dict)
 
     def start(self, start_step: int) -> None:
         """After the startup's weights update (version start_step): async, the producer starts."""
@@ -183,14 +194,29 @@ class RolloutStage:
         produced.row = row
         return produced
 
-    def _generate(self, step: int, row: dict[str, Any], examples: list[Any]) -> Any:
+    def _produce_group(self, step: int, example: Any, first: int, tag: str) -> Produced:
+        """One group for the buffer (rollout.buffer group): the example's group_size samples, first on server `first`,
+        in a trace of its own; `step` is the first step it may serve."""
+        row: dict[str, Any] = {}
+        with tracing.span("rollout.group", new_trace=True, step=step, **{"rlhf.group": tag.rstrip("-")}):
+            batch = self._generate(step, row, [example], first, tag)
+        return Produced(batch, None, row)
+
+    def _keep_group(self, produced: Produced) -> bool:
+        """Dynamic sampling by groups: False for a group whose samples all got one reward (scored now, as it ends)."""
+        with self._scoring:  # the reward functions keep their last means: one group at a time
+            rewards = self.rewards.score(-1, produced.batch, None)
+        return not equal_groups(rewards, self.cfg.group_size)
+
+    def _generate(self, step: int, row: dict[str, Any], examples: list[Any], first: int = 0, tag: str = "") -> Any:
         """The rollout of `examples` (group_size samples each), surviving a lost rollout server (sync) or env-0 (both
         modes; async: a lost server the fanout cannot migrate from fails the step that takes the batch); the samples it moved to another server add up in rollout_migrated."""
         if self.pipeline is None:
             batch = self.survival.survive(step, row, "the rollout", lambda: self.fanout.generate(step, examples),
                                           resync=lambda: self.update_weights(step, row))
         else:  # the producer: a lost env-0 starts again and the episodes run again (a lost server's samples migrate)
-            batch = self.survival.survive_service(step, row, "the rollout", lambda: self.fanout.generate(step, examples))
+            batch = self.survival.survive_service(step, row, "the rollout",
+                                                  lambda: self.fanout.generate(step, examples, first, tag))
         row["rollout_migrated"] = row.get("rollout_migrated", 0) + self.fanout.migrated
         if self.fanout.episodes is not None:  # groups an infrastructure failure took out (env.on_infra_error)
             row["dropped_groups"] = row.get("dropped_groups", 0) + self.fanout.episodes.dropped

@@ -65,7 +65,7 @@ class RolloutSurvival:
         again with every job it owned (RolloutServices._restart_scheduler); True then. False on async's producer,
         which leaves that to the step that takes its batch (the new servers need the step's weights), or when the
         scheduler is alive (the caller's error stands)."""
-        if threading.current_thread().name == PRODUCER or not self.services._scheduler_ended():
+        if threading.current_thread().name.startswith(PRODUCER) or not self.services._scheduler_ended():
             return False
         self.services.revive(step)
         return True
