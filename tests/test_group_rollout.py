@@ -26,7 +26,8 @@ class Groups:
         self.drawn += 1
         return self.drawn - 1
 
-    def produce(self, step: int, example: int, first: int, tag: str) -> Produced:
+    def produce(self, step: int, examples: list[int], first: int, tag: str) -> Produced:
+        (example,) = examples  # one group a call
         version = self.pipeline.version
         self.started.append(example)
         if example in self.gates:
@@ -112,3 +113,25 @@ def test_an_async_run_trains_on_groups(tmp_path):
     assert all(0 <= int(r["staleness_max"]) <= 2 for r in rows) and all(r["groups_dropped"] == "0" for r in rows)
     spans = (run_dir / "traces" / "controller-0.jsonl").read_text()
     assert '"rollout.group"' in spans
+
+
+def test_a_call_of_several_groups_puts_each_in_the_buffer_on_its_own():
+    """rollout.groups_per_call 2: one call generates two groups (a native engine batches them); each enters the
+    buffer as a group of its own, the call's counters with the first, and a step takes them as any others."""
+    calls = []
+
+    def produce(step, examples, first, tag):
+        calls.append(list(examples))
+        return Produced(StepBatch({"sample_index": list(range(2 * len(examples))),
+                                   "example": [e for e in examples for _ in range(2)],
+                                   "weight_version": ["0"] * 2 * len(examples)}, 2), None, {"rollout_migrated": 3})
+
+    drawn = iter(range(100))
+    pipeline = GroupPipeline(produce, lambda: next(drawn), None, max_staleness=1, last_step=2, prompts_per_step=4,
+                             group_size=2, servers=2, sampler_state=lambda: {}, per_call=2)
+    pipeline.start(1, version=0)
+    produced, _ = pipeline.take(1)
+    assert all(len(c) == 2 for c in calls) and sorted(_examples(produced)) == [0, 1, 2, 3]
+    assert produced.row["rollout_migrated"] == 3 * 2  # two calls, counted once each
+    assert produced.batch["sample_index"] == list(range(8))
+    pipeline.close(wait_s=5)

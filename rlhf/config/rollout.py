@@ -56,9 +56,18 @@ class RolloutConfig:
     (round robin over the servers), a group in the buffer as soon as it ends; a step takes the first groups that
     fill its batch, each within rollout.max_staleness of the step by its oldest token, and a long-tail group joins a
     later step's batch instead of holding this one (docs/async.md)."""
+    groups_per_call: int = 0
+    """rollout.buffer group: groups a /generate call generates together (a native engine runs one call at a time: one
+    group a call loses the batching across groups; an sglang server batches across calls). 0: auto,
+    prompts_per_step / (4 x rollout.servers), at least 1."""
     max_queued_requests: int = 16
     """Calls a rollout server lets wait for its engine; with the policy's shed_load on, one more is answered 503
     with Retry-After and the client sends it again after that (sglang's --max-queued-requests); 0: no limit."""
+
+    @property
+    def per_call(self) -> int:
+        """rollout.groups_per_call resolved (0: auto)."""
+        return self.groups_per_call or max(1, self.prompts_per_step // (4 * self.servers))
 
     @property
     def overlaps(self) -> bool:
@@ -75,6 +84,7 @@ class RolloutConfig:
         _choice("rollout.interrupt", self.interrupt, ("retract", "in_place", "abort"))
         _choice("rollout.data_plane", self.data_plane, ("auto", "controller", "store"))
         _choice("rollout.buffer", self.buffer, ("batch", "group"))
+        _positive("rollout.groups_per_call", self.groups_per_call, allow_zero=True)
         if self.buffer == "group" and self.mode != "async":
             raise ConfigError(f"rollout.buffer: 'group' is how the async producer generates; rollout.mode is "
                               f"{self.mode!r} (set rollout.mode async, or leave rollout.buffer batch)")

@@ -17,8 +17,10 @@ The same interface as the batch-wise RolloutPipeline (control/async_rollout.py).
 - dynamic sampling (algorithm.resample_rounds): a group whose samples all got one reward is dropped as it ends and
   another prompt drawn in its place, at most resample_rounds x P times between two takes (then it is kept).
 
-Each group is one call of the batch's own path (RolloutFanout.generate with one prompt: migration, continued aborted
-samples, the store data plane, environments' episodes), its first server chosen round robin. A checkpoint's prompt
+Each call (rollout.groups_per_call groups: a native engine runs one call at a time, so one group a call gives up the
+batching of a server's engine; sglang batches across calls) is the batch's own path (RolloutFanout.generate:
+migration, continued aborted samples, the store data plane, environments' episodes), its first server chosen round
+robin, and each of its groups enters the buffer on its own. A checkpoint's prompt
 sampler state is the one before the earliest group not yet taken (a resume draws the groups in flight again, and
 may draw again a prompt that a group drawn after it had already trained on). A producer that failed (a loss the
 train side survives) starts again without the groups that were under way.
@@ -48,14 +50,17 @@ def group_version(batch: StepBatch) -> int | None:
 
 
 class GroupPipeline:
-    def __init__(self, produce_group: Callable[[int, Any, int, str], Produced], draw_one: Callable[[], Any],
+    def __init__(self, produce_group: Callable[[int, list[Any], int, str], Produced], draw_one: Callable[[], Any],
                  keep: Callable[[Produced], bool] | None, max_staleness: int, last_step: int, prompts_per_step: int,
-                 group_size: int, servers: int, sampler_state: Callable[[], dict], resample_rounds: int = 0) -> None:
-        """produce_group(step, example, first server, tag): one group's Produced; draw_one(): its prompt (called under the
-        pipeline's lock, as it starts); keep(produced): False to drop an equal group (dynamic sampling)."""
+                 group_size: int, servers: int, sampler_state: Callable[[], dict], resample_rounds: int = 0,
+                 per_call: int = 1) -> None:
+        """produce_group(step, examples, first server, tag): their groups' Produced (one call); draw_one(): a prompt
+        (called under the pipeline's lock, as a call starts); keep(produced): False to drop an equal group (dynamic
+        sampling); per_call: groups a call generates at most (rollout.groups_per_call)."""
         self.produce_group, self.draw_one, self.keep = produce_group, draw_one, keep
         self.k, self.last, self.p, self.group_size = max_staleness, last_step, prompts_per_step, group_size
         self.servers, self.sampler_state, self.resample_rounds = servers, sampler_state, resample_rounds
+        self.per_call = max(1, per_call)
         self.cond = threading.Condition()
         self.version: int | None = None  # the weights version every rollout server holds
         self.taken = 0  # the last step that took its batch
@@ -80,7 +85,7 @@ class GroupPipeline:
     def start(self, first_batch: int, version: int) -> None:
         with self.cond:
             self.version, self.taken, self.error = version, first_batch - 1, None
-        workers = max(1, self.p * max(self.k, 1))  # as many as groups may be under way at once
+        workers = max(1, -(-self.p * max(self.k, 1) // self.per_call))  # as many as calls may be under way at once
         self.threads = [threading.Thread(target=self._work, name=f"rollout-producer-{i}", daemon=True)
                         for i in range(workers)]
         for t in self.threads:
@@ -128,12 +133,15 @@ class GroupPipeline:
             self.buffer = [e for e in self.buffer if all(e[0] != t[0] for t in taken)]
             for serial, _v, _g in taken:
                 self.drawn.pop(serial, None)
-            dropped, self.dropped_stale = self.dropped_equal + self.dropped_stale, 0
-            self.taken, self.dropped_equal = batch, 0
+            stale, self.dropped_stale = self.dropped_stale, 0
+            equal, self.dropped_equal = self.dropped_equal, 0
+            self.taken = batch
             idle, self.idle_s = self.idle_s, 0.0
             first, self.first_start = self.first_start, None
             waits = {"train_idle_s": time.perf_counter() - t0, "rollout_idle_s": idle,
-                     "buffer_groups": len(self.buffer), "groups_dropped": dropped}
+                     "buffer_groups": len(self.buffer), "groups_dropped": stale}
+            if self.resample_rounds:  # dynamic sampling's columns, as batch-wise: groups replaced, prompts drawn
+                waits.update(resampled_groups=equal, resample_prompts=equal)
             self.cond.notify_all()  # room for the next groups
         parts = [g for _s, _v, g in taken]
         merged = StepBatch.concat([p.batch for p in parts], self.group_size, strict=False)
@@ -166,12 +174,15 @@ class GroupPipeline:
 
     # ------------------------------------------------------------------ the producer's workers
 
-    def _room(self) -> bool:
-        """Whether one more group may start (the module docstring's first rule)."""
+    def _left(self) -> int:
+        """How many more groups may start now (the module docstring's first rule)."""
         if self.version is None:
-            return False
+            return 0
         serves = min(self.version + self.k, self.last) - self.taken  # the steps a group started now may serve
-        return self.generating + len(self.buffer) < serves * self.p
+        return serves * self.p - self.generating - len(self.buffer)
+
+    def _room(self) -> bool:
+        return self._left() > 0
 
     def _drop_stale(self, batch: int) -> None:
         fresh = [(s, v, g) for s, v, g in self.buffer if v is None or v >= batch - self.k]
@@ -194,20 +205,24 @@ class GroupPipeline:
                 self.idle_s += time.perf_counter() - t0
                 if self.closed or self.error is not None:
                     return
-                serial, step = self.started, self.taken + 1
-                self.started += 1
-                self.generating += 1
-                self.drawn[serial] = self.sampler_state()
+                n = max(1, min(self.per_call, self._left()))  # groups in this call
+                first, step = self.started, self.taken + 1
+                self.started += n
+                self.generating += n
                 self.first_start = self.first_start or time.perf_counter()
+                examples = []
+                for serial in range(first, first + n):  # the sampler is shared by the workers
+                    self.drawn[serial] = self.sampler_state()
+                    examples.append(self.draw_one())
             try:
-                with self.cond:  # the sampler is shared by the workers
-                    example = self.draw_one()
-                produced = self.produce_group(step, example, serial % self.servers, f"g{serial}-")
+                produced = self.produce_group(step, examples, (first // self.per_call) % self.servers, f"g{first}-")
                 fault_point("buffer.put", step=step)
-                kept = self.keep is None or self.keep(produced)
+                groups = [Produced(produced.batch.groups([i]), None, produced.row if i == 0 else {})
+                          for i in range(n)]  # the call's counters go with its first group
+                kept = [self.keep is None or self.keep(g) for g in groups]
             except BaseException as exc:  # noqa: BLE001 — the train side raises it when it takes a batch
                 with self.cond:
-                    self.generating -= 1
+                    self.generating -= n
                     if self.error is None:
                         self.error = (step, exc)
                     self.cond.notify_all()
@@ -216,10 +231,11 @@ class GroupPipeline:
                                 exc)
                 return
             with self.cond:
-                self.generating -= 1
-                if not kept and self.dropped_equal < self.resample_rounds * self.p:
-                    self.dropped_equal += 1
-                    self.drawn.pop(serial, None)
-                else:
-                    self.buffer.append((serial, group_version(produced.batch), produced))
+                self.generating -= n
+                for serial, group, keep in zip(range(first, first + n), groups, kept):
+                    if not keep and self.dropped_equal < self.resample_rounds * self.p:
+                        self.dropped_equal += 1
+                        self.drawn.pop(serial, None)
+                    else:
+                        self.buffer.append((serial, group_version(group.batch), group))
                 self.cond.notify_all()

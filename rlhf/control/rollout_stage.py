@@ -53,7 +53,7 @@ class RolloutStage:
             self.pipeline = GroupPipeline(self._produce_group, lambda: sampler.next(1)[0],
                                           self._keep_group if rewards.resample_rounds else None, cfg.max_staleness,
                                           steps, cfg.prompts_per_step, cfg.group_size, cfg.servers, sampler.state_dict,
-                                          rewards.resample_rounds)
+                                          rewards.resample_rounds, cfg.per_call)
         elif cfg.mode == "async":
             self.pipeline = RolloutPipeline(self._produce_ahead, cfg.max_staleness, steps, cfg.group_size,
                                             sampler.state_dict)
@@ -194,12 +194,13 @@ class RolloutStage:
         produced.row = row
         return produced
 
-    def _produce_group(self, step: int, example: Any, first: int, tag: str) -> Produced:
-        """One group for the buffer (rollout.buffer group): the example's group_size samples, first on server `first`,
-        in a trace of its own; `step` is the first step it may serve."""
+    def _produce_group(self, step: int, examples: list[Any], first: int, tag: str) -> Produced:
+        """Groups for the buffer (rollout.buffer group): each example's group_size samples, first on server `first`,
+        in a trace of its own; `step` is the first step they may serve."""
         row: dict[str, Any] = {}
-        with tracing.span("rollout.group", new_trace=True, step=step, **{"rlhf.group": tag.rstrip("-")}):
-            batch = self._generate(step, row, [example], first, tag)
+        with tracing.span("rollout.group", new_trace=True, step=step, **{"rlhf.group": tag.rstrip("-"),
+                                                                         "rlhf.groups": len(examples)}):
+            batch = self._generate(step, row, examples, first, tag)
         return Produced(batch, None, row)
 
     def _keep_group(self, produced: Produced) -> bool:
