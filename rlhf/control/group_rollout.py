@@ -73,7 +73,9 @@ class GroupPipeline:
         self.threads: list[threading.Thread] = []
         self.dropped_equal = 0  # since the last take (dynamic sampling's budget)
         self.dropped_stale = 0  # since the last take: groups past the staleness bound
-        self.idle_s = 0.0  # the producers' waits for room since the last take (summed over the workers)
+        self.idle_s = 0.0  # since the last take: the time with no call under way (rollout_idle_s)
+        self.calls = 0  # calls under way
+        self.idle_since = time.perf_counter()
         self.first_start: float | None = None  # when the first group of the next batch started
 
     # ------------------------------------------------------------------ the train side
@@ -136,7 +138,9 @@ class GroupPipeline:
             stale, self.dropped_stale = self.dropped_stale, 0
             equal, self.dropped_equal = self.dropped_equal, 0
             self.taken = batch
-            idle, self.idle_s = self.idle_s, 0.0
+            now = time.perf_counter()
+            idle = self.idle_s + (now - self.idle_since if self.calls == 0 else 0.0)
+            self.idle_s, self.idle_since = 0.0, now
             first, self.first_start = self.first_start, None
             waits = {"train_idle_s": time.perf_counter() - t0, "rollout_idle_s": idle,
                      "buffer_groups": len(self.buffer), "groups_dropped": stale}
@@ -174,6 +178,15 @@ class GroupPipeline:
 
     # ------------------------------------------------------------------ the producer's workers
 
+    def _busy(self, change: int) -> None:
+        """A call starts (+1) or ends (-1); the time with none under way adds up in idle_s (rollout_idle_s)."""
+        now = time.perf_counter()
+        if change > 0 and self.calls == 0:
+            self.idle_s += now - self.idle_since
+        self.calls += change
+        if self.calls == 0:
+            self.idle_since = now
+
     def _left(self) -> int:
         """How many more groups may start now (the module docstring's first rule)."""
         if self.version is None:
@@ -199,12 +212,11 @@ class GroupPipeline:
     def _work(self) -> None:
         while True:
             with self.cond:
-                t0 = time.perf_counter()
                 while not self.closed and self.error is None and not self._room():
                     self.cond.wait()
-                self.idle_s += time.perf_counter() - t0
                 if self.closed or self.error is not None:
                     return
+                self._busy(+1)
                 n = max(1, min(self.per_call, self._left()))  # groups in this call
                 first, step = self.started, self.taken + 1
                 self.started += n
@@ -223,6 +235,7 @@ class GroupPipeline:
             except BaseException as exc:  # noqa: BLE001 — the train side raises it when it takes a batch
                 with self.cond:
                     self.generating -= n
+                    self._busy(-1)
                     if self.error is None:
                         self.error = (step, exc)
                     self.cond.notify_all()
@@ -232,6 +245,7 @@ class GroupPipeline:
                 return
             with self.cond:
                 self.generating -= n
+                self._busy(-1)
                 for serial, group, keep in zip(range(first, first + n), groups, kept):
                     if not keep and self.dropped_equal < self.resample_rounds * self.p:
                         self.dropped_equal += 1
