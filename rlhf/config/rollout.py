@@ -52,8 +52,8 @@ class RolloutConfig:
     aborted samples are not continued from their tokens there (they are generated again when migrated)."""
     buffer: str = "batch"
     """rollout.mode async: what the producer generates and the buffer holds. batch: whole batches, each generated
-    with one call per server and ready when its slowest sample is. group: group by group, each group's call on its own
-    (round robin over the servers), a group in the buffer as soon as it ends; a step takes the first groups that
+    with one call per server and ready when its slowest sample is. group: group by group, calls of rollout.groups_per_call
+    groups (round robin over the servers), each group in the buffer as soon as its call ends; a step takes the first groups that
     fill its batch, each within rollout.max_staleness of the step by its oldest token, and a long-tail group joins a
     later step's batch instead of holding this one (docs/async.md)."""
     groups_per_call: int = 0
