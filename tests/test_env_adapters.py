@@ -111,6 +111,21 @@ def test_a_class_that_fits_no_interface_is_one_error_naming_the_shapes(envs):
         build_env("skyrl_gym:nope", {})
 
 
+def test_skyrl_gym_without_an_id_takes_each_rows_env_class():
+    """env.path skyrl_gym: each row's env_class picks its environment (SkyRL's datasets mix them); a row without
+    one, or with an id skyrl_gym does not know, is an error naming what it has."""
+    make = build_env("skyrl_gym", {})
+    env = make()
+    row = {"prompt": [{"role": "user", "content": "2+3?"}], "env_class": "gsm8k", "reward_spec": {"ground_truth": "5"}}
+    assert env.reset(row) == "" and type(env.env).__name__ == "GSM8kEnv"
+    assert env.step("so #### 5").reward == 1.0
+    with pytest.raises(EnvError, match="takes each row's environment from its env_class field; this row has none "
+                                       r"\(its fields: prompt\)"):
+        make().reset({"prompt": "2+3?"})
+    with pytest.raises(EnvError, match="no skyrl_gym environment 'nope'"):
+        make().reset({"prompt": "2+3?", "env_class": "nope"})
+
+
 def test_grpo_on_a_skyrl_format_dataset_with_skyrl_gyms_own_environment(tmp_path):
     """SkyRL's gsm8k environment, unchanged, on a SkyRL-format JSONL dataset (chat-message prompts, env_class,
     reward_spec, extra_info; no answer column): the run trains, each episode's reward is the environment's."""

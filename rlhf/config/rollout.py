@@ -146,8 +146,8 @@ class EnvConfig:
 
     path: str = ""
     """The environment: a built-in (tool_calls), path/to/file.py:Class or package.module:Class (reset(row) -> text,
-    step(action) -> StepResult), or another trainer's class run unchanged (a SkyRL-gym BaseTextEnv, skyrl_gym:<id>, a
-    gymnasium-style text environment: docs/environments.md); empty: one completion a prompt, no environment."""
+    step(action) -> StepResult), or another trainer's class run unchanged (a SkyRL-gym BaseTextEnv, skyrl_gym:<id>, skyrl_gym
+    for each row's env_class, a gymnasium-style text environment: docs/environments.md); empty: one completion a prompt, no environment."""
     tools: str = ""
     """tool_calls: the file (path/to/tools.py) or module whose public functions the model may call."""
     max_turns: int = 4

@@ -65,14 +65,20 @@ def _own_reset(cls: type) -> bool:
     return False
 
 
-def skyrl_class(spec: str) -> Any:
-    """env.path skyrl_gym:<id>: the class registered under that id in skyrl_gym."""
+def skyrl_registry(spec: str) -> dict[str, Any]:
+    """skyrl_gym's registered environments (EnvError naming `spec` when it is not installed)."""
     try:
         import skyrl_gym  # noqa: F401  (registers its environments)
         from skyrl_gym.envs.registration import registry
     except ImportError as exc:
         raise EnvError(f"env.path {spec!r}: skyrl_gym is not installed ({exc}); pip install skyrl-gym, or give "
                        "path/to/file.py:Class") from None
+    return registry
+
+
+def skyrl_class(spec: str) -> Any:
+    """env.path skyrl_gym:<id>: the class registered under that id in skyrl_gym."""
+    registry = skyrl_registry(spec)
     env_id = spec.split(":", 1)[1]
     if env_id not in registry:
         raise EnvError(f"env.path {spec!r}: no skyrl_gym environment {env_id!r} (registered: "
@@ -118,13 +124,24 @@ class Renderer:
 class SkyRLEnv(Env):
     """A SkyRL-gym BaseTextEnv behind the Env interface (module docstring)."""
 
-    def __init__(self, cls: type, env_config: dict[str, Any], renderer: Renderer) -> None:
+    def __init__(self, cls: type | None, env_config: dict[str, Any], renderer: Renderer,
+                 classes: dict[str, type] | None = None) -> None:
+        """cls None: each row's env_class, a skyrl_gym id (classes: those found so far, shared)."""
         super().__init__()
         self.cls, self.env_config, self.renderer = cls, EnvConfig(env_config), renderer
+        self.by_row, self._classes = cls is None, classes if classes is not None else {}
         self.env: Any = None
         self.messages: list[dict[str, Any]] = []
 
     def reset(self, row: dict[str, Any]) -> str:
+        if self.by_row:  # env.path skyrl_gym: each row's env_class, as SkyRL picks a dataset row's environment
+            env_class = row.get("env_class")
+            if not isinstance(env_class, str) or not env_class:
+                raise EnvError(f"env.path skyrl_gym takes each row's environment from its env_class field; this row "
+                               f"has {'none' if env_class is None else repr(env_class)} (its fields: "
+                               f"{', '.join(map(str, row))}); or give env.path skyrl_gym:<id> for every row")
+            self.cls = self._classes.get(env_class) or self._classes.setdefault(
+                env_class, skyrl_class(f"skyrl_gym:{env_class}"))
         name = f"{self.cls.__module__}.{self.cls.__qualname__}"
         try:
             self.env = self.cls(self.env_config, dict(row))
@@ -197,11 +214,12 @@ class GymnasiumEnv(Env):
         self.env = None
 
 
-def adapter(cls: type, kind: str, options: dict[str, Any], tokenizer: Any = None) -> Callable[[], Env]:
-    """A factory of Env instances over another trainer's environment class."""
+def adapter(cls: type | None, kind: str, options: dict[str, Any], tokenizer: Any = None) -> Callable[[], Env]:
+    """A factory of Env instances over another trainer's environment class (skyrl, cls None: each row's
+    env_class)."""
     if kind == "skyrl":
-        renderer = Renderer(tokenizer)
-        return lambda: SkyRLEnv(cls, options, renderer)
+        renderer, classes = Renderer(tokenizer), {}
+        return lambda: SkyRLEnv(cls, options, renderer, classes)
     params = inspect.signature(cls).parameters
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         options = {k: v for k, v in options.items() if k in params}

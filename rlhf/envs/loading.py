@@ -14,9 +14,12 @@ from rlhf.tasks.scoring import load_module
 def build_env(spec: str, options: dict[str, Any] | None = None, tokenizer: Any = None) -> Callable[[], Env]:
     """A factory of fresh environments from env.path: a built-in name, path/to/file.py:Class or
     package.module:Class (an Env subclass, or any class with reset(row) and step(action)), or another trainer's
-    environment run unchanged (rlhf.envs.adapters: a SkyRL-gym BaseTextEnv, skyrl_gym:<id>, a gymnasium-style
-    text environment; `tokenizer` renders their chat-message observations)."""
+    environment run unchanged (rlhf.envs.adapters: a SkyRL-gym BaseTextEnv, skyrl_gym:<id>, skyrl_gym (each row's
+    env_class), a gymnasium-style text environment; `tokenizer` renders their chat-message observations)."""
     spec = spec.strip()
+    if spec == "skyrl_gym":  # each row's env_class (SkyRL-format datasets), resolved as the row's episode starts
+        adapters.skyrl_registry(spec)  # installed: said now, not at the first episode
+        return _checked(adapters.adapter(None, "skyrl", dict(options or {}), tokenizer))
     if spec.startswith("skyrl_gym:"):
         return _checked(adapters.adapter(adapters.skyrl_class(spec), "skyrl", dict(options or {}), tokenizer))
     if ":" not in spec:
