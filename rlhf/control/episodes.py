@@ -122,7 +122,7 @@ class Episodes:
                     log.warning("step %d: rollout-%d failed a turn of %d episodes (%s: %s); it leaves the step, "
                                 "their turns go to %s", step, r, len(take), type(exc).__name__, str(exc)[:200],
                                 ", ".join(f"rollout-{a}" for a in sorted(alive)))
-                    self.fanout.migrated += len(take)
+                    run.migrated += len(take)  # (on the loop's thread: the caller adds it up)
                     async with changed:
                         run.ready.update((k, loop.time()) for k in take)
                         changed.notify_all()
@@ -280,6 +280,7 @@ class Episodes:
                        for i, first in zip(k_example, firsts)]
         params = {**sampling, **({"stop": self.stop, "no_stop_trim": True} if self.stop else {})}
         self.fanout.loop.run(self._drive(step, run, ids_of, params, g))
+        self.fanout.migrated += run.migrated
         open_ids = [ids_of[k] for k in range(n) if k not in run.closed]  # ended here (the turn limit, no answer)
         if open_ids:
             self._env("/close", {"ids": open_ids}, step)
@@ -336,4 +337,5 @@ class _Run:
         self.ready: dict[int, float] = {k: 0.0 for k in range(n)}  # waiting for a turn: since (loop time)
         self.stepping: dict[int, float] = {}  # at env-0 now: since
         self.left = n  # episodes not ended
+        self.migrated = 0  # episodes whose turn went to another server than planned
         self.idle = 0  # rollout servers waiting for episodes

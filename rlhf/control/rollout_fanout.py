@@ -52,6 +52,7 @@ class RolloutFanout:
         self.episodes: Any = None  # control.episodes.Episodes with env.path: each sample a multi-turn episode
         self._waiting: dict[str, list[float]] = {}  # rollout-R -> since when each of its /generate calls waits
         self._local = threading.local()  # what one call (one thread's) counts: rollout.buffer group runs several
+        self._last_migrated = 0
         self.store = False  # rollout.data_plane store (set by the controller): rows stay in the rollout servers
         self.next_row = 0  # the next row id (rollout.data_plane store: unique in the run)
         self._rows_lock = threading.Lock()
@@ -63,12 +64,13 @@ class RolloutFanout:
 
     @property
     def migrated(self) -> int:
-        """Samples of this thread's last call generated (or continued) on another server than planned."""
-        return getattr(self._local, "migrated", 0)
+        """Samples of the last call generated (or continued) on another server than planned: this thread's last call
+        (rollout.buffer group runs several at once), or, from a thread that made none, the last call's."""
+        return getattr(self._local, "migrated", self._last_migrated)
 
     @migrated.setter
     def migrated(self, value: int) -> None:
-        self._local.migrated = value
+        self._local.migrated = self._last_migrated = value
 
     async def generate_on(self, client: Client, step: int, input_ids: list[list[int]],
                           sampling: dict[str, Any] | list[dict[str, Any]], logprobs: bool,
