@@ -6,6 +6,8 @@ import subprocess
 import sys
 import threading
 
+import pytest
+
 from rlhf.batch import StepBatch
 from rlhf.control.async_rollout import Produced
 from rlhf.control.group_rollout import GroupPipeline
@@ -99,6 +101,7 @@ def test_groups_start_only_while_their_version_may_still_serve_a_step_and_stale_
     pipeline.close(wait_s=5)
 
 
+@pytest.mark.slow  # the suite's time (~16 s): the rules above run by default; this is their wiring on real processes
 def test_an_async_run_trains_on_groups(tmp_path):
     """rollout.buffer group on real processes: 2 rollout servers, K = 2; every step trains a whole batch of groups,
     each within the staleness bound."""
