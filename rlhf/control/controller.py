@@ -215,25 +215,13 @@ class Controller(RunLifecycle):
             servers = list(self.services.rollout)
             try:
                 completions = self.survival.survive(after, {}, "the evaluation", lambda: self.fanout.greedy(examples),
-                                                    resync=lambda: self._eval_weights(after, servers))
+                                                    lambda: self.weights.after_restart(servers, after),
+                                                    again="running it again")
             finally:
                 self.events.notify("rollout_end", -1)
             score = accuracy(completions, examples, self.rewards.reward)
             sp.set_attribute("rlhf.eval_accuracy", score)
             return score
-
-    def _eval_weights(self, step: int, servers: list[Any]) -> None:
-        """The weights for rollout servers started again during an evaluation: the version the others hold, where it
-        is still kept; else every server gets the trainer's weights as they are now (a WARNING says so)."""
-        new = [r for r, client in enumerate(self.services.rollout) if r >= len(servers) or client is not servers[r]]
-        version = self.weights.catch_up(new, step) if new else ""
-        if version:
-            log.warning("step %d: the evaluation goes on with rollout-%s on weights version %s, the version the servers "
-                        "held (loaded again from where it is kept)", step, ",".join(map(str, new)), version)
-            return
-        log.warning("step %d: weights version %s is not kept where a new server could load it; the evaluation goes "
-                    "on with the trainer's weights as they are now on every rollout server", step, step)
-        self.weights.update(f"{step}-eval", step)
 
     def eval_note(self) -> str:
         return f" ({len(self.task.split('eval'))} problems, greedy)"

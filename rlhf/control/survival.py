@@ -89,11 +89,12 @@ class RolloutSurvival:
         return ""
 
     def survive(self, step: int, row: dict[str, Any], during: str, call: Callable[[], Any],
-                resync: Callable[[], Any] | None = None, services_only: bool = False) -> Any:
+                resync: Callable[[], Any] | None = None, services_only: bool = False,
+                again: str = "generating the step's prompts again") -> Any:
         """call(); when a rollout server it needed went down meanwhile (RpcConnectionError naming it) and
         restart_rollout starts it again, `call` runs once more: after `resync` (the revived servers first get this
-        step's weights), when no server was left to migrate the work to (their scheduler died, and they with it).
-        Any other failure, or with restart_rollout off, is raised."""
+        step's weights), when no server was left to migrate the work to (their scheduler died, and they with it);
+        `again` says in the WARNING what is done then. Any other failure, or with restart_rollout off, is raised."""
         starts, revivals = dict(self.services.starts), self.services.revivals
         try:
             return call()
@@ -106,8 +107,7 @@ class RolloutSurvival:
                 return call()
             if services_only:
                 raise
-            then = ("running it again" if during == "the evaluation" else "generating the step's prompts again") \
-                if resync else "updating again"
+            then = again if resync else "updating again"
             if not self.revived(step, row, exc, during, then):
                 raise
             if resync is not None:

@@ -81,40 +81,47 @@ class WeightSync(BroadcastUpdate):
             return self.loop.run(self._update_distributed(version, step))
         t0 = time.perf_counter()
         if not cfg.resilience.private_weights_dir and self.latest_slot and cfg.rollout.backend == "native":
-            path = os.path.join(self.run_dir, "checkpoints", self.latest_slot)
+            path, kept = os.path.join(self.run_dir, "checkpoints", self.latest_slot), ""  # a slot is rewritten
         else:
-            path = os.path.join(self.run_dir, "weights", "latest")
+            path = kept = os.path.join(self.run_dir, "weights", "latest")
             self.workers.call("save_weights_dir", {"path": path}, step=step, stage="weights_update")
         upload = time.perf_counter() - t0
         t1 = time.perf_counter()
         self.loop.gather(*self._load_from_disk(path, version, step))
-        self.held = (version, path if path.endswith(os.path.join("weights", "latest")) else "")  # a slot is rewritten
+        self.held = (version, kept)
         return {"upload_s_max": upload, "update_s_max": time.perf_counter() - t1}
 
-    def catch_up(self, servers: list[int], step: int) -> str:
-        """Rollout servers started again after the last update (an evaluation's loss): the version the others hold,
-        from where it is still kept (meta: the MetaServer's copy; disk: the weights directory), not the trainer's
-        weights, which have moved on since. Returns that version; '' when it is not kept (the update fell back to
-        disk, a checkpoint slot, distributed mode), and nothing was sent."""
+    def after_restart(self, before: list[Any], step: int) -> None:
+        """Weights for the rollout servers started again after the last update (an evaluation's loss; `before`: the
+        servers' clients then): the version the others hold, from where it is still kept (meta: the MetaServer's
+        copy; disk: the weights directory), not the trainer's weights, which have moved on since. Where it is not
+        kept (the update fell back to disk, a checkpoint slot, distributed mode), every server gets the trainer's
+        weights as they are now; a WARNING says which."""
+        new = [r for r, c in enumerate(self.services.rollout) if r >= len(before) or c is not before[r]]
         version, where = self.held
-        if not version or not where:
-            return ""
-        url = self.services.metaserver_url
-        calls = [self.services.rollout[r].call(
-            "/update_weights_from_meta", {"metaserver_url": url, "weight_version": version, "consumer": r,
-                                          "wait_s": self.cfg.weights.update_timeout_s,
-                                          "timeout_s": self.cfg.weights.update_timeout_s},
-            timeout_s=self.cfg.weights.update_timeout_s + OUTER_MARGIN_S, stage="weights_update", step=step)
-            if where == "meta" else self.services.rollout[r].call(
-                "/update_weights_from_disk", {"model_path": where, "weight_version": version},
-                timeout_s=self.cfg.weights.update_timeout_s, stage="weights_update", step=step) for r in servers]
-        self.loop.gather(*calls)
-        return version
+        if new and version and where:
+            self.loop.gather(*(self._pull_meta(r, version, step) for r in new) if where == "meta" else
+                             self._load_from_disk(where, version, step, new))
+            log.warning("step %d: rollout-%s loaded weights version %s again, the version the servers held", step,
+                        ",".join(map(str, new)), version)
+            return
+        log.warning("step %d: weights version %s is not kept where a new server could load it; every rollout server "
+                    "gets the trainer's weights as they are now", step, version or step)
+        self.update(f"{step}-again", step)
 
-    def _load_from_disk(self, path: str, version: str, step: int) -> list[Any]:
+    def _pull_meta(self, r: int, version: str, step: int) -> Any:
+        """Rollout server r's pull of `version` from the MetaServer; the server's own wait ends first, so its error
+        (not our timeout) comes back."""
+        wait = self.cfg.weights.update_timeout_s
+        return self.services.rollout[r].call(
+            "/update_weights_from_meta", {"metaserver_url": self.services.metaserver_url, "weight_version": version,
+                                          "consumer": r, "wait_s": wait, "timeout_s": wait},
+            timeout_s=wait + OUTER_MARGIN_S, stage="weights_update", step=step)
+
+    def _load_from_disk(self, path: str, version: str, step: int, servers: list[int] | None = None) -> list[Any]:
         return [c.call("/update_weights_from_disk", {"model_path": path, "weight_version": version},
                        timeout_s=self.cfg.weights.update_timeout_s, stage="weights_update", step=step)
-                for c in self.services.rollout]
+                for r, c in enumerate(self.services.rollout) if servers is None or r in servers]
 
     async def _update_meta(self, version: str, step: int) -> dict[str, float]:
         cfg, url = self.cfg, self.services.metaserver_url
@@ -138,13 +145,8 @@ class WeightSync(BroadcastUpdate):
                                "uploaders": uploaders},
             timeout_s=cfg.weights.upload_timeout_s, stage="weights_update", step=step,
             ranks=list(range(uploaders)) if uploaders < len(self.workers) else None)]
-        updates = [asyncio.ensure_future(timed(c.call(
-            "/update_weights_from_meta", {"metaserver_url": url, "weight_version": version, "consumer": r,
-                                          "wait_s": cfg.weights.update_timeout_s,
-                                          "timeout_s": cfg.weights.update_timeout_s},
-            # the server's own wait ends first, so its error (not our timeout) comes back
-            timeout_s=cfg.weights.update_timeout_s + OUTER_MARGIN_S, stage="weights_update", step=step)))
-            for r, c in enumerate(self.services.rollout)]
+        updates = [asyncio.ensure_future(timed(self._pull_meta(r, version, step)))
+                   for r in range(len(self.services.rollout))]
         if not cfg.resilience.weights_fallback:
             times = await asyncio.gather(*uploads, *updates)  # upload and update in parallel; wait for both sides
         else:
