@@ -7,6 +7,7 @@ import sys
 import threading
 
 import pytest
+import torch
 
 from rlhf.batch import StepBatch
 from rlhf.control.async_rollout import Produced
@@ -138,3 +139,31 @@ def test_a_call_of_several_groups_puts_each_in_the_buffer_on_its_own():
     assert produced.row["rollout_migrated"] == 3 * 2  # two calls, counted once each
     assert produced.batch["sample_index"] == list(range(8))
     pipeline.close(wait_s=5)
+
+
+def test_dynamic_sampling_scores_each_group_once_and_the_step_takes_its_rewards():
+    """algorithm.resample_rounds with groups: keep() scores a group as it ends (the rewards stay in it, their means
+    with it); a step's batch carries the kept groups' rewards and the mean of their means, so the step does not
+    score them again (the controller scores only a batch without rewards)."""
+    scored = []
+
+    def keep(produced):
+        example = produced.batch["example"][0]
+        scored.append(example)
+        rewards = [1.0, 1.0] if example % 2 == 0 else [0.0, float(example)]  # even examples: one reward, dropped
+        produced.batch["rewards"] = torch.tensor(rewards)
+        produced.means["reward_x"] = sum(rewards) / 2
+        return example % 2 == 1
+
+    groups = Groups(slow=set())
+    groups.pipeline = pipeline = GroupPipeline(
+        groups.produce, groups.draw, keep, max_staleness=1, last_step=1, prompts_per_step=2, group_size=2,
+        servers=2, sampler_state=lambda: {}, resample_rounds=2)
+    pipeline.start(1, version=0)
+    produced, waits = pipeline.take(1)
+    pipeline.close(wait_s=5)
+    kept = _examples(produced)
+    assert all(e % 2 == 1 for e in kept) and waits["resampled_groups"] >= 1
+    assert produced.batch["rewards"].tolist() == [r for e in kept for r in (0.0, float(e))]
+    assert produced.means == {"reward_x": sum(e / 2 for e in kept) / 2}
+    assert sorted(scored) == sorted(set(scored))  # each group scored once

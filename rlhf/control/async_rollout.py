@@ -39,12 +39,14 @@ ASYNC_COLUMNS = ("staleness_mean", "staleness_max", "off_policy_fraction", "buff
 @dataclass
 class Produced:
     """One step's batch as the producer left it: the batch (rewards in it when dynamic sampling scored it), the first
-    round's rewards (dynamic sampling), the steps.csv columns its stages wrote and their seconds."""
+    round's rewards (dynamic sampling), the steps.csv columns its stages wrote and their seconds; means: the reward
+    functions' means (steps.csv reward_<name>) when the producer scored the batch (dynamic sampling by groups)."""
 
     batch: Any
     first: Any = None
     row: dict[str, Any] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    means: dict[str, float] = field(default_factory=dict)
 
 
 class RolloutPipeline:

@@ -152,8 +152,10 @@ class Controller(RunLifecycle):
         produced = self.rollout.batch(step, row, clock)
         batch, first = produced.batch, produced.first
         with clock.stage("reward"):
-            if first is None:
+            if "rewards" not in batch.keys():  # not scored by dynamic sampling already
                 batch["rewards"] = self.rewards.score(step, batch, row)
+            else:
+                row.update(produced.means)
             shares, split = self.trainer.split(step, batch)
         with clock.stage("advantage"):
             stats = self.trainer.advantages(batch, shares, first)

@@ -148,6 +148,9 @@ class GroupPipeline:
                 waits.update(resampled_groups=equal, resample_prompts=equal)
             self.cond.notify_all()  # room for the next groups
         parts = [g for _s, _v, g in taken]
+        scored = all("rewards" in p.batch.keys() for p in parts)  # by dynamic sampling, as each group ended
+        for p in parts if not scored else []:  # a group that was not (none are, or a restart mixed them): all again
+            p.batch.data.pop("rewards", None)
         merged = StepBatch.concat([p.batch for p in parts], self.group_size, strict=False)
         merged["sample_index"] = list(range(len(merged)))
         row: dict[str, Any] = {}
@@ -155,7 +158,9 @@ class GroupPipeline:
             for key, value in p.row.items():
                 row[key] = row.get(key, 0) + value if key in ADD and isinstance(value, (int, float)) else value
         seconds = {"rollout": time.perf_counter() - first} if first is not None else {}
-        return Produced(merged, None, row, seconds), waits
+        means = {key: sum(p.means.get(key, 0.0) for p in parts) / len(parts) for key in parts[0].means} if scored \
+            else {}  # every group has group_size samples: the batch's mean is the groups' mean
+        return Produced(merged, None, row, seconds, means), waits
 
     def restart(self, batch: int, restore: Callable[[dict], None]) -> None:
         """After a producer failed and the train side survived what failed it: the workers start again; the groups

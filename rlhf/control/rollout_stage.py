@@ -204,10 +204,11 @@ class RolloutStage:
         return Produced(batch, None, row)
 
     def _keep_group(self, produced: Produced) -> bool:
-        """Dynamic sampling by groups: False for a group whose samples all got one reward (scored now, as it ends)."""
+        """Dynamic sampling by groups: False for a group whose samples all got one reward (scored now, as it ends).
+        The group keeps its rewards and their means: the step that takes it does not score it again."""
         with self._scoring:  # the reward functions keep their last means: one group at a time
-            rewards = self.rewards.score(-1, produced.batch, None)
-        return not equal_groups(rewards, self.cfg.group_size)
+            produced.batch["rewards"] = self.rewards.score(-1, produced.batch, produced.means)
+        return not equal_groups(produced.batch["rewards"], self.cfg.group_size)
 
     def _generate(self, step: int, row: dict[str, Any], examples: list[Any], first: int = 0, tag: str = "") -> Any:
         """The rollout of `examples` (group_size samples each), surviving a lost rollout server (sync) or env-0 (both
