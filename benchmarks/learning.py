@@ -14,6 +14,9 @@ all got the same reward (they carry no advantage), and a summary per setup:
   calculator          3-digit products with the calculator tool, episodes through the environment server; the warm
                       start learns the call format from the environment's demonstrations (examples/envs/calculator.py)
   calculator-no-tool  the same products answered in the model's head (the tool is what learns: stays near 0)
+  calculator-agent    the same products through an agent written with the openai package
+                      (examples/agents/calculator_agent.py: agent.path, its completions trained on token for token);
+                      the warm start on the Calculator environment's demonstrations (sft.env_path)
 
     python benchmarks/learning.py                                   # default at seeds 1-5, the others at 1-3
     python benchmarks/learning.py --setups default --seeds 2 -- --train.lr 2e-4      # one seed, one override
@@ -35,13 +38,16 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 GOALS = {"default": 0.15, "2-rank": 0.15, "hf-dir": 0.10, "async-k1": 0.15, "async-k2": 0.15, "calculator": 0.15,
-         "calculator-no-tool": None}
+         "calculator-no-tool": None, "calculator-agent": 0.15}
 PRODUCTS = ["--task.operations", "*", "--task.max_operand", "999", "--model.name", "tiny-llama-256",
             "--rollout.prompts_per_step", "16", "--steps", "60", "--sft.max_steps", "1000", "--sft.batch_size", "64",
             "--sft.eval_every", "5", "--task.val_size", "64"]
 CALCULATOR = {"calculator": PRODUCTS + ["--env.path", "examples/envs/calculator.py:Calculator",
                                         "--sampling.max_new_tokens", "80", "--env.max_turns", "2"],
-              "calculator-no-tool": PRODUCTS + ["--sampling.max_new_tokens", "8"]}
+              "calculator-no-tool": PRODUCTS + ["--sampling.max_new_tokens", "8"],
+              "calculator-agent": PRODUCTS + ["--agent.path", "examples/agents/calculator_agent.py:agent",
+                                              "--sft.env_path", "examples/envs/calculator.py:Calculator",
+                                              "--sampling.max_new_tokens", "80", "--env.max_turns", "2"]}
 ASYNC = {"async-k1": ["--rollout.mode", "async", "--rollout.max_staleness", "1"],
          "async-k2": ["--rollout.mode", "async", "--rollout.max_staleness", "2"]}
 

@@ -34,13 +34,24 @@ def input_problems(cfg: Config, world: int | None = None) -> list[str]:
         target = spec.rpartition(":")[0]
         if target.endswith(".py") and not os.path.isfile(target):
             problems.append(f"reward.functions: file {target!r} does not exist (from {os.getcwd()})")
-    for key, value in (("env.path", cfg.env.path.rpartition(":")[0]), ("env.tools", cfg.env.tools)):
+    for key, value in (("env.path", cfg.env.path.rpartition(":")[0]), ("env.tools", cfg.env.tools),
+                       ("sft.env_path", cfg.sft.env_path.rpartition(":")[0])):
         if value.endswith(".py") and not os.path.isfile(value):
             problems.append(f"{key}: file {value!r} does not exist (from {os.getcwd()})")
-    if cfg.env.path and not problems:  # imported here, as the reward functions are: a bad class is one line now
-        try:
-            build_env(cfg.env.path, env_options(cfg))
+    for path in (p for p in (cfg.env.path, cfg.sft.env_path) if p and not problems):  # imported here, as the
+        try:                                                                             # reward functions are
+            build_env(path, env_options(cfg))
         except (EnvError, ValueError) as err:
+            problems.append(str(err) if path == cfg.env.path else f"sft.env_path: {err}")
+    agent_file = cfg.agent.path.rpartition(":")[0]
+    if agent_file.endswith(".py") and not os.path.isfile(agent_file):
+        problems.append(f"agent.path: file {agent_file!r} does not exist (from {os.getcwd()})")
+    elif cfg.agent.path:
+        from rlhf.control.agents import load_agent
+
+        try:
+            load_agent(cfg.agent.path)
+        except ValueError as err:
             problems.append(str(err))
     if cfg.reward_model.path:
         problem = check_reward_model_dir(cfg.reward_model.path)

@@ -77,7 +77,8 @@ def test_tool_calls_are_parsed_from_the_hermes_format_and_rendered_back():
                {"role": "assistant", "content": "", "tool_calls": calls},
                {"role": "tool", "tool_call_id": calls[0]["id"], "content": "12"}]
     rendered = tok.decode(render_chat(history, None, tok))
-    assert rendered == '3*4? <tool_call>{"name": "multiply", "arguments": {"a": 3, "b": 4}}</tool_call>12'
+    assert rendered == '3*4? <tool_call>{"name":"multiply","arguments":{"a":3,"b":4}}</tool_call>' \
+                       '<tool_response>12</tool_response>'
     assert tok.decode(render_chat([{"role": "user", "content": "12+34="}], None, tok)) == "12+34="
 
 

@@ -40,6 +40,7 @@ from rlhf.config.parse import (
 from rlhf.config.presets import PRESETS, preset_default, preset_real_model, preset_smoke
 from rlhf.config.resilience import FAITHFUL, HARDENED, Policy
 from rlhf.config.sections import (
+    AgentConfig,
     AlgorithmConfig,
     CheckpointConfig,
     Config,
@@ -62,7 +63,7 @@ from rlhf.config.sections import (
     WeightsConfig,
 )
 
-__all__ = ["FAITHFUL", "HARDENED", "MOVED_KEYS", "PRESETS", "AlgorithmConfig",
+__all__ = ["FAITHFUL", "HARDENED", "MOVED_KEYS", "PRESETS", "AgentConfig", "AlgorithmConfig",
            "CheckpointConfig", "Config", "ConfigError", "EnvConfig", "LoggerConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "Policy",
            "PreflightConfig", "RewardConfig", "RewardModelConfig", "RolloutConfig", "RuntimeConfig", "SFTConfig",
            "SamplingConfig", "SglangConfig", "TaskConfig", "TimeoutsConfig", "TracingConfig", "WeightsConfig",

@@ -201,3 +201,26 @@ class EnvConfig:
         if self.path == "tool_calls" and not self.tools:
             raise ConfigError("env.tools: env.path tool_calls needs the file or module of its tools "
                               "(e.g. --env.tools examples/envs/calculator.py)")
+
+
+@dataclass
+class AgentConfig:
+    """An agent harness drives the policy (docs/environments.md, "Agents"): your function, given an OpenAI client whose
+    base URL is the run's rollout side and the dataset row, runs any loop with any tools; every completion it makes is
+    recorded token for token and trained on. Off by default."""
+
+    path: str = ""
+    """The agent: path/to/file.py:fn or package.module:fn; `async def fn(client, row)` gets an openai.AsyncOpenAI,
+    `def fn(client, row)` an openai.OpenAI (run in a thread); it returns the episode's reward, or None to leave it to
+    the reward functions (which score its last completion's text). Empty: no agent."""
+    max_calls: int = 8
+    """The most completions an episode may ask for; the next one is answered with OpenAI's 400 error."""
+    timeout_s: float = 300.0
+    """Wall seconds an episode may run; past them the step fails naming the agent's row and its last call (the
+    stall watchdog, runtime.watchdog_stall_s, names an episode that has made no call for that long before)."""
+
+    def __post_init__(self) -> None:
+        _positive("agent.max_calls", self.max_calls)
+        _positive("agent.timeout_s", self.timeout_s)
+        if self.path and ":" not in self.path.rsplit("/", 1)[-1]:
+            raise ConfigError(f"agent.path: {self.path!r} names no function (path/to/file.py:fn or package.module:fn)")

@@ -14,7 +14,7 @@ import yaml
 from rlhf.config.checks import ConfigError, _positive
 from rlhf.config.resilience import Policy
 from rlhf.config.reward import RewardConfig, RewardModelConfig
-from rlhf.config.rollout import EnvConfig, RolloutConfig, SamplingConfig, SglangConfig
+from rlhf.config.rollout import AgentConfig, EnvConfig, RolloutConfig, SamplingConfig, SglangConfig
 from rlhf.config.services import (
     CheckpointConfig,
     LoggerConfig,
@@ -35,7 +35,7 @@ from rlhf.config.workload import (
     TaskConfig,
 )
 
-__all__ = ["PARALLEL_LAYOUTS", "AlgorithmConfig", "CheckpointConfig", "Config", "EnvConfig", "LoggerConfig", "ModelConfig", "OptimConfig",
+__all__ = ["PARALLEL_LAYOUTS", "AgentConfig", "AlgorithmConfig", "CheckpointConfig", "Config", "EnvConfig", "LoggerConfig", "ModelConfig", "OptimConfig",
            "ParallelConfig", "PreflightConfig", "RewardConfig", "RewardModelConfig", "RolloutConfig", "RuntimeConfig",
            "SFTConfig", "SamplingConfig", "SglangConfig", "SimConfig", "TaskConfig", "TimeoutsConfig", "TracingConfig",
            "WeightsConfig"]
@@ -43,7 +43,7 @@ __all__ = ["PARALLEL_LAYOUTS", "AlgorithmConfig", "CheckpointConfig", "Config", 
 
 @dataclass
 class Config:
-    """The whole run: one section per component (model, task, reward, reward_model, rollout, sampling, sglang, env, train,
+    """The whole run: one section per component (model, task, reward, reward_model, rollout, sampling, sglang, env, agent, train,
     parallel, algorithm, sft, weights, runtime, timeouts, checkpoint, preflight, tracing, logger, sim, resilience)."""
 
     seed: int = 1
@@ -62,6 +62,7 @@ class Config:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     sglang: SglangConfig = field(default_factory=SglangConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     train: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -100,6 +101,20 @@ class Config:
             if self.env.path or self.reward_model.path:
                 raise ConfigError("sim.train_ranks: a simulated world has no environment or reward model server yet "
                                   "(leave env.path and reward_model.path empty)")
+        if self.agent.path:
+            held = [f"{name} {value!r}" for name, value, ok in (
+                ("env.path", self.env.path, not self.env.path),
+                ("rollout.data_plane", self.rollout.data_plane, self.rollout.data_plane != "store"),
+                ("rollout.buffer", self.rollout.buffer, self.rollout.buffer != "group"),
+                ("sim.train_ranks", self.sim.train_ranks, not self.sim.enabled),
+                ("rollout.interrupt", self.rollout.interrupt,
+                 self.rollout.mode != "async" or self.rollout.interrupt != "abort")) if not ok]
+            if held:
+                raise ConfigError(f"agent.path: an agent's episodes may become several samples each (a template that "
+                                  f"re-renders its history), which {', '.join(held)} cannot take (leave env.path "
+                                  "empty, rollout.data_plane auto or controller, rollout.buffer batch, "
+                                  "no simulated world, rollout.interrupt retract or in_place: an aborted "
+                                  "call would end the agent's turn)")
         if self.data_plane == "store":
             held = [f"{name} {value!r}" for name, value, ok in (
                 ("rollout.backend", self.rollout.backend, self.rollout.backend == "native"),
@@ -124,7 +139,7 @@ class Config:
         controller otherwise."""
         if self.rollout.data_plane != "auto":
             return self.rollout.data_plane
-        return "store" if self.sim.enabled else "controller"
+        return "store" if self.sim.enabled and not self.agent.path else "controller"
 
     @property
     def drift_threshold(self) -> float:

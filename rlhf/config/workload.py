@@ -188,6 +188,10 @@ class SFTConfig:
     """SFT baseline: 'controller' (the controller decides every step) or 'per_rank_duration' (each rank trains until its own clock says duration_s passed: the seeds' sync stall)."""
     duration_s: float = 30.0
     """per_rank_duration: how long each rank trains by its own wall clock (rlhf.clock), seconds."""
+    env_path: str = ""
+    """The environment whose demonstrations the warm start trains on and whose greedy episodes give its val accuracy
+    (as env.path does; empty: env.path's). With agent.path, the environment that teaches the model what the agent's
+    episodes look like (e.g. examples/envs/calculator.py:Calculator for examples/agents/calculator_agent.py)."""
 
     def __post_init__(self) -> None:
         _positive("sft.max_steps", self.max_steps, allow_zero=True)

@@ -37,6 +37,7 @@ from typing import Any
 from rlhf import tracing
 from rlhf.checkpoint import slots as ckpt
 from rlhf.config import Config
+from rlhf.control.agents import AGENT_COLUMNS, Agents, agent_columns
 from rlhf.control.async_rollout import ASYNC_COLUMNS, staleness_columns
 from rlhf.control.episodes import EPISODE_COLUMNS, Episodes, episode_columns
 from rlhf.control.events import ColocationEvents
@@ -85,6 +86,9 @@ class Controller(RunLifecycle):
         if cfg.env.path:  # each sample a multi-turn episode, its environment at env-0 (control/episodes.py)
             self.fanout.episodes = Episodes(cfg.env, self.fanout, self.services, cfg.runtime.watchdog_stall_s,
                                             cfg.resilience)
+        if cfg.agent.path:  # each sample an agent's completions (control/agents.py), through its OpenAI gateway
+            self.fanout.episodes = Agents(cfg.agent.path, cfg.agent.max_calls, cfg.agent.timeout_s, self.fanout,
+                                          token, cfg.runtime.watchdog_stall_s, cfg.resilience)
         self.survival = RolloutSurvival(cfg.resilience, self.services)
         self.rewards = RewardStage(cfg.reward, cfg.reward_model, cfg.rollout.group_size, cfg.algorithm.resample_rounds,
                                    self.loop, self.services, self.survival)
@@ -97,7 +101,8 @@ class Controller(RunLifecycle):
                         *ColocationEvents.columns, *RolloutSurvival.columns, "saves_failed", "stragglers", "eval_accuracy",
                         *self.rewards.columns, *ASYNC_COLUMNS,
                         *(("groups_dropped",) if cfg.rollout.buffer == "group" else ()),
-                        *((*EPISODE_COLUMNS, "reward_env") if cfg.env.path else ())]
+                        *((*EPISODE_COLUMNS, "reward_env") if cfg.env.path else ()),
+                        *(AGENT_COLUMNS if cfg.agent.path else ())]
         # the train layout: a batch is cut in layout.dp shares; the ranks of one TP group get the same share
         self.layout = self.workers.layout
         self.sft_result: dict[str, Any] = {}
@@ -162,7 +167,8 @@ class Controller(RunLifecycle):
         with clock.stage("reference"):
             batches = self.trainer.logprobs(step, shares, row)
         with clock.stage("train"):
-            merged = self.trainer.train(step, batches, len(batch) if row.get("dropped_groups") else None)
+            merged = self.trainer.train(step, batches, len(batch) if row.get("dropped_groups") or
+                                        "episode" in batch.keys() else None)  # groups out, or agents' samples
         row["weights_drift"] = self.weights.drift(step, {**merged, **row})  # row: the recompute pass's, if any
         row["saves_failed"] = self._save(step, clock)
         named = self.workers.watchdog.stragglers if self.workers.watchdog is not None else []
@@ -176,7 +182,7 @@ class Controller(RunLifecycle):
         return {**row, **stats, **merged, "seconds": seconds, "rollout_tokens": tokens,
                 "rollout_tokens_per_s": tokens / generating, "batch_size": len(batch),
                 "dp_imbalance": split["imbalance"], **staleness_columns(step, batch["weight_version"]),
-                **episode_columns(batch),
+                **episode_columns(batch), **agent_columns(batch),
                 **{f"{k}_s": v for k, v in clock.seconds.items()}}
 
     def _save(self, step: int, clock: TrackedClock) -> int:
@@ -247,6 +253,8 @@ class Controller(RunLifecycle):
 
     def stop_services(self) -> None:
         self.rollout.close()  # async: no batch starts now; one in flight ends as its servers stop
+        if isinstance(self.fanout.episodes, Agents):
+            self.fanout.episodes.close()
         self.services.stop(self.cleanup_level)
         self.rollout.close(wait_s=5.0)
 

@@ -51,6 +51,11 @@ class RewardStage:
             env_reward = torch.tensor(batch["env_reward"], dtype=rewards.dtype)
             rewards = rewards + env_reward
             means["reward_env"] = float(env_reward.mean())
+        if "agent_reward" in batch.keys():  # an agent's own reward (agent.path) is its episode's; NaN: it left it
+            own = torch.tensor(batch["agent_reward"], dtype=rewards.dtype)
+            rewards = torch.where(torch.isnan(own), rewards, own)
+            if not bool(torch.isnan(own).all()):
+                means["reward_agent"] = float(own[~torch.isnan(own)].mean())
         if self.fleet.reward is not None:
             def scores_of() -> torch.Tensor:
                 return self._reward_model_scores(step, batch["prompts"], batch["completions"])
@@ -88,8 +93,8 @@ class RewardStage:
         g = self.group_size
         replaced = drawn = 0
         for _ in range(self.resample_rounds):
-            equal = equal_groups(batch["rewards"], g)
-            if not equal:
+            equal = equal_groups(batch["rewards"], g) if batch.group_size == g else []
+            if not equal:  # none; or an agent's episodes as several samples each: groups cannot be swapped whole
                 break
             with clock.stage("rollout"):
                 examples = draw(len(equal))
@@ -97,6 +102,8 @@ class RewardStage:
             drawn += len(examples)
             with clock.stage("reward"):
                 extra["rewards"] = self.score(step, extra, None)
+            if extra.group_size != g:  # an agent's episodes as several samples: the batch stays as it is
+                break
             still = set(equal_groups(extra["rewards"], g))
             swap = dict(zip(equal, [i for i in range(len(extra) // g) if i not in still]))
             if swap:  # one take from both: group i stays, or becomes extra's group swap[i] (after batch's groups)
@@ -105,6 +112,8 @@ class RewardStage:
                     [n + swap[i] if i in swap else i for i in range(n)])
                 replaced += len(swap)
         batch["sample_index"] = list(range(len(batch)))
+        if "episode" in batch.keys() and batch.group_size == g:  # an agent's, one sample each: numbered again
+            batch["episode"] = list(range(len(batch)))
         row["resampled_groups"], row["resample_prompts"] = replaced, drawn
-        row["equal_groups_trained"] = len(equal_groups(batch["rewards"], g))
+        row["equal_groups_trained"] = len(equal_groups(batch["rewards"], g)) if batch.group_size == g else 0
         return batch

@@ -57,11 +57,29 @@ class TrainStage:
         """The whole batch's group advantages, each share's as its `advantages` column; returns the reward
         statistics of the step's first round (`first`, when dynamic sampling replaced groups: what the policy itself
         drew), else of the batch."""
+        if "episode" in batch.keys() and batch.group_size != self.group_size:  # an agent's episodes as several
+            # samples each (one sample each is a batch of groups as any other): the advantage is the episode's
+            return self._episode_advantages(batch, shares)
         advantages, stats = group_advantages(batch["rewards"], self.group_size, self.algorithm.scale_by_std)
         if first is not None:
             stats = group_advantages(first, self.group_size, self.algorithm.scale_by_std)[1]
         for share in shares:
             share["advantages"] = advantages[torch.tensor(share["sample_index"], dtype=torch.long)]
+        return stats
+
+    def _episode_advantages(self, batch: StepBatch, shares: list[StepBatch]) -> dict[str, Any]:
+        """agent.path: each episode's reward (its first sample's) against its group's episodes; every sample of an
+        episode gets the episode's advantage. The statistics are the episodes'."""
+        episodes = [int(e) for e in batch["episode"]]
+        firsts: dict[int, int] = {}
+        for i, e in enumerate(episodes):
+            firsts.setdefault(e, i)
+        order = {e: j for j, e in enumerate(sorted(firsts))}  # the episodes in order: groups of group_size
+        first = torch.tensor([firsts[e] for e in order], dtype=torch.long)  # each episode's first sample
+        episode = torch.tensor([order[e] for e in episodes], dtype=torch.long)
+        advantages, stats = group_advantages(batch["rewards"][first], self.group_size, self.algorithm.scale_by_std)
+        for share in shares:
+            share["advantages"] = advantages[episode[torch.tensor(share["sample_index"], dtype=torch.long)]]
         return stats
 
     def logprobs(self, step: int, shares: list[StepBatch], row: dict[str, Any]) -> list[dict[str, Any]]:

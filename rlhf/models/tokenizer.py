@@ -119,17 +119,21 @@ def has_chat(tokenizer: Any) -> bool:
 
 def chat_contents(conversation: list[dict[str, Any]]) -> str:
     """Chat messages for a model without role tokens: their contents one after the other, an assistant's tool calls
-    written back in the Hermes format (<tool_call>{"name", "arguments"}</tool_call>); a single user message is its
-    plain text, as a task's prompt."""
+    written back in the Hermes format as the tool_calls environment teaches it (<tool_call>{"name":..,"arguments":..}
+    </tool_call>, compact JSON) and a tool's answer as that environment gives it (<tool_response>..</tool_response>),
+    so an agent's history renders as the tokens its model made and read; a single user message is its plain text, as
+    a task's prompt."""
     parts = []
     for m in conversation:
         content = m.get("content")
-        parts.append("".join(p.get("text", "") for p in content if isinstance(p, dict))
-                     if isinstance(content, list) else str(content or ""))
+        text = ("".join(p.get("text", "") for p in content if isinstance(p, dict))
+                if isinstance(content, list) else str(content or ""))
+        parts.append(f"<tool_response>{text}</tool_response>" if m.get("role") == "tool" else text)
         for call in m.get("tool_calls") or []:
             fn = call.get("function") or {}
             args = fn.get("arguments")
             parts.append("<tool_call>" + json.dumps({"name": fn.get("name"), "arguments": json.loads(args) if
-                                                     isinstance(args, str) and args else args or {}}) + "</tool_call>")
+                                                     isinstance(args, str) and args else args or {}},
+                                                    separators=(",", ":")) + "</tool_call>")
     return "".join(parts)
 

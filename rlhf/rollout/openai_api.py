@@ -8,7 +8,7 @@ outputs into OpenAI's replies, streamed chunks and errors.
   `n`, `temperature`, `top_p`, `max_tokens` / `max_completion_tokens`, `stop`, `seed`, `logprobs` (chat: a bool and
   `top_logprobs`; completions: the number of top logprobs), `stream` (+ `stream_options.include_usage`), `tools` (the
   template's tools; `tool_calls` parsed from the text in the Hermes format, `<tool_call>{"name", "arguments"}
-  </tool_call>`), `tool_choice` `auto`/`none`. Fields the engine cannot honour are accepted at the value that
+  </tool_call>`, and a completion ends after its first call), `tool_choice` `auto`/`none`. Fields the engine cannot honour are accepted at the value that
   switches them off (`frequency_penalty` 0, `logit_bias` null, …); anything else is a 400 in OpenAI's error shape
   naming the `param`.
 - Replies: OpenAI's shape with `usage`, plus what training needs (sglang's and vLLM's extra fields): the request's
@@ -37,6 +37,7 @@ COMPLETION_FIELDS = (*COMMON, "prompt")
 CHAT_FIELDS = (*COMMON, "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice")
 ROLES = ("system", "developer", "user", "assistant", "tool")
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+CALL_END = "</tool_call>"  # with tools, a completion also stops after a call (kept in its text and token ids)
 DEFAULT_MAX_TOKENS = 128  # sglang's max_new_tokens default
 
 
@@ -169,6 +170,9 @@ def chat_request(body: Any, tokenizer: Any, cap: int | None = None) -> tuple[dic
                 "return_logprob": bool(logprobs), "top_logprobs_num": top or 0}
     meta = _meta(body, "chat", bool(logprobs), top or 0)
     meta["tools"] = bool(tools) and choice != "none"
+    if meta["tools"]:  # a turn ends with its call: the tool's answer comes before the model goes on
+        stop = generate["sampling_params"]["stop"]
+        generate["sampling_params"]["stop"] = [*([stop] if isinstance(stop, str) else stop or []), CALL_END]
     return generate, meta
 
 
@@ -258,7 +262,10 @@ def response(outputs: list[dict[str, Any]], meta: dict[str, Any], prompt_ids: li
     for index, out in enumerate(outputs):
         finish = _finish(out)
         if meta["kind"] == "chat":
-            text, calls = parse_tool_calls(out["text"]) if meta.get("tools") else (out["text"], [])
+            raw = out["text"]
+            if meta.get("tools") and (out["meta_info"].get("finish_reason") or {}).get("matched") == CALL_END:
+                raw += CALL_END  # the stop string the call ended with (its token ids have it)
+            text, calls = parse_tool_calls(raw) if meta.get("tools") else (raw, [])
             message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None,
                                        "refusal": None}
             if calls:

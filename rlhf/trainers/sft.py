@@ -61,7 +61,7 @@ def run_sft(
     demonstrate, make_env = _demonstrations(cfg)  # an environment's worked episodes, in place of the bare answers
     if demonstrate is not None:
         log.info("warm start on %s's demonstrations (its texts trained on, its answers masked); val accuracy from "
-                 "greedy episodes with the environment", cfg.env.path)
+                 "greedy episodes with the environment", cfg.sft.env_path or cfg.env.path)
     start = time.perf_counter()
     val_accuracy, step, stopped = float("nan"), 0, "max_steps"
     history = []
@@ -127,11 +127,12 @@ def _demonstrations(cfg: Any) -> tuple[Any, Any]:
     """With env.path: a function from examples to the environment's demonstrations (Env.demonstration), and the
     environment's factory (the val episodes); (None, None) when it gives none (the warm start then trains on the
     answers, as without an environment)."""
-    if not cfg.env.path:
+    path = cfg.sft.env_path or cfg.env.path
+    if not path:
         return None, None
     from rlhf.envs import build_env
 
-    make = build_env(cfg.env.path, {"tools": cfg.env.tools} if cfg.env.tools else {})
+    make = build_env(path, {"tools": cfg.env.tools} if cfg.env.tools else {})
     if getattr(type(make()), "demonstration", Env.demonstration) is Env.demonstration:
         return None, None
 

@@ -1,0 +1,559 @@
+"""An agent harness drives the policy (agent.path): the user's function runs each episode with an OpenAI client,
+and every completion it asks for is recorded token for token and trained on.
+
+    agents = Agents(cfg.agent, fanout, token, stall_s, policy)   # set as fanout.episodes: the rollout's samples
+    batch = agents.generate(step, examples)   # rollout.group_size episodes of every example, their samples:
+        prompt_ids, output_ids, logprobs, loss_mask, token_versions   each sample's tokens as the servers made them
+        episode        the episode a sample belongs to (an episode may be several samples)
+        agent_reward   the agent's own reward (NaN: it returned None, the reward functions score it)
+    agents.greedy(examples)                   # evaluation: one episode of every example at temperature 0
+    agents.close()
+
+The gateway is an HTTP server in the controller's process (127.0.0.1, a port of its own, the run token as the API
+key). Each episode's client has the base URL `http://127.0.0.1:PORT/e/<episode>/v1`: /v1/models,
+/v1/chat/completions and /v1/completions, forwarded to a rollout server's own OpenAI routes (the least busy one
+when the episode starts, then the same one: its prefix cache) with the run's sampling (its temperature and top_p,
+every call's max_tokens capped at sampling.max_new_tokens, as an environment's turn; n must be 1, a seed is
+dropped: the group's episodes must differ; at most agent.max_calls calls an episode) and the token ids, logprobs and weights versions asked for, which the
+reply carries back (the logprobs only if the agent asked for them). A stream is answered as server-sent events
+made from the whole reply. A server that fails a call is left for the episode's next server
+(resilience.migrate_requests; steps.csv rollout_migrated); with none left, the step fails with the server's error
+(not the agent's). Each call is a span `agent.call` (episode, row, call, server, tokens) over the server's.
+
+An episode's calls become one sample when each call's prompt extends the previous call's prompt and output (the
+tokens in between, the tool's answers and the template's markup, are the observation: logprob 0, out of the loss,
+as with env.path), and several samples when one does not (a template that renders history again); each sample of an
+episode gets the episode's advantage (its reward against the other episodes of its group). steps.csv: agent_calls,
+agent_merged (episodes trained as one sample), agent_split (episodes trained as several).
+
+The stall watchdog (runtime.watchdog_stall_s) names an episode whose agent has made no call for that long (its row,
+its last call); agent.timeout_s fails the step naming it. An agent that raises fails the step with its error, its row
+and its last call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import json
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from aiohttp import web
+from opentelemetry import context as otel_context
+
+from rlhf import tracing
+from rlhf.analysis import WATCHDOG_REPORT_ONLY
+from rlhf.batch import DistributedBatchMemory
+from rlhf.config import Policy
+from rlhf.control.rollout_fanout import migratable
+from rlhf.control.watchdog import POLL_S
+from rlhf.errors import HTTPStatusError, SyncStall
+from rlhf.rollout.openai_api import error_body
+from rlhf.transport.client import LoopThread
+
+log = logging.getLogger("rlhf.controller")
+
+AGENT_COLUMNS = ("agent_calls", "agent_merged", "agent_split", "reward_agent")  # steps.csv
+ROUTES = {"chat/completions": "chat", "completions": "completion"}
+
+
+class AgentError(RuntimeError):
+    """The user's agent failed an episode: which agent, which row, after which call, and its own error."""
+
+
+def load_agent(spec: str) -> tuple[Callable[..., Any], bool]:
+    """agent.path -> (the function, whether it is a coroutine function); ValueError says what is wrong with it."""
+    from rlhf.tasks.scoring import load_module
+
+    target, _, attr = spec.strip().rpartition(":")
+    module = load_module(target, "agent")
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        have = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_"))
+        raise ValueError(f"agent.path {spec!r}: {target} has no function {attr!r} (its functions: "
+                         f"{', '.join(have) or 'none'})")
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError:
+        where = f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}" if inspect.isfunction(fn) else target
+        raise ValueError(f"agent.path {spec!r} ({where}): an agent is fn(client, row), called with an OpenAI client "
+                         f"and the dataset row; {attr}{inspect.signature(fn)} cannot take them") from None
+    try:
+        import openai  # noqa: F401 — the client the agent is given
+    except ImportError:
+        raise ValueError(f"agent.path {spec!r}: an agent is given an OpenAI client, and the openai package is not "
+                         "installed (pip install openai)") from None
+    return fn, inspect.iscoroutinefunction(fn)
+
+
+@dataclass
+class Call:
+    """One completion an episode asked for, as the rollout server made it."""
+
+    prompt_ids: list[int]
+    ids: list[int]
+    lps: list[float]
+    versions: list[str]
+    text: str
+    server: int
+
+
+@dataclass
+class Episode:
+    id: str
+    k: int  # its place in the step's episodes (group k // group_size)
+    row: dict[str, Any]
+    step: int
+    greedy: bool
+    calls: list[Call] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+    last: float = field(default_factory=time.monotonic)  # its last call's end (or its start)
+    in_flight: str = ""  # the call under way now: "call 3 on rollout-1"
+    server: int | None = None
+    infra: BaseException | None = None  # a rollout server's failure the agent was answered with
+    warned: bool = False
+    trace: Any = None  # the step's tracing context: its calls' spans are the rollout stage's children
+
+    def last_call(self) -> str:
+        if self.in_flight:
+            return f"{self.in_flight}, under way for {time.monotonic() - self.last:.1f} s"
+        if not self.calls:
+            return "no call yet"
+        c = self.calls[-1]
+        return (f"call {len(self.calls)} on rollout-{c.server} ({len(c.ids)} tokens: {c.text[-60:]!r}), ended "
+                f"{time.monotonic() - self.last:.1f} s ago")
+
+
+class Gateway:
+    """The agents' OpenAI endpoint (module docstring); runs on the fanout's event loop."""
+
+    def __init__(self, fanout: Any, token: str, max_calls: int, policy: Policy | None) -> None:
+        self.fanout, self.token, self.max_calls, self.policy = fanout, token, max_calls, policy
+        self.episodes: dict[str, Episode] = {}
+        self.lock = threading.Lock()
+        self.busy: dict[int, int] = {}  # calls under way per rollout server
+        self.dead: set[int] = set()  # servers that failed a call this step (left for the others)
+        self.migrated = 0
+        self.told: set[str] = set()  # the run's sampling settings an agent asked to change: said once each
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    def start(self) -> str:
+        async def up() -> str:
+            app = web.Application(client_max_size=64 << 20)
+            app.router.add_route("GET", "/e/{episode}/v1/models", self.models)
+            app.router.add_route("POST", "/e/{episode}/v1/{route:.+}", self.complete)
+            self.runner = web.AppRunner(app, access_log=None)
+            await self.runner.setup()
+            site = web.TCPSite(self.runner, "127.0.0.1", 0)
+            await site.start()
+            port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            return f"http://127.0.0.1:{port}"
+
+        self.url = self.fanout.loop.run(up())
+        return self.url
+
+    def stop(self) -> None:
+        if self.runner is not None:
+            self.fanout.loop.run(self.runner.cleanup())
+            self.runner = None
+
+    def _episode(self, request: web.Request) -> Episode | web.Response:
+        if request.headers.get("Authorization", "") != f"Bearer {self.token}":
+            return web.json_response(error_body("the API key is not this run's token", None, "authentication_error",
+                                                "invalid_api_key"), status=401)
+        with self.lock:
+            ep = self.episodes.get(request.match_info["episode"])
+        if ep is None:
+            return web.json_response(error_body(f"episode {request.match_info['episode']!r} is not running (it "
+                                                "ended, or its step failed)", None, "not_found_error"), status=404)
+        return ep
+
+    async def models(self, request: web.Request) -> web.Response:
+        ep = self._episode(request)
+        if isinstance(ep, web.Response):
+            return ep
+        reply, _ = await self.fanout.services.rollout[0].call("/v1/models", method="GET", stage="rollout",
+                                                               step=ep.step, traced=False)
+        return web.json_response(reply)
+
+    def _tell(self, key: str, message: str) -> None:
+        if key not in self.told:
+            self.told.add(key)
+            log.warning("agent: %s", message)
+
+    def _request(self, ep: Episode, kind: str, body: dict[str, Any]) -> tuple[dict[str, Any], bool, bool]:
+        """The agent's request with the run's sampling; (body, stream asked, logprobs asked). A ValueError is the
+        agent's 400 (its message, its param as args[1])."""
+        sp = self.fanout.sampling
+        if len(ep.calls) >= self.max_calls:
+            raise ValueError(f"episode {ep.id} has made its agent.max_calls {self.max_calls} calls", None)
+        if body.get("n") not in (None, 1):
+            raise ValueError(f"n must be 1 in a GRPO episode (the group is the run's rollout.group_size "
+                             f"episodes), got {body['n']!r}", "n")
+        cap = sp.max_new_tokens  # a call's, as an environment's turn's
+        asked = body.pop("max_completion_tokens", None) or body.get("max_tokens")
+        body["max_tokens"] = min(int(asked), cap) if isinstance(asked, int) and asked > 0 else cap
+        if body.pop("seed", None) is not None:
+            self._tell("seed", "a seed in the agent's requests is dropped (a group's episodes must differ)")
+        run = {"temperature": 0.0} if ep.greedy else {"temperature": sp.temperature, "top_p": sp.top_p}
+        for key, value in run.items():
+            if body.get(key) is not None and body[key] != value and not ep.greedy:
+                self._tell(key, f"the agent asked {key} {body[key]!r}; the run samples at {value!r} "
+                                f"(sampling.{key}: what GRPO trains on)")
+            body[key] = value
+        if ep.greedy:
+            body.pop("top_p", None)
+        stream = bool(body.pop("stream", False))
+        body.pop("stream_options", None)
+        if kind == "chat":
+            asked_lp = bool(body.get("logprobs"))
+            body["logprobs"] = True
+        else:
+            asked_lp = body.get("logprobs") is not None
+            if not asked_lp:
+                body["logprobs"] = 0  # the chosen tokens' logprobs, no alternatives
+        return body, stream, asked_lp
+
+    def _server(self, ep: Episode) -> int:
+        servers = range(len(self.fanout.services.rollout))
+        alive = [r for r in servers if r not in self.dead]
+        if not alive:
+            raise RuntimeError("no rollout server left")
+        if ep.server is None or ep.server not in alive:
+            ep.server = min(alive, key=lambda r: (self.busy.get(r, 0), r))
+        return ep.server
+
+    async def complete(self, request: web.Request) -> web.StreamResponse:
+        ep = self._episode(request)
+        if isinstance(ep, web.Response):
+            return ep
+        kind = ROUTES.get(request.match_info["route"])
+        if kind is None:
+            return web.json_response(error_body(f"no route /v1/{request.match_info['route']} (the gateway has "
+                                                "/v1/models, /v1/chat/completions, /v1/completions)"), status=404)
+        try:
+            body = json.loads(await request.read() or b"null")
+            if not isinstance(body, dict):
+                raise ValueError("the request body must be a JSON object", None)
+            body, stream, asked_lp = self._request(ep, kind, body)
+        except ValueError as exc:
+            message, param = (exc.args + (None,))[:2] if len(exc.args) > 1 else (str(exc), None)
+            return web.json_response(error_body(str(message), param), status=400)
+        n = len(ep.calls) + 1
+        attached = otel_context.attach(ep.trace) if ep.trace is not None else None
+        try:
+            return await self._forward(request, ep, kind, body, stream, asked_lp, n)
+        finally:
+            if attached is not None:
+                otel_context.detach(attached)
+
+    async def _forward(self, request: web.Request, ep: Episode, kind: str, body: dict[str, Any], stream: bool,
+                       asked_lp: bool, n: int) -> web.StreamResponse:
+        with tracing.span("agent.call", stage="rollout", step=ep.step,
+                          **{"rlhf.episode": ep.id, "rlhf.row": ep.k, "rlhf.call": n}) as sp:
+            while True:
+                try:
+                    r = self._server(ep)
+                except RuntimeError:
+                    assert ep.infra is not None
+                    return web.json_response(error_body(f"the rollout servers failed: {ep.infra}", None,
+                                                        "server_error"), status=502)
+                ep.in_flight = f"call {n} on rollout-{r}"
+                self.busy[r] = self.busy.get(r, 0) + 1
+                try:
+                    reply, _ = await self.fanout.services.rollout[r].call(f"/v1/{request.match_info['route']}", body,
+                                                                          stage="rollout", step=ep.step)
+                    break
+                except HTTPStatusError as exc:  # the server's OpenAI error (a 400: the agent's request): passed on
+                    if exc.status >= 500:
+                        ep.infra = exc
+                    return web.Response(text=exc.text, status=exc.status, content_type="application/json")
+                except Exception as exc:  # noqa: BLE001 — a server lost: its episodes go on elsewhere, or the step fails
+                    ep.infra = exc
+                    migrate = self.policy is not None and self.policy.migrate_requests and migratable(exc)
+                    with self.lock:
+                        self.dead.add(r)
+                    if migrate and len(self.dead) < len(self.fanout.services.rollout):
+                        self.migrated += 1
+                        log.warning("agent: rollout-%d failed episode %s's call %d (%s: %s); it goes on on another "
+                                    "server", r, ep.id, n, type(exc).__name__, exc)
+                        continue
+                    return web.json_response(error_body(f"rollout-{r}: {type(exc).__name__}: {exc}", None,
+                                                        "server_error"), status=502)
+                finally:
+                    self.busy[r] -= 1
+                    ep.in_flight = ""
+                    ep.last = time.monotonic()
+            choice = reply["choices"][0]
+            call = _recorded(reply, choice, kind, r)
+            sp.set_attribute("rlhf.server", f"rollout-{r}")
+            sp.set_attribute("rlhf.tokens", len(call.ids))
+        ep.calls.append(call)
+        if not asked_lp:
+            choice["logprobs"] = None
+        if not stream:
+            return web.json_response(reply)
+        return await _as_events(request, reply, kind)
+
+
+def _recorded(reply: dict[str, Any], choice: dict[str, Any], kind: str, server: int) -> Call:
+    ids = [int(i) for i in choice["token_ids"]]
+    logprobs = choice.get("logprobs") or {}
+    lps = [float(c["logprob"]) for c in logprobs.get("content") or []] if kind == "chat" else \
+        [float(x) for x in logprobs.get("token_logprobs") or []]
+    if len(lps) != len(ids):
+        raise RuntimeError(f"rollout-{server} answered {len(ids)} token ids and {len(lps)} logprobs")
+    versions = [str(v) for v in choice.get("output_token_weight_versions") or
+                [choice.get("weight_version") or ""] * len(ids)]
+    text = choice.get("text") if kind == "completion" else (choice.get("message") or {}).get("content")
+    return Call([int(i) for i in reply["prompt_token_ids"]], ids, lps, versions, text or "", server)
+
+
+async def _as_events(request: web.Request, reply: dict[str, Any], kind: str) -> web.StreamResponse:
+    """A whole reply as OpenAI's server-sent events: the text in one chunk, then the finish (with the token ids,
+    versions and tool calls), then [DONE]."""
+    out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await out.prepare(request)
+    base = {k: reply[k] for k in ("id", "created", "model")}
+    choice = reply["choices"][0]
+    extra = {k: choice[k] for k in ("token_ids", "weight_version", "output_token_weight_versions") if k in choice}
+    if kind == "chat":
+        message = choice["message"]
+        delta: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
+        last: dict[str, Any] = {}
+        if message.get("tool_calls"):
+            last["tool_calls"] = [{**c, "index": i} for i, c in enumerate(message["tool_calls"])]
+        chunks = [{"index": 0, "delta": delta, "finish_reason": None, "logprobs": choice.get("logprobs")},
+                  {"index": 0, "delta": last, "finish_reason": choice["finish_reason"], **extra}]
+        kind_name = "chat.completion.chunk"
+    else:
+        chunks = [{"index": 0, "text": choice["text"], "finish_reason": None, "logprobs": choice.get("logprobs")},
+                  {"index": 0, "text": "", "finish_reason": choice["finish_reason"], **extra}]
+        kind_name = "text_completion"
+    for c in chunks:
+        await out.write(b"data: " + json.dumps({**base, "object": kind_name, "choices": [c]}).encode() + b"\n\n")
+    await out.write(b"data: " + json.dumps({**base, "object": kind_name, "choices": [], "usage": reply["usage"]})
+                    .encode() + b"\n\n")
+    await out.write(b"data: [DONE]\n\n")
+    await out.write_eof()
+    return out
+
+
+def samples_of(calls: list[Call]) -> list[dict[str, Any]]:
+    """An episode's calls as samples: a call whose prompt extends the sample so far (its prompt and output) joins
+    it, the tokens between them as an observation (logprob 0, mask 0); any other call starts a sample."""
+    samples: list[dict[str, Any]] = []
+    for c in calls:
+        cur = samples[-1] if samples else None
+        so_far = cur["prompt_ids"] + cur["output_ids"] if cur is not None else None
+        if so_far is not None and len(c.prompt_ids) >= len(so_far) and c.prompt_ids[:len(so_far)] == so_far:
+            seen = c.prompt_ids[len(so_far):]
+            cur["output_ids"] += seen + c.ids
+            cur["logprobs"] += [0.0] * len(seen) + c.lps
+            cur["loss_mask"] += [0] * len(seen) + [1] * len(c.ids)
+            cur["token_versions"] += [""] * len(seen) + c.versions
+            cur["turns"] += 1
+        else:
+            samples.append({"prompt_ids": list(c.prompt_ids), "output_ids": list(c.ids), "logprobs": list(c.lps),
+                            "loss_mask": [1] * len(c.ids), "token_versions": list(c.versions), "turns": 1})
+    return samples
+
+
+class Agents:
+    def __init__(self, spec: str, max_calls: int, timeout_s: float, fanout: Any, token: str, stall_s: float = 0.0,
+                 policy: Policy | None = None) -> None:
+        self.spec, self.timeout_s, self.fanout, self.token = spec, timeout_s, fanout, token
+        self.stall_s, self.policy = stall_s, policy
+        self.fn, self.is_async = load_agent(spec)
+        self.gateway = Gateway(fanout, token, max_calls, policy)
+        self.loop: LoopThread | None = None  # the agents' own event loop: theirs blocks nothing of the run's
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None  # a plain function's episodes
+
+    def start(self) -> None:
+        if not self.gateway.url:
+            log.info("agent %s: its OpenAI endpoint is %s/e/<episode>/v1", self.spec, self.gateway.start())
+        if self.is_async and self.loop is None:
+            self.loop = LoopThread("agent-loop")
+        if not self.is_async and self.pool is None:
+            self.pool = concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="agent")
+
+    def close(self) -> None:
+        self.gateway.stop()
+        if self.loop is not None:  # episodes still running (a failed step's) end first: their clients close
+            async def drain() -> None:
+                tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+            try:
+                self.loop.run(drain(), timeout=10.0)
+            except concurrent.futures.TimeoutError:
+                log.warning("agent: episodes still running 10 s after the run asked them to stop; left behind")
+            self.loop.close()
+            self.loop = None
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool = None
+
+    @property
+    def dropped(self) -> int:
+        return 0  # an agent's episodes are never dropped: a failure fails the step
+
+    def generate(self, step: int, examples: list[Any], tag: str = "") -> DistributedBatchMemory:
+        """A GRPO batch: rollout.group_size episodes of every example (module docstring)."""
+        g = self.fanout.rollout.group_size
+        eps, rewards = self._run(step, examples, g, False, tag)
+        return self._batch(step, examples, g, eps, rewards)
+
+    def greedy(self, examples: list[Any]) -> list[str]:
+        """Evaluation: one episode of every example at temperature 0; each one's last completion's text."""
+        eps, _rewards = self._run(-1, examples, 1, True)
+        return [ep.calls[-1].text for ep in eps]
+
+    def _run(self, step: int, examples: list[Any], g: int, greedy: bool, tag: str = ""
+             ) -> tuple[list[Episode], list[float]]:
+        self.start()
+        gw = self.gateway
+        self.fanout.migrated = 0
+        gw.dead, gw.migrated = set(), 0
+        eps = [Episode(f"{step}-{tag}{k}", k, {"prompt": examples[k // g].prompt, "answer": examples[k // g].answer,
+                                               **examples[k // g].fields}, step, greedy)
+               for k in range(g * len(examples))]
+        here = otel_context.get_current()
+        for e in eps:
+            e.trace = here
+        with gw.lock:
+            gw.episodes.update({e.id: e for e in eps})
+        try:
+            rewards = self._wait(step, eps, [self._launch(e) for e in eps])
+        finally:
+            with gw.lock:
+                for e in eps:
+                    gw.episodes.pop(e.id, None)
+        self.fanout.migrated = gw.migrated
+        return eps, rewards
+
+    def _launch(self, ep: Episode) -> concurrent.futures.Future:
+        import openai
+
+        url, timeout = f"{self.gateway.url}/e/{ep.id}/v1", self.timeout_s
+        if self.is_async:
+            assert self.loop is not None
+
+            async def one() -> Any:
+                client = openai.AsyncOpenAI(base_url=url, api_key=self.token, max_retries=0, timeout=timeout)
+                try:
+                    return await self.fn(client, dict(ep.row))
+                finally:
+                    await client.close()
+
+            return asyncio.run_coroutine_threadsafe(one(), self.loop.loop)
+
+        def plain() -> Any:
+            with openai.OpenAI(base_url=url, api_key=self.token, max_retries=0, timeout=timeout) as client:
+                return self.fn(client, dict(ep.row))
+
+        assert self.pool is not None
+        return self.pool.submit(plain)
+
+    def _wait(self, step: int, eps: list[Episode], futures: list[concurrent.futures.Future]) -> list[float]:
+        """Every episode's reward (NaN: none returned); the first failure (a server's before the agent's, which it
+        caused), a stall past agent.timeout_s or the watchdog's finding fails the step, the others cancelled."""
+        try:
+            while True:
+                done, _ = concurrent.futures.wait(futures, POLL_S, return_when=concurrent.futures.FIRST_EXCEPTION)
+                for ep, f in zip(eps, futures):
+                    if f.done() and f.exception() is not None:
+                        self._failed(step, ep, f.exception())
+                if len(done) == len(futures):
+                    break
+                now = time.monotonic()
+                for ep, f in zip(eps, futures):
+                    if f.done():
+                        continue
+                    if now - ep.started > self.timeout_s:
+                        raise AgentError(f"step {step}: agent {self.spec} ran episode {ep.id} (row {ep.k}: "
+                                         f"{ep.row['prompt']!r}) past agent.timeout_s {self.timeout_s:g} s; its "
+                                         f"last call: {ep.last_call()}")
+                    if self.stall_s and not ep.warned and not ep.in_flight and now - ep.last > self.stall_s:
+                        ep.warned = True
+                        found = (f"agent {self.spec} has made no call in episode {ep.id} (row {ep.k}: "
+                                 f"{ep.row['prompt']!r}) for {now - ep.last:.1f} s at step {step}; its last call: "
+                                 f"{ep.last_call()}; {sum(x.done() for x in futures)} of {len(futures)} episodes "
+                                 "ended meanwhile")
+                        if self.policy is not None and self.policy.stall_stops_run:
+                            raise SyncStall(f"stall watchdog (step {step}, stage rollout, agent): {found}")
+                        log.error("stall watchdog (step %d, stage rollout, agent): %s; %s", step, found,
+                                  WATCHDOG_REPORT_ONLY)
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+        rewards = []
+        for ep, f in zip(eps, futures):
+            value = f.result()
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise AgentError(f"step {step}: agent {self.spec} returned {value!r} for episode {ep.id} (row "
+                                 f"{ep.k}); an agent returns its episode's reward (a number) or None (the reward "
+                                 "functions score its last completion)")
+            if not ep.calls:
+                raise AgentError(f"step {step}: agent {self.spec} ended episode {ep.id} (row {ep.k}: "
+                                 f"{ep.row['prompt']!r}) without a completion: nothing to train on (an agent calls "
+                                 "the model at least once)")
+            rewards.append(math.nan if value is None else float(value))
+        return rewards
+
+    def _failed(self, step: int, ep: Episode, exc: BaseException) -> None:
+        if ep.infra is not None:  # the agent failed on a rollout server's failure: that is the step's error
+            raise ep.infra
+        raise AgentError(f"step {step}: agent {self.spec} failed episode {ep.id} (row {ep.k}: {ep.row['prompt']!r}) "
+                         f"after {len(ep.calls)} call(s); its last call: {ep.last_call()}: {type(exc).__name__}: "
+                         f"{exc}") from exc
+
+    def _batch(self, step: int, examples: list[Any], g: int, eps: list[Episode], rewards: list[float]
+               ) -> DistributedBatchMemory:
+        rows: list[dict[str, Any]] = []
+        merged = split = 0
+        for ep, reward in zip(eps, rewards):
+            samples = samples_of(ep.calls)
+            merged, split = merged + (len(samples) == 1), split + (len(samples) > 1)
+            e = examples[ep.k // g]
+            for s in samples:
+                rows.append({**s, "episode": ep.k, "agent_reward": reward, "agent_calls": len(ep.calls),
+                             "completions": ep.calls[-1].text, "prompts": e.prompt, "answers": e.answer,
+                             "fields": e.fields})
+        if step >= 0:
+            log.debug("step %d: %d agent episodes, %d as one sample, %d as several", step, len(eps), merged, split)
+        columns = ("prompt_ids", "output_ids", "logprobs", "loss_mask", "token_versions", "episode",
+                   "agent_reward", "agent_calls", "completions", "prompts", "answers", "fields")
+        memory = DistributedBatchMemory({
+            "sample_index": list(range(len(rows))), **{c: [r[c] for r in rows] for c in columns},
+            "num_tokens": [len(r["prompt_ids"]) + len(r["output_ids"]) for r in rows],
+            "weight_version": [next((v for v in r["token_versions"] if v), "") for r in rows],
+        }, g if len(rows) == len(eps) else 1, strict=False)
+        return memory
+
+
+def agent_columns(batch: Any) -> dict[str, float]:
+    """The step's agent statistics (steps.csv); {} without an agent."""
+    if "episode" not in batch.keys():
+        return {}
+    firsts = {}
+    for episode, calls, reward in zip(batch["episode"], batch["agent_calls"], batch["agent_reward"]):
+        firsts.setdefault(episode, (calls, reward))
+    per_sample = {}
+    for episode in batch["episode"]:
+        per_sample[episode] = per_sample.get(episode, 0) + 1
+    own = [r for _c, r in firsts.values() if not math.isnan(r)]
+    return {"agent_calls": sum(c for c, _r in firsts.values()),
+            "agent_merged": sum(1 for n in per_sample.values() if n == 1),
+            "agent_split": sum(1 for n in per_sample.values() if n > 1),
+            **({"reward_agent": sum(own) / len(own)} if own else {})}
