@@ -77,6 +77,7 @@ def test_an_agent_drives_grpo_through_the_gateway_and_its_tokens_are_trained_on(
     run_dir = tmp_path / "run"
     out = subprocess.run([sys.executable, f"{ROOT}/examples/grpo_trainer.py", "--preset", "smoke", "--steps", "2",
                           "--sft.max_steps", "0", "--rollout.servers", "2", "--sampling.max_new_tokens", "8",
+                          "--task.eval_size", "8",
                           "--agent.path", f"{ROOT}/tests/token_agent.py:agent", "--run-dir", str(run_dir)],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -60,6 +60,7 @@ def test_atomic_slot_replaces_the_old_one_whole_and_leaves_no_staging(tmp_path):
     model, opt = _model_and_optimizer(0)
     _save(str(tmp_path), "latest_odd", 1, True, model, opt)
     _save(str(tmp_path), "latest_odd", 3, True, model, opt)
+    ckpt.wait_removals()  # the replaced slot is removed beside the run (the process waits for it at exit)
     assert sorted(os.listdir(tmp_path)) == ["latest_odd"]
     assert json.loads((tmp_path / "latest_odd" / ckpt.META).read_text())["step"] == 3
     assert ckpt.slot_for_step(3) == "latest_odd" and ckpt.slot_for_step(4) == "latest_even"
