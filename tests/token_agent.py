@@ -16,6 +16,12 @@ def agent(client, row):
     first = client.completions.create(model="p", prompt=row["prompt"], max_tokens=10_000, seed=7, temperature=1.7)
     assert first.usage.completion_tokens <= 8, first.usage  # capped by the run's sampling.max_new_tokens
     assert first.choices[0].logprobs is None  # not asked for: not given, though the run recorded them
+    try:
+        client.completions.create(model="p", prompt=row["prompt"], logprobs=3)
+    except openai.BadRequestError as exc:  # top logprobs: not during GRPO
+        assert exc.body["param"] == "logprobs", exc.body
+    else:
+        raise AssertionError("the gateway gave top logprobs")
     ids = first.model_extra["prompt_token_ids"] + first.choices[0].model_extra["token_ids"]
     second = client.completions.create(model="p", prompt=ids + [ord("=")], max_tokens=2, logprobs=0)
     assert len(second.choices[0].logprobs.token_logprobs) == len(second.choices[0].model_extra["token_ids"])

@@ -11,14 +11,16 @@ and every completion it asks for is recorded token for token and trained on.
 
 The gateway is an HTTP server in the controller's process (127.0.0.1, a port of its own, the run token as the API
 key). Each episode's client has the base URL `http://127.0.0.1:PORT/e/<episode>/v1`: /v1/models,
-/v1/chat/completions and /v1/completions, forwarded to a rollout server's own OpenAI routes (the least busy one
-when the episode starts, then the same one: its prefix cache) with the run's sampling (its temperature and top_p,
-every call's max_tokens capped at sampling.max_new_tokens, as an environment's turn; n must be 1, a seed is
-dropped: the group's episodes must differ; at most agent.max_calls calls an episode) and the token ids, logprobs and weights versions asked for, which the
-reply carries back (the logprobs only if the agent asked for them). A stream is answered as server-sent events
-made from the whole reply. A server that fails a call is left for the episode's next server
-(resilience.migrate_requests; steps.csv rollout_migrated); with none left, the step fails with the server's error
-(not the agent's). Each call is a span `agent.call` (episode, row, call, server, tokens) over the server's.
+/v1/chat/completions and /v1/completions, parsed as a rollout server parses them (rlhf.rollout.openai_api: the
+model's chat template, OpenAI's checks and 400 errors) with the run's sampling (its temperature, top_p and top_k,
+every call's max_tokens capped at sampling.max_new_tokens as an environment's turn; n must be 1, a seed is dropped:
+the group's episodes must differ; at most agent.max_calls calls an episode). The calls that reach one server within
+BATCH_WAIT_S go as one /generate call (a native engine runs one call at a time), to the least busy server when the
+episode starts and the same one after; the reply is built as the server's OpenAI route builds it, with the prompt's
+and the completion's token ids and versions (and the chosen tokens' logprobs when the agent asked). A stream is
+answered as server-sent events made from the whole reply. A server that fails a call is left for the episode's next
+server (resilience.migrate_requests; steps.csv rollout_migrated); with none left, the step fails with the server's
+error (not the agent's). Each call is a span `agent.call` (episode, row, call, server, tokens) in the step's trace.
 
 An episode's calls become one sample when each call's prompt extends the previous call's prompt and output (the
 tokens in between, the tool's answers and the template's markup, are the observation: logprob 0, out of the loss,
@@ -50,16 +52,18 @@ from opentelemetry import context as otel_context
 from rlhf import tracing
 from rlhf.batch import DistributedBatchMemory
 from rlhf.config import Policy
-from rlhf.control.rollout_fanout import migratable
+from rlhf.control.rollout_fanout import migratable, token_versions
 from rlhf.control.watchdog import POLL_S
-from rlhf.errors import HTTPStatusError
-from rlhf.rollout.openai_api import error_body
+from rlhf.errors import BadRequest
+from rlhf.rollout.openai_api import OpenAIBadRequest, chat_request, completion_request, error_body, response
+from rlhf.rollout.sglang_api import parse_generate
 from rlhf.transport.client import LoopThread
 
 log = logging.getLogger("rlhf.controller")
 
 AGENT_COLUMNS = ("agent_calls", "agent_merged", "agent_split", "reward_agent")  # steps.csv
 ROUTES = {"chat/completions": "chat", "completions": "completion"}
+BATCH_WAIT_S = 0.05  # the calls that reach a server within this long go as one /generate call
 
 
 class AgentError(RuntimeError):
@@ -137,6 +141,7 @@ class Gateway:
         self.episodes: dict[str, Episode] = {}
         self.lock = threading.Lock()
         self.busy: dict[int, int] = {}  # calls under way per rollout server
+        self.pending: dict[int, list[tuple[list[int], dict[str, Any], asyncio.Future]]] = {}  # to batch, per server
         self.dead: set[int] = set()  # servers that failed a call this step (left for the others)
         self.migrated = 0
         self.told: set[str] = set()  # the run's sampling settings an agent asked to change: said once each
@@ -187,15 +192,20 @@ class Gateway:
             self.told.add(key)
             log.warning("agent: %s", message)
 
-    def _request(self, ep: Episode, kind: str, body: dict[str, Any]) -> tuple[dict[str, Any], bool, bool]:
-        """The agent's request with the run's sampling; (body, stream asked, logprobs asked). A ValueError is the
-        agent's 400 (its message, its param as args[1])."""
+    def _request(self, ep: Episode, kind: str, body: dict[str, Any]) -> tuple[list[int], dict[str, Any], dict]:
+        """The agent's request with the run's sampling, parsed as the rollout server parses it (its template, its
+        checks): (the prompt's token ids, its sampling_params, what the reply needs). OpenAIBadRequest is the agent's
+        400 (the field in its param)."""
         sp = self.fanout.sampling
         if len(ep.calls) >= self.max_calls:
-            raise ValueError(f"episode {ep.id} has made its agent.max_calls {self.max_calls} calls", None)
+            raise OpenAIBadRequest(f"episode {ep.id} has made its agent.max_calls {self.max_calls} calls")
         if body.get("n") not in (None, 1):
-            raise ValueError(f"n must be 1 in a GRPO episode (the group is the run's rollout.group_size "
-                             f"episodes), got {body['n']!r}", "n")
+            raise OpenAIBadRequest(f"n must be 1 in a GRPO episode (the group is the run's rollout.group_size "
+                                   f"episodes), got {body['n']!r}", "n")
+        if body.get("top_logprobs") or (kind == "completion" and body.get("logprobs")):
+            raise OpenAIBadRequest("top logprobs are not given during GRPO (the chosen tokens' logprobs are: "
+                                   "logprobs true, or 0 for /v1/completions)", "top_logprobs" if kind == "chat"
+                                   else "logprobs")
         cap = sp.max_new_tokens  # a call's, as an environment's turn's
         asked = body.pop("max_completion_tokens", None) or body.get("max_tokens")
         body["max_tokens"] = min(int(asked), cap) if isinstance(asked, int) and asked > 0 else cap
@@ -209,16 +219,18 @@ class Gateway:
             body[key] = value
         if ep.greedy:
             body.pop("top_p", None)
-        stream = bool(body.pop("stream", False))
-        body.pop("stream_options", None)
-        if kind == "chat":
-            asked_lp = bool(body.get("logprobs"))
-            body["logprobs"] = True
-        else:
-            asked_lp = body.get("logprobs") is not None
-            if not asked_lp:
-                body["logprobs"] = 0  # the chosen tokens' logprobs, no alternatives
-        return body, stream, asked_lp
+        tokenizer = self.fanout.tokenizer
+        generate, meta = (chat_request if kind == "chat" else completion_request)(body, tokenizer, cap)
+        try:
+            prompts = parse_generate(generate, tokenizer).prompts
+        except BadRequest as exc:
+            raise OpenAIBadRequest(str(exc), "prompt" if kind == "completion" else "messages") from None
+        if len(prompts) != 1:
+            raise OpenAIBadRequest(f"one prompt a call in a GRPO episode, got {len(prompts)}", "prompt")
+        params = {**generate["sampling_params"], "n": 1}
+        if not ep.greedy and sp.top_k > 0:
+            params["top_k"] = sp.top_k
+        return list(prompts[0].ids), params, meta
 
     def _server(self, ep: Episode) -> int:
         servers = range(len(self.fanout.services.rollout))
@@ -240,79 +252,92 @@ class Gateway:
         try:
             body = json.loads(await request.read() or b"null")
             if not isinstance(body, dict):
-                raise ValueError("the request body must be a JSON object", None)
-            body, stream, asked_lp = self._request(ep, kind, body)
-        except ValueError as exc:
-            message, param = (exc.args + (None,))[:2] if len(exc.args) > 1 else (str(exc), None)
-            return web.json_response(error_body(str(message), param), status=400)
-        n = len(ep.calls) + 1
+                raise OpenAIBadRequest("the request body must be a JSON object")
+            ids, params, meta = self._request(ep, kind, body)
+        except ValueError as exc:  # OpenAIBadRequest, or the body is not JSON
+            return web.json_response(error_body(str(exc), getattr(exc, "param", None)), status=400)
         attached = otel_context.attach(ep.trace) if ep.trace is not None else None
         try:
-            return await self._forward(request, ep, kind, body, stream, asked_lp, n)
+            with tracing.span("agent.call", stage="rollout", step=ep.step,
+                              **{"rlhf.episode": ep.id, "rlhf.row": ep.k, "rlhf.call": len(ep.calls) + 1}) as sp:
+                out, r = await self._generate(ep, ids, params)
+                sp.set_attribute("rlhf.server", f"rollout-{r}")
+                sp.set_attribute("rlhf.tokens", len(out["output_ids"]))
+        except _Failed as failed:
+            return web.json_response(error_body(str(failed), None, "server_error"), status=502)
         finally:
             if attached is not None:
                 otel_context.detach(attached)
-
-    async def _forward(self, request: web.Request, ep: Episode, kind: str, body: dict[str, Any], stream: bool,
-                       asked_lp: bool, n: int) -> web.StreamResponse:
-        with tracing.span("agent.call", stage="rollout", step=ep.step,
-                          **{"rlhf.episode": ep.id, "rlhf.row": ep.k, "rlhf.call": n}) as sp:
-            while True:
-                try:
-                    r = self._server(ep)
-                except RuntimeError:
-                    assert ep.infra is not None
-                    return web.json_response(error_body(f"the rollout servers failed: {ep.infra}", None,
-                                                        "server_error"), status=502)
-                ep.in_flight = f"call {n} on rollout-{r}"
-                self.busy[r] = self.busy.get(r, 0) + 1
-                try:
-                    reply, _ = await self.fanout.services.rollout[r].call(f"/v1/{request.match_info['route']}", body,
-                                                                          stage="rollout", step=ep.step)
-                    break
-                except HTTPStatusError as exc:  # the server's OpenAI error (a 400: the agent's request): passed on
-                    if exc.status >= 500:
-                        ep.infra = exc
-                    return web.Response(text=exc.text, status=exc.status, content_type="application/json")
-                except Exception as exc:  # noqa: BLE001 — a server lost: its episodes go on elsewhere, or the step fails
-                    ep.infra = exc
-                    migrate = self.policy is not None and self.policy.migrate_requests and migratable(exc)
-                    with self.lock:
-                        self.dead.add(r)
-                    if migrate and len(self.dead) < len(self.fanout.services.rollout):
-                        self.migrated += 1
-                        log.warning("agent: rollout-%d failed episode %s's call %d (%s: %s); it goes on on another "
-                                    "server", r, ep.id, n, type(exc).__name__, exc)
-                        continue
-                    return web.json_response(error_body(f"rollout-{r}: {type(exc).__name__}: {exc}", None,
-                                                        "server_error"), status=502)
-                finally:
-                    self.busy[r] -= 1
-                    ep.in_flight = ""
-                    ep.last = time.monotonic()
-            choice = reply["choices"][0]
-            call = _recorded(reply, choice, kind, r)
-            sp.set_attribute("rlhf.server", f"rollout-{r}")
-            sp.set_attribute("rlhf.tokens", len(call.ids))
-        ep.calls.append(call)
-        if not asked_lp:
-            choice["logprobs"] = None
-        if not stream:
+        ep.calls.append(Call(ids, [int(i) for i in out["output_ids"]], [float(x) for x in out["logprobs"]],
+                             [str(v or "") for v in token_versions(out)], out.get("text") or "", r))
+        asked_lp = bool(body.get("logprobs")) if kind == "chat" else body.get("logprobs") is not None
+        if asked_lp:  # OpenAI's logprobs from the chosen tokens' (the reply is built as the server builds it)
+            out["meta_info"]["output_token_logprobs"] = [(lp, tid, None) for lp, tid in
+                                                         zip(out["logprobs"], out["output_ids"])]
+        meta["logprobs"] = asked_lp
+        reply = response([out], meta, [ids], self.fanout.tokenizer)
+        if kind == "chat" and reply["choices"][0]["message"].get("tool_calls") is None:
+            reply["choices"][0]["message"].pop("tool_calls", None)
+        if not meta["stream"]:
             return web.json_response(reply)
         return await _as_events(request, reply, kind)
 
+    async def _generate(self, ep: Episode, ids: list[int], params: dict[str, Any]) -> tuple[dict[str, Any], int]:
+        """The completion of one call, generated with the other episodes' calls that reach the same server within
+        BATCH_WAIT_S (one /generate call: a native engine runs one call at a time); a server that fails leaves the
+        episode's call for another (resilience.migrate_requests), or _Failed with its error."""
+        n = len(ep.calls) + 1
+        while True:
+            try:
+                r = self._server(ep)
+            except RuntimeError:
+                raise _Failed(f"the rollout servers failed: {ep.infra}") from None
+            ep.in_flight = f"call {n} on rollout-{r}"
+            self.busy[r] = self.busy.get(r, 0) + 1
+            future: asyncio.Future = asyncio.get_running_loop().create_future()
+            try:
+                self._enqueue(r, ep.step, ids, params, future)
+                return await future, r
+            except Exception as exc:  # noqa: BLE001 — a server lost: the episode goes on elsewhere, or the step fails
+                ep.infra = exc
+                with self.lock:
+                    self.dead.add(r)
+                migrate = self.policy is not None and self.policy.migrate_requests and migratable(exc)
+                if not migrate or len(self.dead) >= len(self.fanout.services.rollout):
+                    raise _Failed(f"rollout-{r}: {type(exc).__name__}: {exc}") from None
+                self.migrated += 1
+                log.warning("agent: rollout-%d failed episode %s's call %d (%s: %s); it goes on on another server",
+                            r, ep.id, n, type(exc).__name__, exc)
+            finally:
+                self.busy[r] -= 1
+                ep.in_flight = ""
+                ep.last = time.monotonic()
 
-def _recorded(reply: dict[str, Any], choice: dict[str, Any], kind: str, server: int) -> Call:
-    ids = [int(i) for i in choice["token_ids"]]
-    logprobs = choice.get("logprobs") or {}
-    lps = [float(c["logprob"]) for c in logprobs.get("content") or []] if kind == "chat" else \
-        [float(x) for x in logprobs.get("token_logprobs") or []]
-    if len(lps) != len(ids):
-        raise RuntimeError(f"rollout-{server} answered {len(ids)} token ids and {len(lps)} logprobs")
-    versions = [str(v) for v in choice.get("output_token_weight_versions") or
-                [choice.get("weight_version") or ""] * len(ids)]
-    text = choice.get("text") if kind == "completion" else (choice.get("message") or {}).get("content")
-    return Call([int(i) for i in reply["prompt_token_ids"]], ids, lps, versions, text or "", server)
+    def _enqueue(self, r: int, step: int, ids: list[int], params: dict[str, Any], future: asyncio.Future) -> None:
+        queue = self.pending.setdefault(r, [])
+        queue.append((ids, params, future))
+        if len(queue) == 1:
+            asyncio.get_running_loop().call_later(BATCH_WAIT_S, lambda: asyncio.ensure_future(self._flush(r, step)))
+
+    async def _flush(self, r: int, step: int) -> None:
+        batch, self.pending[r] = self.pending.get(r, []), []
+        if not batch:
+            return
+        try:
+            outs = await self.fanout.generate_on(self.fanout.services.rollout[r], step, [b[0] for b in batch],
+                                                 [b[1] for b in batch], True)
+        except Exception as exc:  # noqa: BLE001 — each call's own failure: each episode decides what to do
+            for _ids, _params, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        for (_ids, _params, future), out in zip(batch, outs):
+            if not future.done():
+                future.set_result(out)
+
+
+class _Failed(Exception):
+    """The rollout servers failed a call (the agent is answered 502; the step fails with the server's error)."""
 
 
 async def _as_events(request: web.Request, reply: dict[str, Any], kind: str) -> web.StreamResponse:
