@@ -15,6 +15,7 @@ from rlhf.batch import StepBatch
 from rlhf.config import HARDENED, AlgorithmConfig, ConfigError, build_config
 from rlhf.control.agents import AgentError, Agents, Call, load_agent, samples_of
 from rlhf.control.train_stage import TrainStage
+from rlhf.diagnosis.rules import _subject
 from rlhf.tasks.base import Example
 from rlhf.transport.client import LoopThread
 from tests.conftest import ROOT
@@ -71,8 +72,9 @@ def test_a_bad_agent_is_one_clear_line_before_anything_starts(tmp_path):
 
 def test_an_agent_drives_grpo_through_the_gateway_and_its_tokens_are_trained_on(tmp_path):
     """tests/token_agent.py checks the gateway's contract from inside each episode (n, the max_tokens cap, a seed and
-    temperature overruled, logprobs only when asked) and makes three completions, the second extending the first:
-    every episode is two samples, trained with its episode's advantage; its calls are spans of the step's trace."""
+    temperature overruled, logprobs only when asked, no top logprobs, a stream) and makes four completions, the
+    second extending the first: every episode is three samples, trained with its episode's advantage; its calls are
+    spans of the step's trace."""
     run_dir = tmp_path / "run"
     out = subprocess.run([sys.executable, f"{ROOT}/examples/grpo_trainer.py", "--preset", "smoke", "--steps", "2",
                           "--sft.max_steps", "0", "--rollout.servers", "2", "--sampling.max_new_tokens", "8",
@@ -84,15 +86,15 @@ def test_an_agent_drives_grpo_through_the_gateway_and_its_tokens_are_trained_on(
     rows = list(csv.DictReader((run_dir / "steps.csv").open()))
     episodes = 4 * 4  # smoke: 4 prompts x group of 4
     for r in rows:
-        assert int(r["agent_calls"]) == 3 * episodes and int(r["agent_split"]) == episodes
-        assert int(r["agent_merged"]) == 0 and int(r["batch_size"]) == 2 * episodes
+        assert int(r["agent_calls"]) == 4 * episodes and int(r["agent_split"]) == episodes
+        assert int(r["agent_merged"]) == 0 and int(r["batch_size"]) == 3 * episodes
         assert 0.0 <= float(r["reward_agent"]) <= 1.0 and float(r["reward_mean"]) == float(r["reward_agent"])
     spans = [s for line in (run_dir / "traces" / "controller-0.jsonl").open()
              for rs in json.loads(line)["resourceSpans"] for ss in rs["scopeSpans"] for s in ss["spans"]]
     rollout = {s["traceId"] for s in spans if s["name"] == "stage.rollout" or s["name"] == "rollout"}
     calls = [s for s in spans if s["name"] == "agent.call"]
-    assert len(calls) >= 2 * 3 * episodes and all(s.get("parentSpanId") for s in calls)
-    assert rollout and sum(s["traceId"] in rollout for s in calls) >= 2 * 3 * episodes
+    assert len(calls) >= 2 * 4 * episodes and all(s.get("parentSpanId") for s in calls)
+    assert rollout and sum(s["traceId"] in rollout for s in calls) >= 2 * 4 * episodes
 
 
 class _Fanout:
@@ -141,6 +143,9 @@ def test_an_agent_that_hangs_or_fails_is_named_with_its_row_and_last_call(tmp_pa
             assert word in str(caught.value), str(caught.value)
         for word in named:
             assert word in caplog.text, caplog.text
+        # the diagnosis blames the agent (in the controller's process), not the server of its last call it names
+        assert _subject("controller-0", f"run failed: step 3, stage rollout: AgentError: {caught.value} (its last "
+                                        "call: call 2 on rollout-1)") == ("controller-0", True)
         assert agents.gateway.episodes == {}  # the step's episodes are gone: a late call gets 404
     finally:
         agents.close()

@@ -280,7 +280,7 @@ class Gateway:
             reply["choices"][0]["message"].pop("tool_calls", None)
         if not meta["stream"]:
             return web.json_response(reply)
-        return await _as_events(request, reply, kind)
+        return await _as_events(request, reply, kind, meta["usage_in_stream"])
 
     async def _generate(self, ep: Episode, ids: list[int], params: dict[str, Any]) -> tuple[dict[str, Any], int]:
         """The completion of one call, generated with the other episodes' calls that reach the same server within
@@ -340,7 +340,7 @@ class _Failed(Exception):
     """The rollout servers failed a call (the agent is answered 502; the step fails with the server's error)."""
 
 
-async def _as_events(request: web.Request, reply: dict[str, Any], kind: str) -> web.StreamResponse:
+async def _as_events(request: web.Request, reply: dict[str, Any], kind: str, usage: bool) -> web.StreamResponse:
     """A whole reply as OpenAI's server-sent events: the text in one chunk, then the finish (with the token ids,
     versions and tool calls), then [DONE]."""
     out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -363,8 +363,9 @@ async def _as_events(request: web.Request, reply: dict[str, Any], kind: str) -> 
         kind_name = "text_completion"
     for c in chunks:
         await out.write(b"data: " + json.dumps({**base, "object": kind_name, "choices": [c]}).encode() + b"\n\n")
-    await out.write(b"data: " + json.dumps({**base, "object": kind_name, "choices": [], "usage": reply["usage"]})
-                    .encode() + b"\n\n")
+    if usage:  # stream_options.include_usage
+        await out.write(b"data: " + json.dumps({**base, "object": kind_name, "choices": [], "usage": reply["usage"]})
+                        .encode() + b"\n\n")
     await out.write(b"data: [DONE]\n\n")
     await out.write_eof()
     return out

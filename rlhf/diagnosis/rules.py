@@ -109,7 +109,9 @@ def _subject(reporter: str, msg: str) -> tuple[str, bool]:
     m = re.search(r"while ([a-z]+-\d+) is in |([a-z]+-\d+) is missing from |(env-\d+) has been in ", body)
     if m:  # the stall watchdog names the one that is elsewhere (or the environment that holds the others)
         return m.group(1) or m.group(2) or m.group(3), False
-    for m in _PROC.finditer(body):
+    if re.search(r"\bagent \S+ (?:failed episode|ran episode|returned|ended episode|has made no call)", body):
+        return reporter, True  # the user's agent (agent.path) runs in the controller's process; its last call's server
+    for m in _PROC.finditer(body):  # is named beside it, not to blame
         name = m.group(0)
         if name != reporter and not (reporter == "controller-0" and name == "train-0" and "held by" in body):
             return name, False
