@@ -54,7 +54,7 @@ def metric_name(column: str) -> str:
         return "env/" + column
     if column.endswith("_s") or column.endswith("_s_max"):
         return "timing/" + column
-    for prefix in ("rollout", "weights"):
+    for prefix in ("rollout", "weights", "agent"):
         if column.startswith(prefix + "_"):
             return f"{prefix}/{column[len(prefix) + 1:]}"
     return "run/" + column
