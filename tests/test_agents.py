@@ -74,9 +74,14 @@ def test_an_agent_drives_grpo_through_the_gateway_and_its_tokens_are_trained_on(
     """tests/token_agent.py checks the gateway's contract from inside each episode (n, the max_tokens cap, a seed and
     temperature overruled, logprobs only when asked, no top logprobs, a stream) and makes four completions, the
     second extending the first: every episode is three samples, trained with its episode's advantage; its calls are
-    spans of the step's trace."""
+    spans of the step's trace. rollout-1 is SIGKILLed in step 2: its episodes' calls go on on rollout-0 and the
+    evaluation after the run gets a server started again (hardened)."""
     run_dir = tmp_path / "run"
+    faults = tmp_path / "kill.yaml"  # rollout-1 SIGKILLed inside step 2's first /generate: its calls go on elsewhere
+    faults.write_text("faults:\n  - {name: killed, kind: process_kill, point: rollout.generate, target: {role: rollout, "
+                      "rank: 1}, when: {step: 2}, params: {signal: KILL}}\n")
     out = subprocess.run([sys.executable, f"{ROOT}/examples/grpo_trainer.py", "--preset", "smoke", "--steps", "2",
+                          "--faults", str(faults),
                           "--sft.max_steps", "0", "--rollout.servers", "2", "--sampling.max_new_tokens", "8",
                           "--task.eval_size", "8",
                           "--agent.path", f"{ROOT}/tests/token_agent.py:agent", "--run-dir", str(run_dir)],
@@ -89,6 +94,9 @@ def test_an_agent_drives_grpo_through_the_gateway_and_its_tokens_are_trained_on(
         assert int(r["agent_calls"]) == 4 * episodes and int(r["agent_split"]) == episodes
         assert int(r["agent_merged"]) == 0 and int(r["batch_size"]) == 3 * episodes
         assert 0.0 <= float(r["reward_agent"]) <= 1.0 and float(r["reward_mean"]) == float(r["reward_agent"])
+    assert int(rows[0]["rollout_migrated"]) == 0 and int(rows[1]["rollout_migrated"]) > 0
+    assert "rollout-1 failed agent episode" in out.stderr and "its episodes' calls go on on the other servers" in \
+        out.stderr
     spans = [s for line in (run_dir / "traces" / "controller-0.jsonl").open()
              for rs in json.loads(line)["resourceSpans"] for ss in rs["scopeSpans"] for s in ss["spans"]]
     rollout = {s["traceId"] for s in spans if s["name"] == "stage.rollout" or s["name"] == "rollout"}

@@ -247,13 +247,15 @@ class Gateway:
             except Exception as exc:  # noqa: BLE001 — a server lost: the episode goes on elsewhere, or the step fails
                 ep.infra = exc
                 with self.lock:
+                    first = r not in self.dead
                     self.dead.add(r)
                 migrate = self.policy is not None and self.policy.migrate_requests and migratable(exc)
                 if not migrate or len(self.dead) >= len(self.fanout.services.rollout):
                     raise _Failed(f"rollout-{r}: {type(exc).__name__}: {exc}") from None
                 self.migrated += 1
-                log.warning("agent: rollout-%d failed episode %s's call %d (%s: %s); it goes on on another server",
-                            r, ep.id, n, type(exc).__name__, exc)
+                if first:  # once a server: its episodes' calls all go on elsewhere (steps.csv rollout_migrated)
+                    log.warning("step %d: rollout-%d failed agent episode %s's call %d (%s: %s); its episodes' calls "
+                                "go on on the other servers", ep.step, r, ep.id, n, type(exc).__name__, exc)
             finally:
                 self.busy[r] -= 1
                 ep.in_flight = ""
