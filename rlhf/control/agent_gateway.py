@@ -32,7 +32,7 @@ from rlhf import tracing
 from rlhf.config import Policy
 from rlhf.control.rollout_fanout import migratable, token_versions
 from rlhf.errors import BadRequest
-from rlhf.rollout.openai_api import OpenAIBadRequest, chat_request, completion_request, error_body, response
+from rlhf.rollout.openai_api import OpenAIBadRequest, chat_request, chunk, completion_request, error_body, response
 from rlhf.rollout.sglang_api import parse_generate
 
 log = logging.getLogger("rlhf.controller")
@@ -226,7 +226,7 @@ class Gateway:
             reply["choices"][0]["message"].pop("tool_calls", None)
         if not meta["stream"]:
             return web.json_response(reply)
-        return await _as_events(request, reply, kind, meta["usage_in_stream"])
+        return await _as_events(request, reply, meta)
 
     async def _generate(self, ep: Episode, ids: list[int], params: dict[str, Any]) -> tuple[dict[str, Any], int]:
         """The completion of one call, generated with the other episodes' calls that reach the same server within
@@ -288,32 +288,24 @@ class _Failed(Exception):
     """The rollout servers failed a call (the agent is answered 502; the step fails with the server's error)."""
 
 
-async def _as_events(request: web.Request, reply: dict[str, Any], kind: str, usage: bool) -> web.StreamResponse:
-    """A whole reply as OpenAI's server-sent events: the text in one chunk, then the finish (with the token ids,
-    versions and tool calls), then [DONE]."""
+async def _as_events(request: web.Request, reply: dict[str, Any], meta: dict[str, Any]) -> web.StreamResponse:
+    """A whole reply as the rollout server streams one (openai_api.chunk): the first chunk, the text in one, the last
+    with the finish, the token ids, versions and tool calls, the usage when stream_options.include_usage, [DONE]."""
     out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await out.prepare(request)
-    base = {k: reply[k] for k in ("id", "created", "model")}
     choice = reply["choices"][0]
+    text = choice["message"].get("content") if meta["kind"] == "chat" else choice["text"]
     extra = {k: choice[k] for k in ("token_ids", "weight_version", "output_token_weight_versions") if k in choice}
-    if kind == "chat":
-        message = choice["message"]
-        delta: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
-        last: dict[str, Any] = {}
-        if message.get("tool_calls"):
-            last["tool_calls"] = [{**c, "index": i} for i, c in enumerate(message["tool_calls"])]
-        chunks = [{"index": 0, "delta": delta, "finish_reason": None, "logprobs": choice.get("logprobs")},
-                  {"index": 0, "delta": last, "finish_reason": choice["finish_reason"], **extra}]
-        kind_name = "chat.completion.chunk"
-    else:
-        chunks = [{"index": 0, "text": choice["text"], "finish_reason": None, "logprobs": choice.get("logprobs")},
-                  {"index": 0, "text": "", "finish_reason": choice["finish_reason"], **extra}]
-        kind_name = "text_completion"
-    for c in chunks:
-        await out.write(b"data: " + json.dumps({**base, "object": kind_name, "choices": [c]}).encode() + b"\n\n")
-    if usage:  # stream_options.include_usage
-        await out.write(b"data: " + json.dumps({**base, "object": kind_name, "choices": [], "usage": reply["usage"]})
-                        .encode() + b"\n\n")
+    if meta["kind"] == "chat" and choice["message"].get("tool_calls"):
+        extra["tool_calls"] = choice["message"]["tool_calls"]
+    events = [chunk(meta, 0, None, first=True), chunk(meta, 0, text or None),
+              chunk(meta, 0, None, choice["finish_reason"], extra=extra)]
+    if meta["usage_in_stream"]:
+        events.append({k: reply[k] for k in ("id", "created", "model")} | {
+            "object": reply["object"] + (".chunk" if meta["kind"] == "chat" else ""), "choices": [],
+            "usage": reply["usage"]})
+    for event in events:
+        await out.write(b"data: " + json.dumps(event).encode() + b"\n\n")
     await out.write(b"data: [DONE]\n\n")
     await out.write_eof()
     return out

@@ -39,6 +39,7 @@ from opentelemetry import context as otel_context
 from rlhf.batch import DistributedBatchMemory
 from rlhf.config import Policy
 from rlhf.control.agent_gateway import Call, Episode, Gateway
+from rlhf.control.episodes import Episodes
 from rlhf.control.watchdog import POLL_S
 from rlhf.transport.client import LoopThread
 
@@ -120,6 +121,7 @@ class Agents:
             self.http = openai.DefaultHttpxClient(timeout=self.timeout_s)
 
     def close(self) -> None:
+        """The gateway, the agents' loop or threads and their HTTP client (stop_services)."""
         self.gateway.stop()
         if self.loop is not None:  # episodes still running (a failed step's) end first: their clients close
             async def drain() -> None:
@@ -254,17 +256,12 @@ class Agents:
     def _batch(self, step: int, examples: list[Any], g: int, eps: list[Episode], rewards: list[float]
                ) -> DistributedBatchMemory:
         rows: list[dict[str, Any]] = []
-        merged = split = 0
         for ep, reward in zip(eps, rewards):
-            samples = samples_of(ep.calls)
-            merged, split = merged + (len(samples) == 1), split + (len(samples) > 1)
             e = examples[ep.k // g]
-            for s in samples:
+            for s in samples_of(ep.calls):
                 rows.append({**s, "episode": ep.k, "agent_reward": reward, "agent_calls": len(ep.calls),
                              "completions": ep.calls[-1].text, "prompts": e.prompt, "answers": e.answer,
                              "fields": e.fields})
-        if step >= 0:
-            log.debug("step %d: %d agent episodes, %d as one sample, %d as several", step, len(eps), merged, split)
         columns = ("prompt_ids", "output_ids", "logprobs", "loss_mask", "token_versions", "episode",
                    "agent_reward", "agent_calls", "completions", "prompts", "answers", "fields")
         memory = DistributedBatchMemory({
@@ -276,17 +273,24 @@ class Agents:
 
 
 def agent_columns(batch: Any) -> dict[str, float]:
-    """The step's agent statistics (steps.csv); {} without an agent."""
+    """The step's agent statistics (steps.csv; reward_agent is the reward stage's); {} without an agent."""
     if "episode" not in batch.keys():
         return {}
-    firsts = {}
-    for episode, calls, reward in zip(batch["episode"], batch["agent_calls"], batch["agent_reward"]):
-        firsts.setdefault(episode, (calls, reward))
-    per_sample = {}
-    for episode in batch["episode"]:
-        per_sample[episode] = per_sample.get(episode, 0) + 1
-    own = [r for _c, r in firsts.values() if not math.isnan(r)]
-    return {"agent_calls": sum(c for c, _r in firsts.values()),
-            "agent_merged": sum(1 for n in per_sample.values() if n == 1),
-            "agent_split": sum(1 for n in per_sample.values() if n > 1),
-            **({"reward_agent": sum(own) / len(own)} if own else {})}
+    samples: dict[int, int] = {}  # per episode
+    calls = 0
+    for episode, n in zip(batch["episode"], batch["agent_calls"]):
+        calls += n if episode not in samples else 0
+        samples[episode] = samples.get(episode, 0) + 1
+    return {"agent_calls": calls, "agent_merged": sum(n == 1 for n in samples.values()),
+            "agent_split": sum(n > 1 for n in samples.values())}
+
+
+def multi_turn(cfg: Any, fanout: Any, services: Any, token: str) -> Episodes | Agents | None:
+    """What makes each sample more than one completion: an environment's episodes (env.path), an agent's
+    (agent.path), or neither (the config allows one at most)."""
+    if cfg.env.path:
+        return Episodes(cfg.env, fanout, services, cfg.runtime.watchdog_stall_s, cfg.resilience)
+    if cfg.agent.path:
+        return Agents(cfg.agent.path, cfg.agent.max_calls, cfg.agent.timeout_s, fanout, token,
+                      cfg.runtime.watchdog_stall_s, cfg.resilience)
+    return None

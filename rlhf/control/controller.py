@@ -37,9 +37,9 @@ from typing import Any
 from rlhf import tracing
 from rlhf.checkpoint import slots as ckpt
 from rlhf.config import Config
-from rlhf.control.agents import AGENT_COLUMNS, Agents, agent_columns
+from rlhf.control.agents import AGENT_COLUMNS, agent_columns, multi_turn
 from rlhf.control.async_rollout import ASYNC_COLUMNS, staleness_columns
-from rlhf.control.episodes import EPISODE_COLUMNS, Episodes, episode_columns
+from rlhf.control.episodes import EPISODE_COLUMNS, episode_columns
 from rlhf.control.events import ColocationEvents
 from rlhf.control.fleet import RolloutServices
 from rlhf.control.lifecycle import RunLifecycle, TrackedClock
@@ -83,12 +83,8 @@ class Controller(RunLifecycle):
         self.fanout = RolloutFanout(cfg.rollout, cfg.sampling, cfg.task.chat_template, cfg.resilience, self.loop,
                                     self.services, self.tokenizer)
         self.fanout.store = cfg.data_plane == "store"  # rows stay in the rollout servers; replies are metadata
-        if cfg.env.path:  # each sample a multi-turn episode, its environment at env-0 (control/episodes.py)
-            self.fanout.episodes = Episodes(cfg.env, self.fanout, self.services, cfg.runtime.watchdog_stall_s,
-                                            cfg.resilience)
-        if cfg.agent.path:  # each sample an agent's completions (control/agents.py), through its OpenAI gateway
-            self.fanout.episodes = Agents(cfg.agent.path, cfg.agent.max_calls, cfg.agent.timeout_s, self.fanout,
-                                          token, cfg.runtime.watchdog_stall_s, cfg.resilience)
+        # each sample an environment's episode (control/episodes.py) or an agent's calls (control/agents.py)
+        self.fanout.episodes = multi_turn(cfg, self.fanout, self.services, token)
         self.survival = RolloutSurvival(cfg.resilience, self.services)
         self.rewards = RewardStage(cfg.reward, cfg.reward_model, cfg.rollout.group_size, cfg.algorithm.resample_rounds,
                                    self.loop, self.services, self.survival)
@@ -253,7 +249,7 @@ class Controller(RunLifecycle):
 
     def stop_services(self) -> None:
         self.rollout.close()  # async: no batch starts now; one in flight ends as its servers stop
-        if isinstance(self.fanout.episodes, Agents):
+        if self.fanout.episodes is not None:
             self.fanout.episodes.close()
         self.services.stop(self.cleanup_level)
         self.rollout.close(wait_s=5.0)

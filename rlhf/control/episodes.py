@@ -243,6 +243,9 @@ class Episodes:
                 run.left -= 1
             changed.notify_all()
 
+    def close(self) -> None:
+        """Nothing of its own to stop: env-0 is a job of the fleet's."""
+
     @property
     def dropped(self) -> int:
         """Groups this thread's last batch lost to infrastructure failures (env.on_infra_error drop_group)."""
