@@ -13,7 +13,6 @@ from rlhf.config import PRESETS, Config, ConfigError, build_config, format_help,
 from rlhf.config.resilience import PRESET_NAMES
 from rlhf.faults.parse import load_fault_config, load_fault_file, resolve_fault_file
 from rlhf.faults.spec import FaultSpecError
-from rlhf.inputs import input_problems
 
 
 def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -84,6 +83,8 @@ def parse_config(argv: list[str] | None, parser: argparse.ArgumentParser) -> tup
         )
     except ConfigError as err:
         parser.error(str(err))
+    from rlhf.inputs import input_problems  # torch (a reward model's check): only the trainers' commands pay it
+
     problems = input_problems(cfg)
     if problems:
         parser.error("\n".join(problems))

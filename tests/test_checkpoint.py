@@ -66,6 +66,45 @@ def test_atomic_slot_replaces_the_old_one_whole_and_leaves_no_staging(tmp_path):
     assert ckpt.slot_for_step(3) == "latest_odd" and ckpt.slot_for_step(4) == "latest_even"
 
 
+def test_a_replaced_slot_is_removed_by_its_ranks_then_what_is_left_by_the_caller(tmp_path):
+    """A big world's slot is a file per rank: each rank removes its own files of the slot the last save replaced
+    (OwnFiles), the controller only meta.json and the folder; a file no rank knows (after a restart) goes too."""
+    model, opt = _model_and_optimizer(0)
+    checkpoints, replaced = str(tmp_path), {}
+    ranks = {r: ckpt.OwnFiles() for r in range(3)}
+
+    def save(step):
+        slot = ckpt.slot_for_step(step)
+        staging = os.path.join(checkpoints, f".staging-{slot}")
+        gone = {r: own.remove(dict(replaced)) for r, own in ranks.items()}
+        files = {}
+        for r, own in ranks.items():
+            written = ckpt.write_rank_files(staging, r, model if r == 0 else None, opt, fsync=False)
+            own.wrote(slot, written)
+            files.update(written)
+        old = dict(replaced)
+        replaced.clear()
+        ckpt.finish_slot(checkpoints, slot, staging, {"step": step, "complete": True, "files": files}, True,
+                         replaced=replaced)
+        return gone, old
+
+    save(1)
+    save(2)
+    (tmp_path / "latest_odd" / "left-by-a-rank-before-a-restart.json").write_text("{}")
+    gone, old = save(3)
+    assert gone == {0: 0, 1: 0, 2: 0} and list(replaced) == ["latest_odd"]
+    folder = replaced["latest_odd"]
+    assert ".old-" in folder and len(os.listdir(folder)) == 11  # 2 files a rank, rank 0 3 more, meta, the stray
+    gone, old = save(4)  # the ranks remove their files of step 1's slot, then the caller the rest
+    assert gone == {0: 5, 1: 2, 2: 2}
+    assert sorted(os.listdir(folder)) == ["left-by-a-rank-before-a-restart.json", ckpt.META]
+    for path in old.values():
+        ckpt.remove_later(path)
+    ckpt.wait_removals()
+    assert sorted(os.listdir(tmp_path)) == sorted(["latest_odd", "latest_even", os.path.basename(replaced["latest_even"])])
+    assert ckpt.newest_checkpoint(checkpoints)[1]["step"] == 4
+
+
 def test_a_bounded_write_abandons_a_stuck_writer_and_waits_for_a_working_one(tmp_path):
     """abandon_stuck_saves: a writer blocked half-way through a file (a real blocked thread: the hang fault) is given
     up after stall_s with what it left on disk; an unobstructed write returns the same files as write_items."""

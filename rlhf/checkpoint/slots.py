@@ -207,8 +207,11 @@ def write_bounded(directory: str, items: list[tuple[str, Any]], fsync: bool, sta
     return done["files"]
 
 
-def finish_slot(checkpoints: str, slot: str, staging: str, meta: dict[str, Any], atomic: bool) -> str:
-    """Write meta.json (last) and, when atomic, move the staging folder into place."""
+def finish_slot(checkpoints: str, slot: str, staging: str, meta: dict[str, Any], atomic: bool,
+                replaced: dict[str, str] | None = None) -> str:
+    """Write meta.json (last) and, when atomic, move the staging folder into place. The slot it replaces is removed
+    beside the run (remove_later), or, given `replaced`, kept there under its slot's name: the ranks remove their own
+    files of it at the next save (OwnFiles), and the caller what is left."""
     with open(os.path.join(staging, META), "w", encoding="utf-8") as fh:
         json.dump(meta, fh)
         fh.flush()
@@ -220,8 +223,37 @@ def finish_slot(checkpoints: str, slot: str, staging: str, meta: dict[str, Any],
             os.replace(final, old)
         os.makedirs(os.path.dirname(final), exist_ok=True)  # periodic/step_N: the first one makes periodic/
         os.replace(staging, final)
-        remove_later(old)
+        if replaced is None:
+            remove_later(old)
+        elif os.path.exists(old):
+            replaced[slot] = old
     return final
+
+
+class OwnFiles:
+    """The files one rank wrote into each slot (by the slot's name), so that the rank removes its own part of a
+    replaced slot: a big world's slot is a file per rank, and removing a thousand files is the ranks' work (each
+    host its own), not the controller's. The controller removes what is left (meta.json, the folder; everything,
+    after a restart, when the ranks no longer know their files)."""
+
+    def __init__(self) -> None:
+        self.by_slot: dict[str, list[str]] = {}
+
+    def wrote(self, slot: str | None, names: Any) -> None:
+        if slot:
+            self.by_slot[slot] = list(names)
+
+    def remove(self, replaced: dict[str, str] | None) -> int:
+        """Unlink this rank's files in each replaced slot's folder ({slot name: folder}); the number removed."""
+        removed = 0
+        for slot, folder in (replaced or {}).items():
+            for name in self.by_slot.get(slot, ()):
+                try:
+                    os.unlink(os.path.join(folder, name))
+                    removed += 1
+                except FileNotFoundError:
+                    pass
+        return removed
 
 
 _removing: list[threading.Thread] = []

@@ -68,6 +68,7 @@ class RunLifecycle(FailureReports, CheckpointSaves):
         self.stragglers_seen = 0  # stragglers the watchdog had named by the end of the last step
         self.saves_failed = 0  # checkpoint saves that failed while the run went on (this step's: steps.csv saves_failed)
         self.failed_in_a_row = 0  # skip_failed_saves: consecutive failed saves, against checkpoint.max_failed_saves
+        self.replaced_slots: dict[str, str] = {}  # slots replaced by the last saves: the next save's ranks remove theirs
         self.stalled = False  # the watchdog found a rank keeping the others waiting: cleanup does not wait for it
         self.where: dict[str, Any] = {"step": -1, "stage": "startup"}  # what runs now (for the first failure)
         self.first_failure = ""
@@ -295,6 +296,7 @@ class RunLifecycle(FailureReports, CheckpointSaves):
                 self.workers.call("shutdown", {"grace_s": 1.0} if self.stalled else None, timeout_s=10, stage="cleanup")
             except (RuntimeError, OSError, TimeoutError) as exc:
                 errors.append(f"worker shutdown: {type(exc).__name__}: {exc}")
+            self.remove_replaced()
             faults.restore_all("run end")
             report = faults.audit(self.run_dir)  # what dead processes left behind: helpers, fill files
             left = contain.sweep(contain.run_prefix(self.run_dir))  # a killed scheduler's contained jobs' leftovers

@@ -90,6 +90,7 @@ class _Version:
     dropped: bool = False
     merging: bool = False  # its shards are being merged into one (MetaServer.merge_above)
     error: BaseException | None = None  # the merge failed: every manifest request's answer
+    manifest: bytes = b""  # its manifest, encoded once for every rollout server that asks (emptied by a PUT)
 
     def drop(self) -> None:
         """Free its shards; a manifest request waiting for shards is answered at once (410, or 504 incomplete when the
@@ -231,6 +232,7 @@ class MetaServer(MergedVersions):
         if shard in v.shards and v.shards[shard].path != entry.path:  # a retried PUT names the same file: keep it
             v.shards[shard].drop()
         v.shards[shard] = entry
+        v.manifest = b""
         if len(v.shards) >= v.expected_shards and not v.merging:
             if self.merge_above and v.expected_shards > self.merge_above and not any(e.ipc for e in v.shards.values()):
                 v.merging = True  # the manifest waits for the merge (complete is set by it)
@@ -260,11 +262,13 @@ class MetaServer(MergedVersions):
                                                "(deleted or evicted)"}, status=410)
         if v.error is not None:
             raise v.error
-        shards = {s: {"bytes": e.size, **({"path": e.path} if e.path else {}), **({"cuda_ipc": e.ipc} if e.ipc else {})}
-                  for s, e in v.shards.items()}
-        reply = web.json_response({"version": request.match_info["version"], "tensors": v.entries, "shards": shards})
-        self.served += len(reply.body)  # type: ignore[arg-type]
-        return reply
+        if not v.manifest:  # the same bytes for every server: a big world has hundreds of them
+            shards = {s: {"bytes": e.size, **({"path": e.path} if e.path else {}),
+                          **({"cuda_ipc": e.ipc} if e.ipc else {})} for s, e in v.shards.items()}
+            v.manifest = json.dumps({"version": request.match_info["version"], "tensors": v.entries,
+                                     "shards": shards}).encode()
+        self.served += len(v.manifest)
+        return web.Response(body=v.manifest, content_type=wire.JSON_TYPE)
 
     async def _get(self, request: web.Request) -> web.Response:
         v = self._version(request)

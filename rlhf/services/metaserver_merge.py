@@ -42,7 +42,7 @@ class MergedVersions:
             return
         for shard in v.shards.values():
             shard.drop()
-        v.shards, v.entries = {MERGED: merged}, entries
+        v.shards, v.entries, v.manifest = {MERGED: merged}, entries, b""
         v.complete.set()
 
     def _merged(self, v: Any, version: str) -> tuple[Any, dict[str, dict[str, Any]]]:

@@ -170,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = build_model_and_tokenizer(cfg.model, seed=cfg.seed, device="cpu", dtype="float32")
     answer = [t for t in tokenizer.encode("0123456789", add_special_tokens=False)]
     servers, store = [], row_store(cfg)  # rollout.data_plane store: one store for the host's servers
+    pulls: dict = {}  # and one MetaServer pull a weights version (WeightsAndMemory._pull)
     for r in range(args.first, args.first + args.count):
         if r != args.first:
             exits.record_start(args.run_dir, f"rollout-{r}", os.getpid())
@@ -183,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                                      cfg.weights.verify_checksum, model_path=cfg.model.name,
                                      max_queued=cfg.rollout.max_queued_requests))
         keep_rows_in(servers[-1], cfg, store)
+        servers[-1].host_pulls = pulls
     del model  # each engine keeps its checksum, not the weights
     code, stopped = 1, False  # stopped: the loop ended on SIGTERM (at once, or drained), as its scheduler asked
     try:

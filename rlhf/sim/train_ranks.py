@@ -111,6 +111,7 @@ class SimTrainRank(WeightsAndCheckpoints, KeptRows):
         self.busy_since: float | None = None  # EMULATED compute running now
         self.emulated_s = 0.0  # EMULATED compute done (reported as CPU seconds in the heartbeat)
         self.optimizer_steps = 0
+        self.own_files = ckpt.OwnFiles()  # its files by slot: it removes them from a replaced slot
         for name in ("sft_warm_start", "begin_grpo", "compute_logprobs", "train_step", "upload_weights", "save",
                      "load", "events", "weights_checksum", "save_weights_dir"):
             self.service.route(f"/{name}", getattr(self, name))
@@ -222,11 +223,13 @@ class SimTrainRank(WeightsAndCheckpoints, KeptRows):
         slot), with the checkpoint.write point half-way through it as on a real rank (a full disk truncates it).
         background (checkpoint.periodic_async), as a real rank: on a writer thread, the reply at once (files: {}), so
         a write that hangs blocks nothing and the slot's meta.json does not wait for it."""
+        self.own_files.remove(args.get("remove"))  # its files of the slots the last saves replaced
         items: list[tuple[str, Any]] = [(f"rank{self.rank:05d}.sim.json", {
             "rank": self.rank, "optimizer_steps": self.optimizer_steps, "simulated": EMULATED})]
         if self.rank == 0:
             with self.host.lock:  # a copy: the host's next optimizer step must not reach a background write
                 items.insert(0, ("model.safetensors", {k: v.clone() for k, v in export_state(self.model).items()}))
+        self.own_files.wrote(args.get("slot"), (name for name, _ in items))
 
         def write() -> dict[str, str]:
             if self.rank != 0:  # rank 0's point is inside its tensor file's write

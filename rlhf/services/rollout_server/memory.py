@@ -48,6 +48,8 @@ def memory_tags(args: dict) -> set[str]:
 class WeightsAndMemory:
     """The rollout server's weight, memory and event routes (a part of RolloutServer)."""
 
+    host_pulls: dict[tuple[str, str], asyncio.Future] | None = None  # pulls shared by a host's servers (_pull)
+
     def _wait_for_device(self) -> None:
         """device_busy_fails_fast off: a generate that finds the device taken retries its allocation, as a CUDA caching allocator
         retry loop would, each failure an ERROR line, until lease_timeout_s."""
@@ -98,13 +100,7 @@ class WeightsAndMemory:
     async def update_weights_from_meta(self, args: dict, tensors: dict) -> dict:
         version = str(args["weight_version"])
         stale = stale_mode(await afault_point("weights_update.update", peer="metaserver-0"))
-        client = Client(args["metaserver_url"], self.token, peer="metaserver-0", retries=self.policy.retry_idempotent)
-        try:
-            shards = await pull_pieces(client, version, float(args.get("wait_s", 60)), float(args.get("timeout_s", 600)),
-                                       device=self.engine.device, consumer=int(args.get("consumer", 0)),
-                                       who=f"rollout-{self.rank}")
-        finally:
-            await client.close()
+        shards = await self._pull(args, version)
         pieces = [t for tensors, _ in shards.values() for t in tensors.values()]
         fresh_allocation(self.run_dir, self.device, sum(t.numel() * t.element_size() for t in pieces),
                          "the new weights")
@@ -113,6 +109,37 @@ class WeightsAndMemory:
             await loop.run_in_executor(self.service.executor, keeping, self.engine.model, stale,
                                        lambda: self._load_pieces(shards, version))
         return {"success": True, "weight_version": version, "tensors": len(pieces)}
+
+    async def _pull(self, args: dict, version: str) -> dict:
+        """The version's pieces from the MetaServer. The servers of one host process (a simulated world's) share a
+        pull (`host_pulls`, set where they are made): the host asks for the manifest once a version, as one agent a
+        node would, instead of once for each of its servers; a failed pull fails each server that waited for it."""
+        shared = self.host_pulls
+        key = (str(args["metaserver_url"]), version)
+        if shared is not None and key in shared:
+            return await asyncio.shield(shared[key])
+
+        async def pull() -> dict:
+            client = Client(args["metaserver_url"], self.token, peer="metaserver-0",
+                            retries=self.policy.retry_idempotent)
+            try:
+                return await pull_pieces(client, version, float(args.get("wait_s", 60)),
+                                         float(args.get("timeout_s", 600)), device=self.engine.device,
+                                         consumer=int(args.get("consumer", 0)), who=f"rollout-{self.rank}")
+            finally:
+                await client.close()
+
+        if shared is None:
+            return await pull()
+        task = shared[key] = asyncio.ensure_future(pull())
+        for old in [k for k in shared if k[0] == key[0] and k != key]:  # the host keeps only the newest version's
+            del shared[old]
+        try:
+            return await asyncio.shield(task)
+        except BaseException:
+            if shared.get(key) is task:  # the next update of this version asks again
+                del shared[key]
+            raise
 
     def _load_pieces(self, shards: dict, version: str) -> None:
         self.engine.update_weights_from_pieces(shards, version)

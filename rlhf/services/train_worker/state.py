@@ -234,9 +234,11 @@ class WeightsAndCheckpoints:
         """
         engine = self._engine()
         t0 = time.perf_counter()
+        self.own_files.remove(args.get("remove"))  # its files of the slots the last saves replaced
         if args.get("background"):
             items = ckpt.snapshot_rank_files(self.rank, self.model, engine.optimizer, copy=True,
                                             sharded=self.layout.sharded)
+            self.own_files.wrote(args.get("slot"), (name for name, _ in items))
             self._writes.put((args["directory"], items, bool(args.get("fsync", True)), tracing.current_step()))
             self._start_writer()
             return {"rank": self.rank, "files": {}, "pending": self._writes.qsize(), "seconds": time.perf_counter() - t0}
@@ -248,6 +250,7 @@ class WeightsAndCheckpoints:
             files = ckpt.write_rank_files(args["directory"], self.rank, self.model, engine.optimizer,
                                           sharded=self.layout.sharded,
                                           fsync=bool(args.get("fsync", True)))
+        self.own_files.wrote(args.get("slot"), files)
         return {"rank": self.rank, "files": files, "seconds": time.perf_counter() - t0}
 
     def _start_writer(self) -> None:

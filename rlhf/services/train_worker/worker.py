@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from rlhf.batch import BatchSizeMismatch
+from rlhf.checkpoint import slots as ckpt
 from rlhf.config import Config
 from rlhf.devices import relocate
 from rlhf.faults import fault_point
@@ -84,6 +85,7 @@ class TrainWorker(SftAndPreflight, WeightsAndCheckpoints, KeptRows):
         self.loop_phase, self.loop_step = "idle", 0
         self._writes: queue.Queue = queue.Queue()
         self._writer: threading.Thread | None = None
+        self.own_files = ckpt.OwnFiles()  # this rank's files by slot: it removes them from a replaced slot
         self._weights_store: Any = None  # distributed weights mode, rank 0: the group's rendezvous store
         self._weights_group: Any = None  # and its member of the weights update group
         self._ipc_buffers: dict[str, torch.Tensor] = {}  # weights.transport cuda_ipc: the shards shared, by version
