@@ -89,8 +89,26 @@ def test_a_rank_failure_relayed_by_its_host_agent_is_the_rank_own():
     assert isinstance(timeout, RpcTimeout) and timeout.timeout_s == 3.0 and "train-6" in str(timeout)
     lost = failure_of(describe_failure(RpcConnectionError("http://h:1", OSError("refused"), "train-7")))
     assert isinstance(lost, RpcConnectionError) and "train-7" in str(lost)
-    assert by_rank(for_ranks({3: {"input_ids": 1, "mask": 2}, 4: None, 5: {"x": 3}})) == \
-        {3: {"input_ids": 1, "mask": 2}, 5: {"x": 3}}
+    import torch
+
+    from rlhf.transport import wire
+
+    sent = {3: {"advantages": torch.tensor([0.5, -1.25]), "mini_batch": torch.tensor([0, 1]),
+                "mask": torch.ones(2, 3, dtype=torch.bool)},
+            4: None, 5: {"advantages": torch.tensor([]), "mini_batch": torch.tensor([2]), "x": torch.tensor(7.0)},
+            6: {"advantages": torch.tensor([3.0]), "mini_batch": torch.tensor([0.5])}}  # mini_batch: another dtype
+    packed, layout = for_ranks(sent)
+    assert sorted(packed) == ["*/advantages", "*/mask", "*/x", "3/mini_batch", "5/mini_batch", "6/mini_batch"]
+    body, kind = wire.encode({"packed": layout}, packed)  # as it travels: one safetensors body, the layout in JSON
+    args, tensors = wire.decode(body, kind)
+    back = by_rank(tensors, args["packed"])
+    assert sorted(back) == [3, 5, 6]
+    for r in (3, 5, 6):
+        assert sorted(back[r]) == sorted(sent[r])
+        for name, t in sent[r].items():
+            assert back[r][name].dtype == t.dtype and back[r][name].shape == t.shape and torch.equal(back[r][name], t)
+    with pytest.raises(ValueError, match="has 3 elements, its layout 4"):
+        by_rank({"*/advantages": torch.zeros(3)}, {"advantages": [[0, [2]], [1, [2]]]})
 
 
 def test_the_cost_model_and_the_config_checks():

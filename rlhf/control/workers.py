@@ -50,13 +50,15 @@ class WorkerGroup:
         """Every rank's heartbeat (None where it did not answer): through the hosts' agents (one request a host)
         when there are agents, else one GET /heartbeat per rank. Untraced, as the watchdog reads them every 0.5 s."""
         if self.agents:
-            futures = self._through_agents("heartbeat", list(range(len(self.clients))), [{}] * len(self.clients),
-                                           [None] * len(self.clients), -1, "", timeout_s,
-                                           {"method": "GET", "traced": False})
+            hosts = await asyncio.gather(*[fanout.collect(client, "heartbeat", served, timeout_s,
+                                                          {"method": "GET", "traced": False})
+                                           for client, served in self.agents])
+            got = {r: reply for host in hosts for r, reply in host.items()}
+            replies = [got.get(r) for r in range(len(self.clients))]
         else:
             futures = [asyncio.ensure_future(self.heartbeat(r, timeout_s)) for r in range(len(self.clients))]
-        replies = await asyncio.gather(*futures, return_exceptions=True)
-        return [None if isinstance(r, BaseException) else r[0] for r in replies]
+            replies = await asyncio.gather(*futures, return_exceptions=True)
+        return [None if r is None or isinstance(r, BaseException) else r[0] for r in replies]
 
     def _start(self, method: str, args: Any, tensors: list[dict] | None, step: int, stage: str,
                timeout_s: float | None, ranks: list[int] | None, **options: Any) -> tuple[list[int], list[asyncio.Future]]:

@@ -3,8 +3,8 @@ them (the control plane of a big world: DESIGN §17).
 
     agent = FanoutAgent(host_index, token, {rank: url, ...}, policy)     # on the host, beside its ranks
     POST /fanout {"call_id", "method": "train_step", "ranks": [...], "args": [...], "stage", "step", "timeout_s",
-                  "options"}, tensors "<rank>/<name>"
-         → {"replies": [{"rank", "reply"} | {"rank", "error"}], "pending": [ranks]}, tensors "<rank>/<name>"
+                  "options", "packed"}, tensors "*/<name>" (every rank's of a name in one: for_ranks)
+         → {"replies": [{"rank", "reply"} | {"rank", "error"}], "pending": [ranks], "packed"}, tensors the same
     POST /fanout_wait {"call_id", "ranks": [the pending ones]}  → the same, for them
     POST /fanout_untraced                                         → /fanout without a span (the watchdog's heartbeats)
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from typing import Any
+from typing import Any, Callable
 
 from rlhf import tracing
 from rlhf.config.resilience import HARDENED, Policy
@@ -31,18 +31,52 @@ from rlhf.errors import ErrorInfo, HTTPStatusError, RemoteError, RpcConnectionEr
 from rlhf.transport.client import Client
 from rlhf.transport.http import Service
 
+PACKED = "*/"  # a packed name's prefix: no rank's tensor name starts with it
 
-def by_rank(tensors: dict[str, Any]) -> dict[int, dict[str, Any]]:
-    """Tensors named "<rank>/<name>" grouped by rank."""
+
+def for_ranks(per_rank: dict[int, dict[str, Any] | None]) -> tuple[dict[str, Any], dict[str, list]]:
+    """Several ranks' tensors as one body: each name's tensors of every rank (of one dtype) flattened into one
+    ("*/<name>"), with the layout that puts them back ({name: [[rank, shape], ...]}: by_rank). A safetensors body of
+    a thousand small tensors (64 ranks' advantages and mini-batches) costs far more than their bytes; one of a few
+    does not. A name whose ranks' dtypes differ travels as "<rank>/<name>", one tensor each."""
+    import torch
+
+    groups: dict[str, list[tuple[int, Any]]] = {}
+    for r, tensors in per_rank.items():
+        for name, t in (tensors or {}).items():
+            groups.setdefault(name, []).append((r, t))
+    out: dict[str, Any] = {}
+    layout: dict[str, list] = {}
+    for name, items in groups.items():
+        if len({t.dtype for _, t in items}) > 1 or len({t.device for _, t in items}) > 1:
+            out.update({f"{r}/{name}": t for r, t in items})
+            continue
+        out[PACKED + name] = torch.cat([t.reshape(-1) for _, t in items])
+        layout[name] = [[r, list(t.shape)] for r, t in items]
+    return out, layout
+
+
+def by_rank(tensors: dict[str, Any], layout: dict[str, list] | None = None) -> dict[int, dict[str, Any]]:
+    """for_ranks' body back as each rank's tensors (views of the packed ones)."""
+    import math
+
     out: dict[int, dict[str, Any]] = {}
     for key, t in tensors.items():
+        if key.startswith(PACKED):
+            name = key[len(PACKED):]
+            placed = (layout or {}).get(name)
+            if placed is None:
+                raise ValueError(f"fanout body: packed tensor {name!r} has no layout")
+            sizes = [math.prod(shape) for _, shape in placed]
+            if sum(sizes) != t.numel():
+                raise ValueError(f"fanout body: packed tensor {name!r} has {t.numel()} elements, its layout "
+                                 f"{sum(sizes)}")
+            for (r, shape), piece in zip(placed, t.split(sizes)):
+                out.setdefault(int(r), {})[name] = piece.view(shape)
+            continue
         rank, _, name = key.partition("/")
         out.setdefault(int(rank), {})[name] = t
     return out
-
-
-def for_ranks(per_rank: dict[int, dict[str, Any] | None]) -> dict[str, Any]:
-    return {f"{r}/{name}": t for r, tensors in per_rank.items() for name, t in (tensors or {}).items()}
 
 
 def describe_failure(exc: BaseException) -> dict[str, Any]:
@@ -81,29 +115,48 @@ async def relay(agent: Client, method: str, futures: dict[int, asyncio.Future], 
     would have (a host that cannot be reached is each of its ranks that cannot: `cannot reach train-70 (…/fanout…)`,
     role-R naming the rank, the URL its host's). The agent answers early when a rank fails; the ranks still running
     are asked for again (/fanout_wait)."""
-    mine = list(futures)
+
+    def deliver(rank: int, outcome: Any) -> None:
+        if futures[rank].done():  # cancelled meanwhile
+            return
+        if isinstance(outcome, BaseException):
+            futures[rank].set_exception(outcome)
+        else:
+            futures[rank].set_result(outcome)
+
+    await _exchange(agent, method, list(futures), args, tensors, stage, step, timeout_s, options, role, deliver)
+
+
+async def collect(agent: Client, method: str, ranks: list[int], timeout_s: float, options: dict[str, Any],
+                  role: str = "train") -> dict[int, Any]:
+    """The same call without a future per rank (the watchdog's heartbeats of a thousand ranks, twice a second):
+    rank -> its (reply, tensors), or its error as an exception object."""
+    out: dict[int, Any] = {}
+    await _exchange(agent, method, ranks, [{}] * len(ranks), [None] * len(ranks), "", -1, timeout_s, options, role,
+                    out.__setitem__)
+    return out
+
+
+async def _exchange(agent: Client, method: str, mine: list[int], args: list[Any], tensors: list[dict | None],
+                    stage: str, step: int, timeout_s: float, options: dict[str, Any], role: str,
+                    deliver: Callable[[int, Any], None]) -> None:
     body: dict[str, Any] = {"call_id": secrets.token_hex(8), "method": method, "ranks": mine, "args": args,
                             "stage": stage, "step": step, "timeout_s": timeout_s, "options": options}
     traced = bool(options.get("traced", True))  # an untraced call (a heartbeat) is untraced at every hop
-    path, sent = f"/fanout{'' if traced else '_untraced'}?to={method}", for_ranks(dict(zip(mine, tensors)))
+    sent, body["packed"] = for_ranks(dict(zip(mine, tensors)))
+    path = f"/fanout{'' if traced else '_untraced'}?to={method}"
     while mine:
         try:
             reply, got = await agent.call(path, body, sent, timeout_s=timeout_s + 5.0, stage=stage, step=step,
                                           traced=traced)
         except Exception as exc:  # noqa: BLE001 — the host's failure is each of its ranks' failure
             for r in mine:
-                if not futures[r].done():
-                    futures[r].set_exception(_as_rank(exc, f"{role}-{r}"))
+                deliver(r, _as_rank(exc, f"{role}-{r}"))
             return
-        got_by_rank = by_rank(got)
+        got_by_rank = by_rank(got, reply.get("packed")) if got else {}
         for item in reply["replies"]:
             r = int(item["rank"])
-            if futures[r].done():  # cancelled meanwhile
-                continue
-            if "error" in item:
-                futures[r].set_exception(failure_of(item["error"]))
-            else:
-                futures[r].set_result((item["reply"], got_by_rank.get(r, {})))
+            deliver(r, failure_of(item["error"]) if "error" in item else (item["reply"], got_by_rank.get(r, {})))
         mine = [int(r) for r in reply.get("pending", [])]
         path, body, sent = f"/fanout_wait?to={method}", {"call_id": body["call_id"], "ranks": mine}, {}
 
@@ -144,7 +197,7 @@ class FanoutAgent:
             raise ValueError(f"/fanout: ranks {unknown} are not served on this host (it serves {sorted(self.clients)})")
         per_args = args.get("args")
         per_args = per_args if isinstance(per_args, list) else [per_args or {}] * len(ranks)
-        sent = by_rank(tensors)
+        sent = by_rank(tensors, args.get("packed"))
         options = dict(args.get("options") or {})
         call_id = str(args["call_id"])
         self.running[call_id] = {r: asyncio.ensure_future(self._call(
@@ -178,7 +231,7 @@ class FanoutAgent:
         if missing:
             raise ValueError(f"/fanout_wait: call {call_id} has no running call on ranks {missing}")
         await asyncio.wait([calls[r] for r in ranks], return_when=asyncio.FIRST_EXCEPTION)
-        replies, out, pending = [], {}, []
+        replies, got_by_rank, pending = [], {}, []
         for r in ranks:
             task = calls[r]
             if not task.done():
@@ -192,10 +245,11 @@ class FanoutAgent:
             else:
                 reply, got = task.result()
                 replies.append({"rank": r, "reply": reply})
-                out.update(for_ranks({r: got}))
+                got_by_rank[r] = got
         if not calls:
             self.running.pop(call_id, None)
-        return {"replies": replies, "pending": pending}, out
+        out, packed = for_ranks(got_by_rank)
+        return {"replies": replies, "pending": pending, "packed": packed}, out
 
     async def close(self) -> None:
         for calls in self.running.values():
