@@ -498,6 +498,7 @@ def test_the_warm_starts_val_episodes_end_a_turn_at_the_environments_stop_string
     assert ended == {0: (len(call) - 1, {"type": "stop", "matched": "</tool_call>"})}
 
 
+@pytest.mark.slow  # the suite's time (16 s): the default suite keeps env-0 killed and started again inside a step
 def test_hardened_survives_the_environment_server_lost_during_an_evaluation(tmp_path):
     """env-0 SIGKILLed at the first turn it answers, inside the evaluation before the first step (an evaluation's
     episodes are run as a step's are): hardened starts env-0 again and the evaluation runs once more, from the

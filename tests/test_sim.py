@@ -209,6 +209,7 @@ def test_compute_slowdown_holds_one_rank_and_real_compute_is_stretched():
                             "target": {"role": "rollout", "rank": 0}}])
 
 
+@pytest.mark.slow  # the suite's time (23 s): colocation and weights by disk stay in it at 2 ranks (scenarios 5, 6)
 def test_colocated_pairs_and_weights_by_disk_in_a_simulated_world(tmp_path):
     """runtime.colocate and weights.mode disk, as the seed plan's scenarios 4-6 need them at 32 x 16: train rank r and
     rollout server r (r < 4) take turns on device r through the real lease and the controller's events (ranks 4-7
