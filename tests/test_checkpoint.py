@@ -103,6 +103,10 @@ def test_a_replaced_slot_is_removed_by_its_ranks_then_what_is_left_by_the_caller
     ckpt.wait_removals()
     assert sorted(os.listdir(tmp_path)) == sorted(["latest_odd", "latest_even", os.path.basename(replaced["latest_even"])])
     assert ckpt.newest_checkpoint(checkpoints)[1]["step"] == 4
+    # a run killed before its next save leaves that one: the next run's start removes it
+    assert ckpt.remove_stale_replaced(checkpoints) == [replaced["latest_even"]]
+    ckpt.wait_removals()
+    assert sorted(os.listdir(tmp_path)) == ["latest_even", "latest_odd"]
 
 
 def test_a_bounded_write_abandons_a_stuck_writer_and_waits_for_a_working_one(tmp_path):

@@ -272,6 +272,15 @@ def remove_later(path: str) -> None:
     _removing[:] = [t for t in _removing if t.is_alive()]
 
 
+def remove_stale_replaced(checkpoints: str) -> list[str]:
+    """Replaced slots a run left behind when it was killed before its next save (`<slot>.old-N`): none is a
+    checkpoint (newest_checkpoint never reads them); removed beside the run."""
+    stale = sorted(glob.glob(os.path.join(checkpoints, "*.old-*")) + glob.glob(os.path.join(checkpoints, "*", "*.old-*")))
+    for path in stale:
+        remove_later(path)
+    return stale
+
+
 def wait_removals(timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     for thread in list(_removing):

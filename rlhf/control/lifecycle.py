@@ -69,6 +69,7 @@ class RunLifecycle(FailureReports, CheckpointSaves):
         self.saves_failed = 0  # checkpoint saves that failed while the run went on (this step's: steps.csv saves_failed)
         self.failed_in_a_row = 0  # skip_failed_saves: consecutive failed saves, against checkpoint.max_failed_saves
         self.replaced_slots: dict[str, str] = {}  # slots replaced by the last saves: the next save's ranks remove theirs
+        ckpt.remove_stale_replaced(os.path.join(run_dir, "checkpoints"))  # a killed run's, before a resume
         self.stalled = False  # the watchdog found a rank keeping the others waiting: cleanup does not wait for it
         self.where: dict[str, Any] = {"step": -1, "stage": "startup"}  # what runs now (for the first failure)
         self.first_failure = ""
