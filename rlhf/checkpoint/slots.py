@@ -259,16 +259,17 @@ class OwnFiles:
 _removing: list[threading.Thread] = []
 
 
-def remove_later(path: str) -> None:
-    """A replaced slot is removed beside the run, not in the step: the new one is in place already, and a big
+def remove_later(*paths: str) -> None:
+    """Replaced slots are removed beside the run, not in the step: the new one is in place already, and a big
     world's slot (a file per rank) takes a while to remove (~0.5 s a save at 1,024 ranks). The process waits for the
     removals before it exits (wait_removals)."""
-    if not os.path.exists(path):
-        return
-    thread = threading.Thread(target=shutil.rmtree, args=(path,), kwargs={"ignore_errors": True},
-                              name="slot-remove", daemon=True)
-    thread.start()
-    _removing.append(thread)
+    for path in paths:
+        if not os.path.exists(path):
+            continue
+        thread = threading.Thread(target=shutil.rmtree, args=(path,), kwargs={"ignore_errors": True},
+                                  name="slot-remove", daemon=True)
+        thread.start()
+        _removing.append(thread)
     _removing[:] = [t for t in _removing if t.is_alive()]
 
 
@@ -276,8 +277,7 @@ def remove_stale_replaced(checkpoints: str) -> list[str]:
     """Replaced slots a run left behind when it was killed before its next save (`<slot>.old-N`): none is a
     checkpoint (newest_checkpoint never reads them); removed beside the run."""
     stale = sorted(glob.glob(os.path.join(checkpoints, "*.old-*")) + glob.glob(os.path.join(checkpoints, "*", "*.old-*")))
-    for path in stale:
-        remove_later(path)
+    remove_later(*stale)
     return stale
 
 

@@ -297,7 +297,7 @@ class RunLifecycle(FailureReports, CheckpointSaves):
                 self.workers.call("shutdown", {"grace_s": 1.0} if self.stalled else None, timeout_s=10, stage="cleanup")
             except (RuntimeError, OSError, TimeoutError) as exc:
                 errors.append(f"worker shutdown: {type(exc).__name__}: {exc}")
-            self.remove_replaced()
+            ckpt.remove_later(*self.replaced_slots.values())  # the last saves' replaced slots: no save comes now
             faults.restore_all("run end")
             report = faults.audit(self.run_dir)  # what dead processes left behind: helpers, fill files
             left = contain.sweep(contain.run_prefix(self.run_dir))  # a killed scheduler's contained jobs' leftovers

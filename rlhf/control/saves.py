@@ -73,19 +73,12 @@ class CheckpointSaves:
                                                  "stall_s": self.cfg.checkpoint.write_stall_s if bounded else 0,
                                                  "slot": slot, "remove": replaced}, step=step, stage=stage)
         finally:
-            self.remove_replaced(replaced)
+            ckpt.remove_later(*replaced.values())
         files: dict[str, str] = {}
         for reply, _ in replies:
             files.update(reply["files"])
         meta = {"step": step, "complete": True, "files": files, "slot": slot, "controller": self.checkpoint_state(step)}
         ckpt.finish_slot(checkpoints, slot, directory, meta, atomic, replaced=self.replaced_slots)
-
-    def remove_replaced(self, replaced: dict[str, str] | None = None) -> None:
-        """Remove what is left of replaced slots (all of them when not given) beside the run."""
-        for folder in (self.replaced_slots if replaced is None else replaced).values():
-            ckpt.remove_later(folder)
-        if replaced is None:
-            self.replaced_slots = {}
 
     # ------------------------------------------------------------------ cleanup
 

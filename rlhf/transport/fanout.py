@@ -48,7 +48,7 @@ def for_ranks(per_rank: dict[int, dict[str, Any] | None]) -> tuple[dict[str, Any
     out: dict[str, Any] = {}
     layout: dict[str, list] = {}
     for name, items in groups.items():
-        if len({t.dtype for _, t in items}) > 1 or len({t.device for _, t in items}) > 1:
+        if len({t.dtype for _, t in items}) > 1:
             out.update({f"{r}/{name}": t for r, t in items})
             continue
         out[PACKED + name] = torch.cat([t.reshape(-1) for _, t in items])
